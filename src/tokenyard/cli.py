@@ -1,0 +1,111 @@
+"""The `tokenyard` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded)")
+    parser.add_argument("--weights", choices=["float32", "int8"], help="CPU weight format")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    parser.add_argument("--max-num-seqs", type=int, help="running requests at once")
+    parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = ["model", "weights", "device", "kv_cache_gib", "max_num_batched_tokens",
+             "max_num_seqs", "num_threads"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from tokenyard.engine.async_llm import AsyncLLM
+    from tokenyard.engine.sampling_params import SamplingParams, SamplingParamsError
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop or [],
+        )
+    except SamplingParamsError as exc:
+        print(f"error: {exc.param}: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncLLM(show_progress=True, **_engine_kwargs(args))
+    prompt: object = args.prompt
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = [*messages, {"role": "user", "content": args.prompt}]
+    finish = None
+    try:
+        async for out in engine.generate(prompt, params):  # type: ignore[arg-type]
+            for delta in out.deltas:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                finish = delta.finish_reason or finish
+    finally:
+        engine.shutdown()
+    sys.stdout.write("\n")
+    print(f"[finish_reason: {finish}]", file=sys.stderr)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tokenyard.bench.offline import main as offline_main
+
+    return offline_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenyard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_engine_args(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline = bench_sub.add_parser("offline", help="the engine alone, no HTTP")
+    from tokenyard.bench.offline import add_arguments
+
+    add_arguments(offline)
+    _add_engine_args(offline)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return asyncio.run(_generate(args))
+        if args.command == "bench":
+            return _bench(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

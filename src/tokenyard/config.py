@@ -1,0 +1,66 @@
+"""Configuration, read once: defaults, then TOKENYARD_* environment variables, then flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("TOKENYARD_CACHE", Path.home() / ".cache" / "tokenyard"))
+
+
+@dataclass
+class EngineConfig:
+    """How one engine replica loads its model and sizes its batch and KV cache."""
+
+    model: str | None = None  # GGUF file or HF folder; None: the embedded SmolLM2
+    weights: str = "float32"  # "float32" or "int8" (CPU, fbgemm dynamic quantization)
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    cache_dir: Path = field(default_factory=_default_cache_dir)
+    block_size: int = 16  # tokens per KV block
+    kv_cache_gib: float = 1.0  # KV pool size; ignored when num_kv_blocks is set
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunk size)
+    max_num_seqs: int = 128  # running requests at once
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1_000_000
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    _ENV: ClassVar[dict[str, str]] = {
+        "model": "TOKENYARD_MODEL",
+        "weights": "TOKENYARD_WEIGHTS",
+        "device": "TOKENYARD_DEVICE",
+        "kv_cache_gib": "TOKENYARD_KV_CACHE_GIB",
+        "max_num_batched_tokens": "TOKENYARD_MAX_NUM_BATCHED_TOKENS",
+        "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
+    }
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> EngineConfig:
+        """Defaults, overridden by the environment, overridden by non-None `overrides`."""
+        values: dict[str, Any] = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for name, var in cls._ENV.items():
+            raw = os.environ.get(var)
+            if raw:
+                kind = types[name]
+                values[name] = float(raw) if "float" in str(kind) else (
+                    int(raw) if "int" in str(kind) else raw
+                )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.weights not in ("float32", "int8"):
+            raise ValueError(f"weights must be float32 or int8, not {self.weights!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size, max_num_batched_tokens, max_num_seqs must be positive")

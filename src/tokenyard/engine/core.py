@@ -1,0 +1,157 @@
+"""The engine's busy loop: schedule, execute, update. No I/O and no text live here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenyard.config import EngineConfig
+from tokenyard.engine.kv_cache import KVCacheManager
+from tokenyard.engine.models.config import ModelConfig
+from tokenyard.engine.models.llama import LlamaForCausalLM
+from tokenyard.engine.request import Request
+from tokenyard.engine.runner import ModelRunner, TokenLogprobs
+from tokenyard.engine.scheduler import Scheduler
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None  # "stop", "length" or None while running
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    num_computed_tokens: int  # tokens run through the model since start
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
+    return torch.device(name)
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * elem
+    return per_token * block_size
+
+
+class EngineCore:
+    """One replica's scheduler, KV cache and model runner."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_gib * 2**30) // kv_block_bytes(
+                model_config, config.block_size, dtype
+            )
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_waiting_requests=config.max_waiting_requests,
+            max_waiting_tokens=config.max_waiting_tokens,
+        )
+        self.runner = ModelRunner(model, model_config, self.kv, device, dtype)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it can never fit, QueueFullError if shed."""
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        longest = request.num_prompt_tokens + (request.params.max_tokens or 0)
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context window is "
+                f"{self.max_model_len}"
+            )
+        if min(longest, self.max_model_len) > self.max_tokens_in_pool:
+            raise ValueError(
+                f"request needs up to {longest} tokens of KV cache; the pool holds "
+                f"{self.max_tokens_in_pool}"
+            )
+        request.max_model_len = self.max_model_len
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.abort(request_id)
+
+    def finish_with_stop_string(self, request_id: str, stop: str) -> None:
+        self.scheduler.finish_with_stop_string(request_id, stop)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one batch; return an output for every request that got a token."""
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return []
+        result = self.runner.execute(step)
+        outputs = []
+        for request in self.scheduler.update(step, result.sampled):
+            lp = result.logprobs.get(request.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[request.all_token_ids[-1]],
+                    new_logprobs=[lp] if lp is not None else None,
+                    finish_reason=request.status.value if request.is_finished else None,
+                    stop_reason=request.stop_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.pool.usage,
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_kv_blocks=self.kv.pool.num_free_blocks,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_computed_tokens=self.scheduler.num_computed_tokens_total,
+        )

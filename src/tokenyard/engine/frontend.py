@@ -1,0 +1,127 @@
+"""The engine as callers see it: prompts in, per-step RequestOutputs out.
+
+Builds the replica (model, KV cache, scheduler), turns prompts into token ids, fans a
+request out into its n completions, and applies stop strings. Both the offline `LLM` and
+the asynchronous `AsyncLLM` drive one of these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenyard.config import EngineConfig
+from tokenyard.engine.core import EngineCore, resolve_device
+from tokenyard.engine.models.loader import build_model, load_model
+from tokenyard.engine.output_processor import OutputProcessor, child_params
+from tokenyard.engine.outputs import RequestOutput
+from tokenyard.engine.request import Request
+from tokenyard.engine.sampler import make_generator
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.text.chat_template import DEFAULT_CHATML_TEMPLATE, render_chat
+from tokenyard.text.tokenizer import Tokenizer
+
+Conversation = list[dict[str, Any]]
+Prompt = str | list[int] | Conversation
+
+
+def is_single_prompt(prompts: Any) -> bool:
+    """A str, a list of token ids, or one conversation (a list of message dicts)."""
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, list) and prompts:
+        return isinstance(prompts[0], int | dict)
+    return False
+
+
+class Frontend:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
+        model = build_model(loaded)
+        if config.weights == "int8":
+            if device.type != "cpu":
+                raise ValueError("int8 weights are a CPU mode; on CUDA the engine uses bf16")
+            from tokenyard.engine.models.quant import quantize_int8
+
+            model = quantize_int8(model)
+        model = model.to(device=device, dtype=dtype) if config.weights != "int8" else model
+        self.config = config
+        self.model_config = loaded.config
+        self.model_name = loaded.config.name
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.eos_token_ids = frozenset(
+            set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
+        )
+        self.core = EngineCore(model, loaded.config, config, device, dtype)
+        self.processor = OutputProcessor(self.tokenizer)
+
+    def prompt_token_ids(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a text prompt, a token list, or a conversation (chat template)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode(
+                self.render_chat(prompt, add_generation_prompt),
+                add_special_tokens=False,
+            )
+        return list(prompt)  # type: ignore[arg-type]
+
+    def render_chat(self, messages: Conversation, add_generation_prompt: bool = True) -> str:
+        return render_chat(
+            self.tokenizer.chat_template or DEFAULT_CHATML_TEMPLATE,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token or "",
+            eos_token=self.tokenizer.eos_token or "",
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue all n completions of a request (raises before queueing any on error)."""
+        requests = []
+        for index in range(params.n):
+            p = child_params(params, index)
+            requests.append(
+                Request(
+                    request_id="",
+                    prompt_token_ids=prompt_token_ids,
+                    params=p,
+                    eos_token_ids=self.eos_token_ids,
+                    cache_salt=cache_salt,
+                    priority=priority,
+                    generator=make_generator(p.seed) if p.seed is not None else None,
+                )
+            )
+        ids = self.processor.add_request(request_id, prompt_token_ids, params)
+        try:
+            for request, child_id in zip(requests, ids, strict=True):
+                request.request_id = child_id
+                self.core.add_request(request)
+        except Exception:
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(self.processor.remove(request_id))
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_work
+
+    def step(self) -> list[RequestOutput]:
+        outputs, stopped = self.processor.process(self.core.step())
+        for child_id, stop in stopped:
+            self.core.finish_with_stop_string(child_id, stop)
+        return outputs

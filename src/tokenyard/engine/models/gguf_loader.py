@@ -1,0 +1,251 @@
+"""Read a llama.cpp GGUF file into a `ModelConfig` and float32 tensors with HF names.
+
+Quantized tensors are dequantized with `gguf.quants.dequantize`. llama.cpp's converter
+permutes the rows of q/k projections of llama-arch models (it uses the interleaved
+"GPT-J" RoPE layout); `unpermute_qk` undoes that so the tensors match Hugging Face
+checkpoints and our rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from tokenyard.engine.models.config import ModelConfig
+
+#: GGUF `general.architecture` -> our architecture name.
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+#: Archs whose q/k rows llama.cpp permutes on conversion (Qwen uses NEOX rope: no permute).
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+# Tensors that carry no weights of their own; handled through the config instead.
+_SKIPPED_TENSORS = ("rope_freqs.weight",)
+
+
+class GGUFError(ValueError):
+    """The GGUF file is unreadable or describes a model we cannot run."""
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Open `path` with `gguf.GGUFReader`, turning failures into a GGUFError."""
+    try:
+        return GGUFReader(str(path), "r")
+    except (OSError, ValueError) as exc:
+        raise GGUFError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """Decode metadata `key` (scalar, string or array) or return `default` if absent."""
+    field = reader.fields.get(key)
+    if field is None or not field.types:
+        return default
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        elem = field.types[-1]
+        if elem == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if kind == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    value = field.parts[field.data[0]]
+    if value.dtype == np.float32:
+        # Shortest float32 repr: 1e-05 rather than 9.999999747378752e-06, as HF configs say.
+        return float(str(value[0]))
+    return value.tolist()[0]
+
+
+def gguf_hf_name(gguf_name: str) -> str | None:
+    """Map a GGUF tensor name to its Hugging Face name (None if not a model weight).
+
+    e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
+    """
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        part = _BLOCK_NAMES.get(m.group(2))
+        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    m = _GLOBAL_RE.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def read_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata (keys as llama.cpp writes them)."""
+    gguf_arch = field_value(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(
+            f"unsupported GGUF architecture {gguf_arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    arch = GGUF_ARCHITECTURES[gguf_arch]
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise GGUFError(f"GGUF metadata lacks {gguf_arch}.{key}")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise GGUFError("GGUF file has no token_embd.weight tensor")
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
+    rope_dim = int(meta("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise GGUFError(f"partial rotary embeddings (rope dim {rope_dim} < {head_dim}) unsupported")
+    # GGUF shapes are [in, out] (fastest dim first): ne[1] of the embedding is the vocab.
+    vocab_size = int(tensors["token_embd.weight"].shape[1])
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    # Only the count matters here; decoding ~50k strings would waste time.
+    if tokens is not None and len(tokens.data) > vocab_size:
+        raise GGUFError(
+            f"token list ({len(tokens.data)}) is longer than the embedding ({vocab_size})"
+        )
+
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        tid = field_value(reader, f"tokenizer.ggml.{key}")
+        if tid is not None and int(tid) not in eos_ids:
+            eos_ids.append(int(tid))
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, gguf_arch, tensors.get("rope_freqs.weight")),
+        max_position_embeddings=int(meta("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        o_proj_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        name=name,
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, freqs: Any) -> dict[str, Any] | None:
+    if freqs is not None:
+        # Llama 3.1 GGUFs store the per-frequency divisors as a tensor, not as metadata.
+        factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+    kind = field_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind}
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    if factor is not None:
+        scaling["factor"] = float(factor)
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: [H*D, ...] interleaved -> rotate-half layout.
+
+    Within each head llama.cpp stores row `2*j + t` for HF row `t*D/2 + j` (t in {0, 1});
+    works for weights [H*D, in] and biases [H*D].
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    )
+
+
+def dequantize_tensor(tensor: Any) -> torch.Tensor:
+    """Dequantize one `ReaderTensor` to a float32 torch tensor in torch shape order."""
+    qtype = tensor.tensor_type
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if qtype == GGMLQuantizationType.F32:
+        array = np.array(tensor.data, dtype=np.float32)  # copy out of the read-only mmap
+    else:
+        try:
+            array = dequantize(tensor.data, qtype)
+        except NotImplementedError as exc:
+            raise GGUFError(f"{tensor.name}: cannot dequantize {qtype.name}") from exc
+        array = np.asarray(array, dtype=np.float32)
+    return torch.from_numpy(array.reshape(shape))
+
+
+def iter_gguf_weights(
+    reader: GGUFReader, config: ModelConfig, show_progress: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every model weight in the file.
+
+    q/k of llama/mistral are un-permuted. Unknown tensor names raise GGUFError so a
+    mis-mapped model fails loudly instead of loading with missing pieces.
+    """
+    gguf_arch = field_value(reader, "general.architecture")
+    permuted = gguf_arch in _PERMUTED_ARCHS
+    for tensor in tqdm(
+        reader.tensors, desc="dequantizing", unit="tensor", disable=not show_progress
+    ):
+        if tensor.name in _SKIPPED_TENSORS:
+            continue
+        hf_name = gguf_hf_name(tensor.name)
+        if hf_name is None:
+            raise GGUFError(f"unknown GGUF tensor {tensor.name!r}")
+        value = dequantize_tensor(tensor)
+        if permuted and ".self_attn.q_proj." in hf_name:
+            value = unpermute_qk(value, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            value = unpermute_qk(value, config.num_key_value_heads)
+        yield hf_name, value
+
+
+def load_gguf(
+    path: str | Path, show_progress: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config and all weights (float32, HF names, contiguous) from a GGUF file."""
+    path = Path(path)
+    reader = open_gguf(path)
+    config = read_gguf_config(reader, name=path.stem)
+    weights = {
+        name: value.contiguous() for name, value in iter_gguf_weights(reader, config, show_progress)
+    }
+    return config, weights

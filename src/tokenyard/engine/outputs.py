@@ -1,0 +1,77 @@
+"""What the engine hands back to callers: per-step deltas and finished generations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One generated token with its logprob and the top alternatives (raw model logits)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionDelta:
+    """New output of one of the `n` completions of a request, since the last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprob] | None
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None  # the stop string or stop token id that matched
+
+
+@dataclass
+class RequestOutput:
+    """One step's output for a request (streaming) — deltas of the completions that moved."""
+
+    request_id: str
+    deltas: list[CompletionDelta]
+    finished: bool  # every completion is done
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens the prefix cache served (completion 0's count)
+    num_output_tokens: int  # generated so far, all completions together
+
+
+@dataclass
+class Completion:
+    """A finished completion, accumulated from its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class GenerationResult:
+    """Everything a request produced (the offline API's return value)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completions[0].token_ids

@@ -1,0 +1,107 @@
+"""Attention over the paged KV cache for one flat batch of mixed prefill and decode tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence computing several tokens this step."""
+
+    start: int  # first row of the sequence in the flat batch
+    num_tokens: int  # rows computed this step
+    context_len: int  # tokens attended to, cached prefix plus this step's rows
+    block_table: torch.Tensor | None  # [n_blocks] long; None when nothing was cached before
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each one attends to.
+
+    Decode rows (one new token per sequence) come first in the flat batch and are batched
+    together; each prefill span is attended separately (its query length differs).
+    """
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot each token's k/v is written to
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] additive
+    prefills: list[PrefillSpan]
+
+
+class PagedAttention:
+    """KV cache for every layer plus the attention computation over it.
+
+    Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], so a block is
+    one contiguous chunk and a sequence's context is gathered block by block.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.metadata: AttentionMetadata | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        meta = self.metadata
+        assert meta is not None, "set metadata before the forward pass"
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        groups = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            assert meta.decode_block_tables is not None
+            # Each kv head's query group plays the part of the query length.
+            qd = q[:nd].view(nd, num_kv_heads, groups, head_dim)
+            kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+            vd = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            out[:nd] = od.reshape(nd, num_heads, head_dim)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.num_tokens)
+            qs = q[rows].transpose(0, 1)
+            if span.block_table is None:
+                ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+                os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                ctx = span.context_len
+                ks = k_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)
+                vs = v_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)
+                mask = _offset_causal_mask(span.num_tokens, ctx, q.device)
+                os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            out[rows] = os_.transpose(0, 1)
+        return out
+
+
+def _offset_causal_mask(num_queries: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean [q, ctx] mask: query i (at position ctx - q + i) sees keys 0..its position."""
+    q_pos = torch.arange(context_len - num_queries, context_len, device=device)
+    k_pos = torch.arange(context_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]

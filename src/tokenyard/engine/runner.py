@@ -1,0 +1,145 @@
+"""Turns a scheduled step into one flat forward pass and a sampled token per finished row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenyard.engine.kv_cache import KVCacheManager
+from tokenyard.engine.models.config import ModelConfig
+from tokenyard.engine.models.llama import LlamaForCausalLM
+from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
+from tokenyard.engine.request import Request
+from tokenyard.engine.sampler import Sampler, SamplingBatch
+from tokenyard.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the most likely alternatives, from raw logits."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the sampler of one replica."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        kv: KVCacheManager,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.attention = PagedAttention(
+            num_layers=config.num_hidden_layers,
+            num_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        # Single-token rows first: the attention batches them together.
+        items = sorted(step.scheduled, key=lambda item: item[1] > 1)
+        input_ids, positions, meta = self._prepare(items)
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        row = 0
+        for request, n in items:
+            row += n
+            if request.num_computed_tokens + n == request.num_tokens:
+                sample_rows.append(row - 1)
+                sample_requests.append(request)
+        self.attention.metadata = meta
+        hidden = self.model(input_ids, positions, self.attention)
+        self.attention.metadata = None
+        if not sample_requests:
+            return StepResult({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        batch = SamplingBatch.from_params(
+            [r.params for r in sample_requests],
+            [r.generator for r in sample_requests],
+            [r.prompt_token_ids for r in sample_requests],
+            [r.output_token_ids for r in sample_requests],
+        )
+        out = self.sampler(logits, batch)
+        sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids, strict=True)}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if out.logprobs is not None:
+            for i, r in enumerate(sample_requests):
+                if r.params.logprobs is not None:
+                    top = out.top_logprobs[i] if out.top_logprobs is not None else []
+                    logprobs[r.request_id] = TokenLogprobs(out.logprobs[i], top)
+        return StepResult(sampled, logprobs)
+
+    def _prepare(
+        self, items: list[tuple[Request, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat inputs for `items`, which must list single-token rows first."""
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_ctx: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for request, n in items:
+            start = request.num_computed_tokens
+            table = self.kv.block_ids(request.request_id)
+            if n == 1:
+                decode_tables.append(table[: start // bs + 1])
+                decode_ctx.append(start + 1)
+            else:
+                context_blocks = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
+                prefills.append(
+                    PrefillSpan(
+                        start=len(ids),
+                        num_tokens=n,
+                        context_len=start + n,
+                        block_table=None if start == 0 else context_blocks.to(dev),
+                    )
+                )
+            ids.extend(request.all_token_ids[start:start + n])
+            p = torch.arange(start, start + n)
+            pos.append(p)
+            slots.append(torch.tensor(table, dtype=torch.long)[p // bs] * bs + p % bs)
+        num_decodes = len(decode_ctx)
+        decode_block_tables = decode_mask = None
+        if num_decodes:
+            width = max(len(t) for t in decode_tables)
+            decode_block_tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
+            ).to(dev)
+            ctx = torch.tensor(decode_ctx, dtype=torch.long)
+            visible = torch.arange(width * bs)[None, :] < ctx[:, None]
+            decode_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+            decode_mask = decode_mask[:, None, None, :].to(dev)
+        slot_mapping = torch.cat(slots).to(dev)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, torch.cat(pos).to(dev), meta

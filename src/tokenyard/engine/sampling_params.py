@@ -1,0 +1,84 @@
+"""What a caller asks of one generation: sampling, stopping and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A parameter is out of range; `param` names it as the API does."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """Parameters named as in the OpenAI API and vLLM.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
+    filters. `seed` makes the sample reproducible whatever else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError naming the first parameter out of range."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.n >= 1, "n", "n must be at least 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "top_k must be -1, 0 (disabled) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+             "repetition_penalty must be in (0, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "min_tokens must not exceed max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs",
+             "top_logprobs must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop",
+             "stop strings must be non-empty strings"),
+            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise SamplingParamsError(param, message)
+        for token, bias in (self.logit_bias or {}).items():
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias for {token} must be in [-100, 100]"
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

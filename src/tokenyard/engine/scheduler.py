@@ -1,0 +1,231 @@
+"""Which tokens of which requests go into the next step.
+
+Continuous batching: every step, running requests are served first (decodes ahead of prefill
+chunks so a long prompt never stalls the streams), then waiting requests join while the
+token budget and the KV pool allow. A long prompt is prefilled in budget-sized chunks. When
+the pool runs out, the lowest-priority running request is preempted: its blocks are freed
+and it is recomputed later (its freed blocks keep their hashes, so the recompute is often
+a prefix-cache hit).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tokenyard.engine.kv_cache import KVCacheManager
+from tokenyard.engine.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is over its bound; the caller should shed the request."""
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's work: (request, number of tokens to compute) in batch order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class Scheduler:
+    kv: KVCacheManager
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 128
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1_000_000
+
+    running: list[Request] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict)
+    num_preemptions: int = 0
+    num_computed_tokens_total: int = 0  # tokens run through the model, all requests
+    _waiting: list[tuple[int, float, int, Request]] = field(default_factory=list)
+    _tiebreak: itertools.count = field(default_factory=itertools.count)
+    _num_waiting: int = 0
+    _waiting_tokens: int = 0
+
+    # -- queue -----------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return (
+            self._num_waiting < self.max_waiting_requests
+            and self._waiting_tokens + num_tokens <= self.max_waiting_tokens
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises QueueFullError past the waiting bounds."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not self.can_admit(request.num_tokens):
+            raise QueueFullError(
+                f"waiting queue full ({self._num_waiting} requests, "
+                f"{self._waiting_tokens} tokens)"
+            )
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request as aborted and free its blocks; None if unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(
+            self._waiting,
+            (request.priority, request.arrival_time, next(self._tiebreak), request),
+        )
+        self._num_waiting += 1
+        self._waiting_tokens += request.num_tokens
+
+    def _pop_waiting(self) -> Request:
+        request = heapq.heappop(self._waiting)[3]
+        self._num_waiting -= 1
+        self._waiting_tokens -= request.num_tokens
+        return request
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting:
+            request = self._waiting[0][3]
+            if not request.is_finished:
+                return request
+            heapq.heappop(self._waiting)  # aborted while waiting: counted out in _finish
+        return None
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        # Decodes first, then prefill chunks; within each, priority then arrival.
+        order = sorted(
+            self.running,
+            key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.sort_key),
+        )
+        for request in order:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._choose_victim(scheduled_ids)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+
+        if out.preempted:
+            return out  # admitting new work now would only thrash the pool
+
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            head = self._peek_waiting()
+            if head is None:
+                break
+            request = head
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            request.num_computed_tokens = num_cached
+            if not self.kv.allocate_slots(request, num_new, cached):
+                request.num_computed_tokens = 0
+                break
+            self._pop_waiting()
+            self.kv.record_lookup(request.num_tokens, num_cached)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+        return out
+
+    def _choose_victim(self, scheduled_ids: set[str]) -> Request:
+        """The lowest-priority, latest running request not yet given tokens this step."""
+        candidates = [
+            r for r in self.running
+            if r.request_id not in scheduled_ids and r.status is RequestStatus.RUNNING
+        ]
+        return max(candidates, key=lambda r: r.sort_key)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        self._push_waiting(request)
+
+    # -- after the step --------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish stopped requests.
+
+        Returns the requests that got a token (finished ones included).
+        """
+        now = time.monotonic()
+        advanced: list[Request] = []
+        self.num_computed_tokens_total += out.num_batched_tokens
+        for request, num_tokens in out.scheduled:
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: no token yet
+            request.append_token(sampled[request.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = request.check_stop()
+            if status is not None:
+                self._finish(request, status)
+            advanced.append(request)
+        return advanced
+
+    def finish_with_stop_string(self, request_id: str, stop: str) -> None:
+        """The frontend matched a stop string: finish the request as stopped."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            request.stop_reason = stop
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            # Still in the heap: it is skipped when it reaches the head.
+            self._num_waiting -= 1
+            self._waiting_tokens -= request.num_tokens
+        self.kv.free(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        del self.requests[request.request_id]

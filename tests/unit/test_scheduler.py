@@ -1,0 +1,98 @@
+import pytest
+
+from tokenyard.engine.kv_cache import KVCacheManager
+from tokenyard.engine.request import Request, RequestStatus
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+
+
+def req(rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0) -> Request:
+    return Request(
+        rid,
+        [ord(rid[0]) * 100 + i for i in range(n_prompt)],
+        SamplingParams(max_tokens=max_tokens),
+        priority=priority, arrival_time=float(len(rid)) + ord(rid[-1]) / 1000,
+    )
+
+
+def run_step(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    s.update(out, {r.request_id: 7 for r, _ in out.scheduled})
+    return out
+
+
+def test_new_requests_join_the_running_batch_at_the_next_step() -> None:
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=64)
+    s.add_request(req("a", 5))
+    first = run_step(s)
+    assert [(r.request_id, n) for r, n in first.scheduled] == [("a", 5)]
+    s.add_request(req("b", 6))
+    second = run_step(s)
+    assert [(r.request_id, n) for r, n in second.scheduled] == [("a", 1), ("b", 6)]
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running() -> None:
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=8)
+    s.add_request(req("a", 3, max_tokens=10))
+    run_step(s)
+    s.add_request(req("b", 20))
+    steps = [run_step(s) for _ in range(3)]
+    # Every step serves a's decode first, and b's prompt goes in 7-token chunks.
+    assert [[(r.request_id, n) for r, n in st.scheduled] for st in steps] == [
+        [("a", 1), ("b", 7)], [("a", 1), ("b", 7)], [("a", 1), ("b", 6)],
+    ]
+    assert s.requests["b"].num_output_tokens == 1  # the last chunk produced a token
+
+
+def test_preemption_under_kv_pressure_recomputes_and_frees_everything() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    s = Scheduler(kv, max_num_batched_tokens=64)
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, 7, max_tokens=8))
+    finished: list[Request] = []
+    for _ in range(100):
+        out = s.schedule()
+        finished += [r for r in s.update(out, {r.request_id: 7 for r, _ in out.scheduled})
+                     if r.is_finished]
+        if not s.has_work:
+            break
+    assert s.num_preemptions > 0
+    assert sorted(r.request_id for r in finished) == ["a", "b", "c"]
+    assert all(r.num_output_tokens == 8 and r.status is RequestStatus.FINISHED_LENGTH
+               for r in finished)
+    assert kv.pool.num_free_blocks == 6
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_lower_priority_value_is_admitted_first() -> None:
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=6)
+    s.add_request(req("late", 5, priority=1))
+    s.add_request(req("urgent", 5, priority=0))
+    out = s.schedule()
+    assert out.scheduled[0][0].request_id == "urgent"
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests() -> None:
+    kv = KVCacheManager(32, 4)
+    s = Scheduler(kv, max_num_batched_tokens=8)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 6))
+    run_step(s)  # a runs, b waits (budget)
+    assert s.abort("a") is not None
+    assert s.abort("b") is not None
+    assert s.abort("b") is None
+    assert not s.has_work and s.num_waiting == 0
+    assert kv.pool.num_free_blocks == 32
+    assert s.schedule().is_empty
+
+
+def test_waiting_queue_is_bounded_by_count_and_tokens() -> None:
+    s = Scheduler(KVCacheManager(32, 4), max_waiting_requests=2, max_waiting_tokens=100)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 10))
+    with pytest.raises(QueueFullError):
+        s.add_request(req("c", 10))
+    s2 = Scheduler(KVCacheManager(32, 4), max_waiting_tokens=15)
+    s2.add_request(req("a", 10))
+    with pytest.raises(QueueFullError):
+        s2.add_request(req("b", 10))
