@@ -50,6 +50,8 @@ class Frontend:
 
             model = quantize_int8(model)
         model = model.to(device=device, dtype=dtype) if config.weights != "int8" else model
+        if device.type == "cpu":
+            model.set_threads(torch.get_num_threads())
         self.config = config
         self.model_config = loaded.config
         self.model_name = loaded.config.name

@@ -80,6 +80,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in sample_requests],
             [r.output_token_ids for r in sample_requests],
         )
+        _ban_stops_before_min_tokens(batch, sample_requests)
         out = self.sampler(logits, batch)
         sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids, strict=True)}
         logprobs: dict[str, TokenLogprobs] = {}
@@ -143,3 +144,19 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos).to(dev), meta
+
+
+def _ban_stops_before_min_tokens(batch: SamplingBatch, requests: list[Request]) -> None:
+    """Until a request has `min_tokens` outputs, EOS and its stop token ids cannot be
+    sampled (as in vLLM), rather than being sampled and then ignored."""
+    for row, request in enumerate(requests):
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            continue
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= request.eos_token_ids
+        if banned:
+            batch.logit_bias[row] = {
+                **(batch.logit_bias[row] or {}), **dict.fromkeys(banned, float("-inf"))
+            }

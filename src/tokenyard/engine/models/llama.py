@@ -42,17 +42,47 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class _Linear(nn.Module):
-    """Holds a [out, in] weight and optional [out] bias; applied with F.linear by callers."""
+#: Up to this many rows, a projection runs as a batched matmul over row slices of its
+#: weight: MKL runs a small-M matmul on one core (about 11 GB/s of weights here), while a
+#: bmm spreads the slices over the cores (measured 1.3-2.4x faster for M = 1..256 on 2
+#: cores, docs/benchmarks.md). Large prefill GEMMs are compute-bound and use F.linear.
+SPLIT_MAX_ROWS = 256
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """x [M, in] @ weight[out, in].T as `parts` slices of the weight's rows in one bmm."""
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    if parts < 2 or rows > SPLIT_MAX_ROWS or out_features % parts:
+        return F.linear(x, weight)
+    slices = weight.view(parts, out_features // parts, in_features)
+    y = torch.bmm(slices, x.t().unsqueeze(0).expand(parts, in_features, rows))
+    return y.permute(2, 0, 1).reshape(rows, out_features)
+
+
+class Linear(nn.Module):
+    """Holds a [out, in] weight and optional [out] bias.
+
+    `apply` is called directly (not through nn.Module.__call__, whose hooks cost a few
+    microseconds per projection). With `packed` set (see models/quant.py) the projection
+    runs as an fbgemm int8 dynamic-quantized matmul instead of float32.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.packed: object | None = None
+        self.parts = 1  # row slices for split_linear; set by LlamaForCausalLM.set_threads
+
+    def apply_(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, in] -> [T, out]."""
+        if self.packed is not None:
+            return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        y = split_linear(x, self.weight, self.parts)
+        return y if self.bias is None else y.add_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in] -> [..., out]."""
-        return F.linear(x, self.weight, self.bias)
+        return self.apply_(x)
 
 
 class _RMSNorm(nn.Module):
@@ -76,15 +106,15 @@ class LlamaDecoderLayer(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
 
         self.input_layernorm = _RMSNorm(config.hidden_size)
-        self.qkv_proj = _Linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
-        self.o_proj = _Linear(q_size, config.hidden_size, config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, config.o_proj_bias)
         # Qwen3: q_norm rows first, then k_norm rows, so one norm + multiply covers both.
         self.qk_norm_weight = (
             _param(self.num_heads + self.num_kv_heads, self.head_dim) if config.qk_norm else None
         )
         self.post_attention_layernorm = _RMSNorm(config.hidden_size)
-        self.gate_up_proj = _Linear(config.hidden_size, 2 * config.intermediate_size, False)
-        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False)
 
     def forward(
         self,
@@ -100,23 +130,20 @@ class LlamaDecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-        # F.linear on the parameters directly: skips nn.Module.__call__ per projection.
         h = _rms_norm(x, self.input_layernorm.weight, self.eps)
-        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias).view(
-            num_tokens, hq + 2 * hkv, d
-        )
+        qkv = self.qkv_proj.apply_(h).view(num_tokens, hq + 2 * hkv, d)
         qk = qkv[:, : hq + hkv]
         if self.qk_norm_weight is not None:
             qk = _rms_norm(qk, None, self.eps).mul_(self.qk_norm_weight)
         qk = apply_rope(qk, cos, sin)
         attn = attention(self.index, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
-        x.add_(F.linear(attn.reshape(num_tokens, hq * d), self.o_proj.weight, self.o_proj.bias))
+        x.add_(self.o_proj.apply_(attn.reshape(num_tokens, hq * d)))
 
         h = _rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        gate_up = F.linear(h, self.gate_up_proj.weight)
+        gate_up = self.gate_up_proj.apply_(h)
         act = F.silu(gate_up[:, : self.intermediate_size])
         act.mul_(gate_up[:, self.intermediate_size :])
-        x.add_(F.linear(act, self.down_proj.weight))
+        x.add_(self.down_proj.apply_(act))
         return x
 
 
@@ -154,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
+        self.lm_head_packed: object | None = None  # int8 LM head (models/quant.py)
+        self.parts = 1
 
     @torch.inference_mode()
     def forward(
@@ -180,8 +209,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states [N, hidden] to float32 logits [N, vocab]."""
+        if self.lm_head_packed is not None:
+            return torch.ops.quantized.linear_dynamic(hidden, self.lm_head_packed, True).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return split_linear(hidden, weight, self.parts).float()
+
+    def set_threads(self, num_threads: int) -> None:
+        """Slice small-batch projections over this many cores (CPU); 1 disables it."""
+        self.parts = num_threads
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.parts = num_threads
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model (fusing q/k/v and gate/up).
