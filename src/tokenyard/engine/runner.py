@@ -11,7 +11,7 @@ from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.llama import LlamaForCausalLM
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
 from tokenyard.engine.request import Request
-from tokenyard.engine.sampler import Sampler, SamplingBatch
+from tokenyard.engine.sampler import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.scheduler import SchedulerOutput
 
 
@@ -76,9 +76,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         batch = SamplingBatch.from_params(
             [r.params for r in sample_requests],
-            [r.generator for r in sample_requests],
+            [self._generator(r) for r in sample_requests],
             [r.prompt_token_ids for r in sample_requests],
             [r.output_token_ids for r in sample_requests],
+            device=self.device,
         )
         _ban_stops_before_min_tokens(batch, sample_requests)
         out = self.sampler(logits, batch)
@@ -90,6 +91,15 @@ class ModelRunner:
                     top = out.top_logprobs[i] if out.top_logprobs is not None else []
                     logprobs[r.request_id] = TokenLogprobs(out.logprobs[i], top)
         return StepResult(sampled, logprobs)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        """The request's seeded generator, made on this replica's device at first use."""
+        seed = request.params.seed
+        if seed is None:
+            return None
+        if request.generator is None or request.generator.device != self.device:
+            request.generator = make_generator(seed, self.device)
+        return request.generator
 
     def _prepare(
         self, items: list[tuple[Request, int]]
