@@ -1,0 +1,410 @@
+"""Bodies of the OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Requests are validated strictly for types (a string where a number belongs is a 400, not a
+silent coercion) and leniently for unknown fields, which are ignored as OpenAI ignores them.
+Parameters this server does not implement yet (`tools`, `response_format` other than text,
+image/audio/file content parts, ...) are rejected with a 400 that names them, never dropped
+silently. Value ranges are checked once, by `SamplingParams`, when `api.convert` builds the
+engine's parameters, so the range rules live in one place.
+
+Responses mirror OpenAI's field names and nesting exactly, so the official SDK parses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from tokenyard.api.errors import (
+    INVALID_VALUE,
+    UNSUPPORTED_PARAMETER,
+    UNSUPPORTED_VALUE,
+    schema_error,
+)
+
+#: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
+MAX_N = 128
+#: Upper bound on the legacy completions `logprobs` (the engine computes at most 20).
+MAX_COMPLETION_LOGPROBS = 20
+#: How several text parts of one message are joined into the template's single string.
+TEXT_PART_SEPARATOR = "\n"
+
+
+class RequestModel(BaseModel):
+    """Base of every request body: strict types, finite numbers, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def _reject_unsupported(
+    data: Any, accepted: dict[str, Callable[[Any], bool]], what: str = "parameter"
+) -> None:
+    """Raise a schema error naming the first key of `data` whose value is not accepted."""
+    if not isinstance(data, dict):
+        return
+    for name, ok in accepted.items():
+        if name in data and not ok(data[name]):
+            raise schema_error(
+                UNSUPPORTED_PARAMETER,
+                name,
+                f"The '{name}' {what} is not supported by this server yet.",
+            )
+
+
+# ---------------------------------------------------------------------------- chat request
+
+_UNSUPPORTED_PARTS = {
+    "image_url": "Image",
+    "input_audio": "Audio",
+    "file": "File",
+    "refusal": "Refusal",
+}
+
+
+class TextContentPart(RequestModel):
+    """``{"type": "text", "text": ...}``: the only content part supported so far."""
+
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_non_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            kind = data.get("type")
+            if isinstance(kind, str) and kind in _UNSUPPORTED_PARTS:
+                raise schema_error(
+                    UNSUPPORTED_VALUE,
+                    "type",
+                    f"{_UNSUPPORTED_PARTS[kind]} content parts ('{kind}') are not supported "
+                    "by this server yet; send text parts only.",
+                )
+        return data
+
+
+def join_text(content: str | list[TextContentPart] | None) -> str:
+    """A message's content as one string (text parts joined by TEXT_PART_SEPARATOR)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return TEXT_PART_SEPARATOR.join(part.text for part in content)
+
+
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(RequestModel):
+    """One message of `messages`: role plus content as a string or an array of text parts."""
+
+    role: ChatRole
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.tool_calls:
+            raise schema_error(
+                UNSUPPORTED_PARAMETER, "tool_calls",
+                "Assistant 'tool_calls' are not supported by this server yet.",
+            )
+        if self.function_call is not None:
+            raise schema_error(
+                UNSUPPORTED_PARAMETER, "function_call",
+                "Assistant 'function_call' is not supported by this server yet.",
+            )
+        if self.content is None and self.role != "assistant":
+            raise schema_error(
+                INVALID_VALUE, "content",
+                f"Messages with role '{self.role}' must have a 'content'.",
+            )
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content as one string."""
+        return join_text(self.content)
+
+
+class StreamOptions(RequestModel):
+    """`stream_options`: only `include_usage` has an effect."""
+
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _none_or_empty(value: Any) -> bool:
+    return value is None or value == []
+
+
+_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": _none_or_empty,
+    "functions": _none_or_empty,
+    "tool_choice": lambda v: v is None or v in ("none", "auto"),
+    "function_call": lambda v: v is None or v in ("none", "auto"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": _is_none,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _is_none,
+    "web_search_options": _is_none,
+}
+
+
+class SamplingFields(RequestModel):
+    """Generation parameters shared by chat and legacy completions (ranges: SamplingParams)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, le=MAX_N)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        _reject_unsupported(data, _CHAT_UNSUPPORTED)
+        return data
+
+
+# ---------------------------------------------------------------------------- completions request
+
+_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v is None or v == "",
+}
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions (legacy): a prompt as text, texts, token ids or lists of ids."""
+
+    model: str
+    prompt: PromptType
+    max_tokens: int | None = 16
+    echo: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        _reject_unsupported(data, _COMPLETION_UNSUPPORTED)
+        return data
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if not prompt:
+                raise schema_error(INVALID_VALUE, "prompt", "'prompt' must not be an empty list.")
+            if any(isinstance(p, list) and not p for p in prompt):
+                raise schema_error(
+                    INVALID_VALUE, "prompt", "'prompt' must not contain an empty token list."
+                )
+        return self
+
+
+# ---------------------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+
+class TopLogprob(BaseModel):
+    """One alternative token at a position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(BaseModel):
+    """The chosen token at a position, with its alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """`choices[].logprobs` of a chat completion."""
+
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    """`choices[].message`."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One of the `n` choices of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`: prompt tokens the prefix cache served."""
+
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    """`usage.completion_tokens_details` (no reasoning or prediction tokens here: all 0)."""
+
+    reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """`usage`: prompt_tokens includes the cached ones."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(
+        default_factory=CompletionTokensDetails
+    )
+
+
+class ChatCompletion(BaseModel):
+    """Response of a non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(BaseModel):
+    """`choices[].delta` of a chunk; fields that are not set are left out of the JSON."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    refusal: str | None = None
+
+    @model_serializer(mode="plain")
+    def _serialize(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.role is not None:
+            out["role"] = self.role
+        if self.content is not None:
+            out["content"] = self.content
+        if self.refusal is not None:
+            out["refusal"] = self.refusal
+        return out
+
+
+class ChunkChoice(BaseModel):
+    """One choice's piece of a streamed chat completion."""
+
+    index: int
+    delta: ChunkDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE chunk of a streamed chat completion; `usage` is set only on the usage chunk."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions' logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a legacy completion (or its piece, in a stream)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
+
+
+class TextCompletion(BaseModel):
+    """Response of /v1/completions, and each chunk of its stream (same object type)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
