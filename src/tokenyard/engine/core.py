@@ -86,7 +86,9 @@ class EngineCore:
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens,
         )
-        self.runner = ModelRunner(model, model_config, self.kv, device, dtype)
+        self.runner = ModelRunner(
+            model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir
+        )
 
     @property
     def has_work(self) -> bool:

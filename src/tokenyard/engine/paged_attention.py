@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +37,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with 0
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] additive
     prefills: list[PrefillSpan]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] long, on the CPU kernel path
 
 
 class PagedAttention:
@@ -38,6 +45,10 @@ class PagedAttention:
 
     Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], so a block is
     one contiguous chunk and a sequence's context is gathered block by block.
+
+    Decode rows on the CPU with a float32 cache go through the C++ paged decode kernel
+    (reads the blocks in place: no gather, no mask), built on first construction and cached
+    under `kernel_cache_dir`; when it is unavailable the torch gather + SDPA path is used.
     """
 
     def __init__(
@@ -49,12 +60,17 @@ class PagedAttention:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kernel_cache_dir: Path | None = None,
+        use_kernel: bool = True,
     ) -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.metadata: AttentionMetadata | None = None
+        self.decode_kernel: PagedDecodeFn | None = None
+        if use_kernel and self.k_cache.device.type == "cpu" and dtype == torch.float32:
+            self.decode_kernel = load_paged_decode(kernel_cache_dir)
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +92,13 @@ class PagedAttention:
         groups = num_heads // num_kv_heads
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.decode_kernel is not None and meta.decode_context_lens is not None:
+            assert meta.decode_block_tables is not None
+            out[:nd] = self.decode_kernel(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                head_dim**-0.5,
+            )
+        elif nd:
             assert meta.decode_block_tables is not None
             # Each kv head's query group plays the part of the query length.
             qd = q[:nd].view(nd, num_kv_heads, groups, head_dim)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,7 @@ class ModelRunner:
         kv: KVCacheManager,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        kernel_cache_dir: Path | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -52,6 +54,7 @@ class ModelRunner:
             head_dim=config.head_dim,
             dtype=dtype,
             device=device,
+            kernel_cache_dir=kernel_cache_dir,
         )
         self.sampler = Sampler()
 
@@ -134,16 +137,19 @@ class ModelRunner:
             pos.append(p)
             slots.append(torch.tensor(table, dtype=torch.long)[p // bs] * bs + p % bs)
         num_decodes = len(decode_ctx)
-        decode_block_tables = decode_mask = None
+        decode_block_tables = decode_mask = decode_context_lens = None
         if num_decodes:
             width = max(len(t) for t in decode_tables)
             decode_block_tables = torch.tensor(
                 [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
             ).to(dev)
             ctx = torch.tensor(decode_ctx, dtype=torch.long)
-            visible = torch.arange(width * bs)[None, :] < ctx[:, None]
-            decode_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-            decode_mask = decode_mask[:, None, None, :].to(dev)
+            if self.attention.decode_kernel is not None:
+                decode_context_lens = ctx  # the kernel stops at each row's length: no mask
+            else:
+                visible = torch.arange(width * bs)[None, :] < ctx[:, None]
+                decode_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+                decode_mask = decode_mask[:, None, None, :].to(dev)
         slot_mapping = torch.cat(slots).to(dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -151,6 +157,7 @@ class ModelRunner:
             decode_block_tables=decode_block_tables,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_context_lens=decode_context_lens,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos).to(dev), meta

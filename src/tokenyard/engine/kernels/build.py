@@ -1,0 +1,95 @@
+"""Compiles the C++ kernels once per machine into the tokenyard cache and loads them.
+
+The build directory is `<cache_dir>/kernels/<name>-<hash>`, the hash covering the source,
+the compile flags, the torch version and the Python ABI, so a changed kernel or a torch
+upgrade builds afresh while every later process just loads the built library.
+`torch.utils.cpp_extension.load` serialises concurrent builds of one directory with a lock
+file (FileBaton), so two processes starting together compile it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE_DIR = Path(__file__).resolve().parent
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+_LDFLAGS = ["-fopenmp"]
+DISABLE_ENV = "TOKENYARD_DISABLE_KERNELS"
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+_reasons: dict[str, str] = {}
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _build_hash(source: bytes) -> str:
+    h = hashlib.sha256(source)
+    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, sys.platform):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def load_kernel(name: str, cache_dir: Path) -> ModuleType | None:
+    """The compiled extension `<name>.cpp`, or None (the reason logged once at INFO).
+
+    Builds at most once per process; a failure is remembered and not retried.
+    """
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        module: ModuleType | None = None
+        try:
+            if kernels_disabled():
+                raise _Unavailable(f"{DISABLE_ENV} is set")
+            module = _compile(name, cache_dir)
+        except _Unavailable as exc:
+            _reasons[name] = str(exc)
+        except Exception as exc:  # any build/load failure: fall back to the torch path
+            _reasons[name] = f"build failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+        if module is None:
+            log.info("kernel %s unavailable, using the torch path (%s)", name, _reasons[name])
+        _loaded[name] = module
+        return module
+
+
+def unavailable_reason(name: str) -> str | None:
+    return _reasons.get(name)
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _compile(name: str, cache_dir: Path) -> ModuleType:
+    from torch.utils import cpp_extension  # imported lazily: slow, and only needed here
+
+    source = _SOURCE_DIR / f"{name}.cpp"
+    digest = _build_hash(source.read_bytes())
+    build_dir = Path(cache_dir) / "kernels" / f"{name}-{digest}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(
+        name=f"tokenyard_{name}_{digest}",
+        sources=[str(source)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    log.info("kernel %s ready in %.1f s (%s)", name, time.perf_counter() - t0, build_dir)
+    assert isinstance(module, ModuleType)
+    return module

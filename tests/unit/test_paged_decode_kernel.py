@@ -1,0 +1,147 @@
+"""The C++ paged decode kernel against the torch gather + SDPA path."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
+from tokenyard.engine.kernels.build import load_kernel, unavailable_reason
+from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, _gather_blocks
+
+BLOCK_SIZE = 16
+HEAD_DIM = 64
+NUM_KV_HEADS = 3
+NUM_BLOCKS = 512
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeFn:
+    fn = load_paged_decode()
+    if fn is None:
+        pytest.skip(f"paged_decode kernel unavailable: {unavailable_reason('paged_decode')}")
+    return fn
+
+
+def _tables(lens: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Scattered (non-contiguous, shuffled) blocks per row, padded with 0."""
+    width = max(-(-n // BLOCK_SIZE) for n in lens)
+    perm = torch.randperm(NUM_BLOCKS, generator=gen)
+    table = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // BLOCK_SIZE)
+        table[i, :nb] = perm[used:used + nb]
+        used += nb
+    assert used <= NUM_BLOCKS
+    return table
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
+    """The torch path of PagedAttention: gather the blocks, one SDPA with a padding mask."""
+    nd, num_heads, head_dim = q.shape
+    kvh = k.shape[2]
+    qd = q.view(nd, kvh, num_heads // kvh, head_dim)
+    kd = _gather_blocks(k, table).transpose(1, 2)
+    vd = _gather_blocks(v, table).transpose(1, 2)
+    visible = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
+    return od.reshape(nd, num_heads, head_dim)
+
+
+def _case(batch: int, groups: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    base = [1, 15, 16, 17, 300]
+    lens = [base[i % len(base)] for i in range(batch)]
+    if batch > len(base):  # the rest: random lengths
+        lens[len(base):] = torch.randint(1, 320, (batch - len(base),), generator=gen).tolist()
+    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, generator=gen)
+    v = torch.randn(shape, generator=gen)
+    q = torch.randn(batch, NUM_KV_HEADS * groups, HEAD_DIM, generator=gen) * 2
+    table = _tables(lens, gen)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.long)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("batch", [1, 5, 37])
+def test_kernel_matches_torch_path(kernel: PagedDecodeFn, batch: int, groups: int) -> None:
+    q, k, v, table, lens = _case(batch, groups, seed=batch * 10 + groups)
+    out = kernel(q, k, v, table, lens, 1 / math.sqrt(HEAD_DIM))
+    ref = _reference(q, k, v, table, lens)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_single_lengths(kernel: PagedDecodeFn) -> None:
+    """Each edge length alone (a batch of one row of that length)."""
+    for n in (1, 15, 16, 17, 300):
+        q, k, v, _, _ = _case(1, 3, seed=n)
+        gen = torch.Generator().manual_seed(n)
+        table, lens = _tables([n], gen), torch.tensor([n])
+        out = kernel(q, k, v, table, lens, 1 / math.sqrt(HEAD_DIM))
+        torch.testing.assert_close(out, _reference(q, k, v, table, lens), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_non_contiguous_query(kernel: PagedDecodeFn) -> None:
+    q, k, v, table, lens = _case(37, 3, seed=7)
+    q_strided = torch.cat([q, q], dim=2)[:, :, :HEAD_DIM]  # same values, not contiguous
+    assert not q_strided.is_contiguous()
+    out = kernel(q_strided, k, v, table, lens, 1 / math.sqrt(HEAD_DIM))
+    torch.testing.assert_close(out, _reference(q, k, v, table, lens), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_bad_input(kernel: PagedDecodeFn) -> None:
+    q, k, v, table, lens = _case(5, 1, seed=3)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel(q, k, v, table, lens + 10_000, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(q.double(), k, v, table, lens, 0.125)
+
+
+def test_paged_attention_kernel_equals_torch_path(kernel: PagedDecodeFn) -> None:
+    """PagedAttention with and without the kernel: same cache, same decode step."""
+    groups, batch = 3, 37
+    q, k, v, table, lens = _case(batch, groups, seed=11)
+    layers = []
+    for use_kernel in (True, False):
+        att = PagedAttention(
+            num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+            num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, use_kernel=use_kernel,
+        )
+        assert (att.decode_kernel is not None) == use_kernel
+        att.k_cache[0].copy_(k)
+        att.v_cache[0].copy_(v)
+        layers.append(att)
+    # This step's token of each row goes to its last context position.
+    last = lens - 1
+    slots = table.gather(1, (last // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + last % BLOCK_SIZE
+    new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM)
+    new_v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM)
+    visible = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    outs = []
+    for att in layers:
+        att.metadata = AttentionMetadata(
+            slot_mapping=slots, num_decodes=batch, decode_block_tables=table,
+            decode_mask=None if att.decode_kernel else mask, prefills=[],
+            decode_context_lens=lens if att.decode_kernel else None,
+        )
+        outs.append(att(0, q, new_k, new_v))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_unavailable_kernel_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOKENYARD_DISABLE_KERNELS", "1")
+    assert load_kernel("no_such_kernel_disabled", tmp_path) is None
+    assert "TOKENYARD_DISABLE_KERNELS" in (unavailable_reason("no_such_kernel_disabled") or "")
+    monkeypatch.delenv("TOKENYARD_DISABLE_KERNELS")
+    assert load_kernel("no_such_kernel_missing", tmp_path) is None
+    assert "build failed" in (unavailable_reason("no_such_kernel_missing") or "")
