@@ -16,12 +16,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
     parser.add_argument("--max-num-seqs", type=int, help="running requests at once")
+    parser.add_argument("--max-waiting-requests", type=int,
+                        help="waiting-queue bound; past it requests are shed (503)")
     parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ["model", "weights", "device", "kv_cache_gib", "max_num_batched_tokens",
-             "max_num_seqs", "num_threads"]
+             "max_num_seqs", "max_waiting_requests", "num_threads"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -60,6 +62,14 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    from tokenyard.engine.server import serve_engine
+
+    return serve_engine(
+        args.host, args.port, drain_timeout=args.drain_timeout, **_engine_kwargs(args)
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tokenyard.bench.offline import main as offline_main
 
@@ -82,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     _add_engine_args(gen)
 
+    engine = sub.add_parser("engine", help="run an engine replica: token ids over HTTP")
+    engine.add_argument("--host", default="127.0.0.1", help="address to bind")
+    engine.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
+    engine.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish")
+    _add_engine_args(engine)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = bench_sub.add_parser("offline", help="the engine alone, no HTTP")
@@ -97,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return asyncio.run(_generate(args))
+        if args.command == "engine":
+            return _engine(args)
         if args.command == "bench":
             return _bench(args)
     except KeyboardInterrupt:

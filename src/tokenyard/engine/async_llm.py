@@ -1,50 +1,45 @@
 """The asynchronous API: per-step deltas of one request, aborted when the consumer stops.
 
-The step loop runs on its own thread so model steps never block the caller's event loop
-(torch releases the GIL inside its kernels). Requests and aborts cross to that thread
-through a queue; outputs come back through `call_soon_threadsafe`.
+`AsyncEngineCore` (token ids, step loop on its own thread) plus an `OutputProcessor` on
+the caller's side: prompts are tokenized, outputs detokenized and stop strings matched
+in the caller's event loop — the same split the HTTP process and a replica make, only
+without the wire between them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import queue
-import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenyard.config import EngineConfig
+from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.core import EngineStats
-from tokenyard.engine.frontend import Frontend, Prompt
+from tokenyard.engine.frontend import Prompt, make_request, prompt_token_ids
+from tokenyard.engine.output_processor import OutputProcessor, child_params
 from tokenyard.engine.outputs import RequestOutput
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.text.tokenizer import Tokenizer
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-
-
 class AsyncLLM:
+    """Streams generations from an in-process engine replica.
+
+    Keyword arguments are EngineConfig fields (weights="int8", num_kv_blocks=..., ...).
+    """
+
     def __init__(self, model: str | None = None, *, show_progress: bool = False, **config: Any):
-        self.frontend = Frontend(EngineConfig.from_env(model=model, **config), show_progress)
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tokenyard-engine", daemon=True)
-        self._thread.start()
+        self.config = EngineConfig.from_env(model=model, **config)
+        self.engine = AsyncEngineCore(self.config, show_progress=show_progress)
+        self._children: dict[str, list[str]] = {}  # request id -> its core ids, while open
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.frontend.tokenizer
+        return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
-        return self.frontend.core.stats()
+        """The engine's counters (running, waiting, KV blocks, prefix cache, ...)."""
+        return self.engine.stats()
 
     async def generate(
         self,
@@ -57,91 +52,45 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's deltas step by step until every completion finishes.
 
-        Leaving the iteration early (break, cancellation, a closed client) aborts the
-        request in the engine and frees its KV blocks.
+        The engine's refusal (prompt too long: ValueError; queue full: QueueFullError) is
+        raised before the first item. Leaving the iteration early (break, cancellation, a
+        closed client) aborts the request in the engine and frees its KV blocks.
         """
-        if self._closed:
+        if not self.engine.is_running:
             raise RuntimeError("the engine is shut down")
         request_id = request_id or uuid.uuid4().hex
-        prompt_ids = self.frontend.prompt_token_ids(prompt)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        admitted: asyncio.Future[None] = stream.loop.create_future()
-
-        def add() -> None:
-            try:
-                self.frontend.add_request(
-                    request_id, prompt_ids, params, cache_salt=cache_salt, priority=priority
-                )
-            except Exception as exc:
-                stream.loop.call_soon_threadsafe(_settle, admitted, exc)
-                return
-            self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_settle, admitted, None)
-
-        self._submit(add)
-        await admitted  # raises the engine's refusal (too long, queue full) here
-        finished = False
+        ids = prompt_token_ids(self.tokenizer, prompt)
+        # One processor per request: its state then lives in this generator alone, so
+        # requests from different event loops or threads never share it.
+        processor = OutputProcessor(self.tokenizer)
+        child_ids = processor.add_request(request_id, ids, params)
+        requests = [
+            make_request(
+                child_id, ids, child_params(params, index), self.engine.eos_token_ids,
+                cache_salt=cache_salt, priority=priority,
+            )
+            for index, child_id in enumerate(child_ids)
+        ]
+        stream = await self.engine.submit(requests)
+        self._children[request_id] = child_ids
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for batch in stream:
+                outputs, stopped = processor.process(batch)
+                for child_id, stop in stopped:
+                    self.engine.finish_with_stop_string(child_id, stop)
+                for out in outputs:
+                    yield out
+                    if out.finished:
+                        return
         finally:
-            if not finished:
-                self.abort(request_id)
+            self._children.pop(request_id, None)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
-        def do() -> None:
-            self._streams.pop(request_id, None)
-            self.frontend.abort(request_id)
-
-        self._submit(do)
+        """Abort a request; its iteration ends with finish_reason "abort"."""
+        for child_id in self._children.get(request_id) or [request_id]:
+            self.engine.abort(child_id)
 
     def shutdown(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=10)
-
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._closed:
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
-            if not self.frontend.has_work:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.frontend.step()
-            except Exception as exc:  # a failed step fails its requests, not the engine
-                for request_id, stream in list(self._streams.items()):
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
-                    self.frontend.abort(request_id)
-                self._streams.clear()
-                continue
-            for out in outputs:
-                target = self._streams.get(out.request_id)
-                if target is None:
-                    continue
-                if out.finished:
-                    del self._streams[out.request_id]
-                target.loop.call_soon_threadsafe(target.queue.put_nowait, out)
-
-
-def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
+        """Stop the engine's step loop (open iterations fail with RuntimeError)."""
+        self.engine.shutdown()

@@ -2,43 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tokenyard.config import EngineConfig
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.llama import LlamaForCausalLM
+from tokenyard.engine.outputs import EngineCoreOutput, EngineStats
 from tokenyard.engine.request import Request
-from tokenyard.engine.runner import ModelRunner, TokenLogprobs
+from tokenyard.engine.runner import ModelRunner
 from tokenyard.engine.scheduler import Scheduler
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step did for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None  # "stop", "length" or None while running
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # 0..1
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    prefix_cache_queries: int  # tokens
-    prefix_cache_hits: int  # tokens
-    num_preemptions: int
-    num_computed_tokens: int  # tokens run through the model since start
 
 
 def resolve_device(name: str) -> torch.device:

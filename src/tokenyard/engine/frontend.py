@@ -1,18 +1,21 @@
 """The engine as callers see it: prompts in, per-step RequestOutputs out.
 
-Builds the replica (model, KV cache, scheduler), turns prompts into token ids, fans a
-request out into its n completions, and applies stop strings. Both the offline `LLM` and
-the asynchronous `AsyncLLM` drive one of these.
+`build_core` builds a replica (model, KV cache, scheduler) for every caller. `Frontend`
+drives one synchronously for the offline `LLM`: it turns prompts into token ids, fans a
+request out into its n completions, and applies stop strings. The asynchronous side
+(`AsyncEngineCore`, `AsyncLLM`, the replica server) reuses the same pieces.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tokenyard.config import EngineConfig
 from tokenyard.engine.core import EngineCore, resolve_device
+from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.loader import build_model, load_model
 from tokenyard.engine.output_processor import OutputProcessor, child_params
 from tokenyard.engine.outputs import RequestOutput
@@ -35,52 +38,108 @@ def is_single_prompt(prompts: Any) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class BuiltCore:
+    """A replica's engine core and what callers need beside it."""
+
+    core: EngineCore
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    eos_token_ids: frozenset[int]  # the tokenizer's and the model config's, together
+
+
+def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
+    """Load the model of `config` onto its device and build an EngineCore around it.
+
+    The one place a replica is built: the offline `LLM`, `AsyncEngineCore` and the
+    replica server all come through here.
+    """
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
+    model = build_model(loaded)
+    if config.weights == "int8":
+        if device.type != "cpu":
+            raise ValueError("int8 weights are a CPU mode; on CUDA the engine uses bf16")
+        from tokenyard.engine.models.quant import quantize_int8
+
+        model = quantize_int8(model)
+    model = model.to(device=device, dtype=dtype) if config.weights != "int8" else model
+    if device.type == "cpu":
+        model.set_threads(torch.get_num_threads())
+    tokenizer: Tokenizer = loaded.tokenizer
+    eos = frozenset(set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids))
+    core = EngineCore(model, loaded.config, config, device, dtype)
+    return BuiltCore(core, tokenizer, loaded.config, eos)
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    *,
+    cache_salt: str | None = None,
+    priority: int = 0,
+) -> Request:
+    """One core request (a single completion), with its own generator when seeded."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        params=params,
+        eos_token_ids=eos_token_ids,
+        cache_salt=cache_salt,
+        priority=priority,
+        generator=make_generator(params.seed) if params.seed is not None else None,
+    )
+
+
+def prompt_token_ids(
+    tokenizer: Tokenizer, prompt: Prompt, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of a text prompt, a token list, or a conversation (chat template)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    if prompt and isinstance(prompt[0], dict):
+        return tokenizer.encode(
+            render_conversation(tokenizer, prompt, add_generation_prompt),
+            add_special_tokens=False,
+        )
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def render_conversation(
+    tokenizer: Tokenizer, messages: Conversation, add_generation_prompt: bool = True
+) -> str:
+    """A conversation as text through the model's chat template (ChatML if it has none)."""
+    return render_chat(
+        tokenizer.chat_template or DEFAULT_CHATML_TEMPLATE,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=tokenizer.bos_token or "",
+        eos_token=tokenizer.eos_token or "",
+    )
+
+
 class Frontend:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = resolve_device(config.device)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
-        model = build_model(loaded)
-        if config.weights == "int8":
-            if device.type != "cpu":
-                raise ValueError("int8 weights are a CPU mode; on CUDA the engine uses bf16")
-            from tokenyard.engine.models.quant import quantize_int8
-
-            model = quantize_int8(model)
-        model = model.to(device=device, dtype=dtype) if config.weights != "int8" else model
-        if device.type == "cpu":
-            model.set_threads(torch.get_num_threads())
+        built = build_core(config, show_progress)
         self.config = config
-        self.model_config = loaded.config
-        self.model_name = loaded.config.name
-        self.tokenizer: Tokenizer = loaded.tokenizer
-        self.eos_token_ids = frozenset(
-            set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
-        )
-        self.core = EngineCore(model, loaded.config, config, device, dtype)
+        self.model_config = built.model_config
+        self.model_name = built.model_config.name
+        self.tokenizer: Tokenizer = built.tokenizer
+        self.eos_token_ids = built.eos_token_ids
+        self.core = built.core
         self.processor = OutputProcessor(self.tokenizer)
 
     def prompt_token_ids(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a text prompt, a token list, or a conversation (chat template)."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.encode(
-                self.render_chat(prompt, add_generation_prompt),
-                add_special_tokens=False,
-            )
-        return list(prompt)  # type: ignore[arg-type]
+        return prompt_token_ids(self.tokenizer, prompt, add_generation_prompt)
 
     def render_chat(self, messages: Conversation, add_generation_prompt: bool = True) -> str:
-        return render_chat(
-            self.tokenizer.chat_template or DEFAULT_CHATML_TEMPLATE,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.tokenizer.bos_token or "",
-            eos_token=self.tokenizer.eos_token or "",
-        )
+        return render_conversation(self.tokenizer, messages, add_generation_prompt)
 
     def add_request(
         self,
@@ -96,14 +155,9 @@ class Frontend:
         for index in range(params.n):
             p = child_params(params, index)
             requests.append(
-                Request(
-                    request_id="",
-                    prompt_token_ids=prompt_token_ids,
-                    params=p,
-                    eos_token_ids=self.eos_token_ids,
-                    cache_salt=cache_salt,
-                    priority=priority,
-                    generator=make_generator(p.seed) if p.seed is not None else None,
+                make_request(
+                    "", prompt_token_ids, p, self.eos_token_ids,
+                    cache_salt=cache_salt, priority=priority,
                 )
             )
         ids = self.processor.add_request(request_id, prompt_token_ids, params)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tokenyard.engine.core import EngineCoreOutput
-from tokenyard.engine.outputs import CompletionDelta, Logprob, RequestOutput
+from tokenyard.engine.outputs import CompletionDelta, EngineCoreOutput, Logprob, RequestOutput
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.text.detokenizer import IncrementalDetokenizer
 from tokenyard.text.stop import StopStringMatcher

@@ -1,4 +1,6 @@
-"""What the engine hands back to callers: per-step deltas and finished generations."""
+"""What the engine hands back: the core's per-step outputs (token ids) and, after
+detokenization, per-step deltas and finished generations. Torch-free, so the HTTP side
+can import it."""
 
 from __future__ import annotations
 
@@ -75,3 +77,37 @@ class GenerationResult:
     @property
     def token_ids(self) -> list[int]:
         return self.completions[0].token_ids
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the most likely alternatives, from raw logits."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None  # "stop", "length" or None while running
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    num_computed_tokens: int  # tokens run through the model since start

@@ -10,18 +10,11 @@ import torch
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.llama import LlamaForCausalLM
+from tokenyard.engine.outputs import TokenLogprobs
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
 from tokenyard.engine.request import Request
 from tokenyard.engine.sampler import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.scheduler import SchedulerOutput
-
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's logprob and the most likely alternatives, from raw logits."""
-
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -1,0 +1,247 @@
+"""The HTTP side's client of one engine replica (`tokenyard engine`).
+
+Speaks the wire format of `tokenyard.engine.protocol` over one pooled aiohttp session.
+Imports nothing that loads torch: the gateway process uses it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from tokenyard.engine.protocol import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    INFO_PATH,
+    STATS_PATH,
+    STOP_PATH,
+    CoreDelta,
+    GenerateRequest,
+    ProtocolError,
+    ReplicaInfo,
+    ReplicaStats,
+    abort_body,
+    dumps,
+    stats_from_json,
+    stop_body,
+)
+from tokenyard.engine.sampling_params import SamplingParams
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class ReplicaError(Exception):
+    """Anything that went wrong talking to a replica."""
+
+
+class ReplicaRequestError(ReplicaError):
+    """The replica refused the request (4xx, or a 5xx other than 503)."""
+
+    def __init__(self, status: int, message: str, param: str | None, code: str | None) -> None:
+        super().__init__(f"replica answered {status}: {message}")
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ReplicaOverloaded(ReplicaError):
+    """503: the replica's waiting queue is full (code "overloaded") or it is draining
+    (code "draining"). Try another replica, or this one after `retry_after` seconds."""
+
+    def __init__(self, retry_after: float | None, message: str = "", code: str | None = None):
+        super().__init__(f"replica unavailable ({code}): {message}")
+        self.retry_after = retry_after
+        self.message = message
+        self.code = code
+
+
+class ReplicaStreamError(ReplicaError):
+    """The request failed after its stream began (the replica's last line was an error)."""
+
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class ReplicaConnectionError(ReplicaError):
+    """The replica could not be reached, or the stream broke off before the request ended."""
+
+
+class ReplicaClient:
+    """One replica's API: `generate` streams CoreDeltas; abort, stop, stats, info, health.
+
+    The aiohttp session is created on first use, in the running event loop, and pools
+    connections (each open stream holds one); `close` it when done.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 10.0,
+        max_connections: int = 0,
+    ) -> None:
+        """`request_timeout` bounds the small calls; a generate stream has no total
+        timeout (a long generation, or a wait in the replica's queue, is legitimate).
+        `max_connections` 0 means unbounded: streams, not this pool, are the limit."""
+        self.base_url = base_url.rstrip("/")
+        self._connect_timeout = connect_timeout
+        self._request_timeout = request_timeout
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=self._connect_timeout,
+                    sock_connect=self._connect_timeout,
+                ),
+            )
+        return self._session
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[CoreDelta]:
+        """Yield the request's per-step deltas until one carries a finish_reason.
+
+        Raises before the first item: ReplicaRequestError (400: invalid, code
+        "context_length_exceeded", ...), ReplicaOverloaded (503), ReplicaConnectionError.
+        Afterwards: ReplicaStreamError, ReplicaConnectionError. `params.n` must be 1 and
+        stop strings are not sent (the caller matches them and calls `stop`). Leaving
+        the iteration early (break + aclose) closes the HTTP stream, which makes the
+        replica abort the request.
+        """
+        body = dumps(GenerateRequest(
+            request_id, prompt_token_ids, params, cache_salt, priority
+        ).to_json())
+        try:
+            response = await self._get_session().post(
+                self.base_url + GENERATE_PATH, data=body, headers=_JSON_HEADERS
+            )
+        except aiohttp.ClientError as exc:
+            raise ReplicaConnectionError(f"{self.base_url}: {exc}") from exc
+        finished = False
+        try:
+            if response.status != 200:
+                await _raise_for(response)
+            async for line in response.content:
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                if "error" in obj:
+                    error = obj["error"]
+                    raise ReplicaStreamError(str(error.get("message")), error.get("code"))
+                delta = CoreDelta.from_json(request_id, obj)
+                if delta.finish_reason is not None:
+                    finished = True
+                    # Read the stream's end now, so the connection goes back to the pool
+                    # even if the caller stops iterating after this delta.
+                    await response.read()
+                yield delta
+                if finished:
+                    return
+            raise ReplicaConnectionError(
+                f"{self.base_url}: the stream of {request_id} ended before it finished"
+            )
+        except (aiohttp.ClientError, ProtocolError, ValueError) as exc:
+            if isinstance(exc, ReplicaError):
+                raise
+            raise ReplicaConnectionError(f"{self.base_url}: {exc}") from exc
+        finally:
+            if finished:
+                response.release()
+            else:
+                # Closing (not releasing) the connection is what tells the replica that
+                # nobody reads this stream any more.
+                response.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored)."""
+        await self._call("POST", ABORT_PATH, abort_body(request_id))
+
+    async def stop(self, request_id: str, stop: str) -> None:
+        """The caller matched stop string `stop`: the replica finishes the request as
+        stopped, and its stream ends with finish_reason "stop", stop_reason `stop`."""
+        await self._call("POST", STOP_PATH, stop_body(request_id, stop))
+
+    async def stats(self) -> ReplicaStats:
+        """The replica's engine counters."""
+        return stats_from_json(await self._call("GET", STATS_PATH))
+
+    async def info(self) -> ReplicaInfo:
+        """The replica's model: name, context window, vocabulary, EOS ids, KV geometry."""
+        return ReplicaInfo.from_json(await self._call("GET", INFO_PATH))
+
+    async def health(self) -> bool:
+        """True if the replica answers and admits requests (False while it drains)."""
+        try:
+            async with self._get_session().get(
+                self.base_url + HEALTH_PATH,
+                timeout=aiohttp.ClientTimeout(total=self._request_timeout),
+            ) as response:
+                await response.read()
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        """Close the pooled connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> ReplicaClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            async with self._get_session().request(
+                method,
+                self.base_url + path,
+                data=dumps(body) if body is not None else None,
+                headers=_JSON_HEADERS if body is not None else None,
+                timeout=aiohttp.ClientTimeout(total=self._request_timeout),
+            ) as response:
+                if response.status != 200:
+                    await _raise_for(response)
+                return await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ReplicaConnectionError(f"{self.base_url}{path}: {exc!r}") from exc
+
+
+async def _raise_for(response: aiohttp.ClientResponse) -> None:
+    """Raise the typed error of a non-200 answer."""
+    text = await response.text()
+    try:
+        error = json.loads(text)["error"]
+        message, param, code = str(error.get("message")), error.get("param"), error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param, code = text[:500], None, None
+    if response.status == 503:
+        raw = response.headers.get("Retry-After")
+        try:
+            retry_after = float(raw) if raw is not None else None
+        except ValueError:
+            retry_after = None
+        raise ReplicaOverloaded(retry_after, message, code)
+    raise ReplicaRequestError(response.status, message, param, code)

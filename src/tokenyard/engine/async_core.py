@@ -1,0 +1,350 @@
+"""The engine core behind an asyncio API: core requests in, per-step outputs out.
+
+Token ids only — no text. `AsyncLLM` puts detokenization and stop strings on top of this
+in the caller's event loop; the replica server puts HTTP on top of it.
+
+The step loop runs on its own thread: a model step takes milliseconds to seconds and
+would stall every other coroutine on the event loop, while torch releases the GIL inside
+its kernels so the loop stays responsive. Only that thread touches the EngineCore:
+adds, aborts and stops cross to it through a command queue and run between steps.
+Outputs go back to each caller's event loop with one `call_soon_threadsafe` per loop per
+step (not one per request), so a wide batch costs one wake-up of the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+from tokenyard.config import EngineConfig
+from tokenyard.engine.core import EngineCore, EngineCoreOutput, EngineStats
+from tokenyard.engine.frontend import build_core
+from tokenyard.engine.models.config import ModelConfig
+from tokenyard.engine.request import Request
+from tokenyard.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class _End:
+    """Queued after a stream's last batch."""
+
+
+_END = _End()
+_Item = list[EngineCoreOutput] | BaseException | _End
+
+
+class CoreStream:
+    """The outputs of core requests admitted together, one list per engine step.
+
+    Each item holds this group's outputs from one step. The stream ends after the step in
+    which the last of its requests finished; a request finished from outside (`abort`,
+    `finish_with_stop_string`) gets a last output with no tokens and finish_reason
+    "abort" or "stop". Closing the stream early aborts its unfinished requests.
+    """
+
+    def __init__(
+        self, engine: AsyncEngineCore, requests: Sequence[Request],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.request_ids: tuple[str, ...] = tuple(r.request_id for r in requests)
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._done = False
+        # Step-thread side: the requests of this stream that have not finished yet.
+        self._pending: dict[str, Request] = {r.request_id: r for r in requests}
+
+    def __aiter__(self) -> CoreStream:
+        return self
+
+    async def __anext__(self) -> list[EngineCoreOutput]:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, _End):
+            self._done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    @property
+    def done(self) -> bool:
+        """True once the stream ended, failed or was closed."""
+        return self._done
+
+    def close(self) -> None:
+        """Stop consuming; the unfinished requests are aborted before the next step.
+
+        Synchronous so that it can run in an async generator's `finally` even when that
+        generator is closed by the garbage collector.
+        """
+        if not self._done:
+            self._done = True
+            self._engine._submit(lambda: self._engine._abort_owned(self))
+
+    async def aclose(self) -> None:
+        """`close` for `async with` and `contextlib.aclosing`."""
+        self.close()
+
+    async def __aenter__(self) -> CoreStream:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AsyncEngineCore:
+    """An EngineCore stepped on its own thread, driven from asyncio.
+
+    Built from an EngineConfig the same way the offline engine is (`build_core`).
+    """
+
+    def __init__(self, config: EngineConfig, *, show_progress: bool = False) -> None:
+        built = build_core(config, show_progress)
+        self.config = config
+        self.core: EngineCore = built.core
+        self.tokenizer: Tokenizer = built.tokenizer
+        self.model_config: ModelConfig = built.model_config
+        self.eos_token_ids: frozenset[int] = built.eos_token_ids
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._owner: dict[str, CoreStream] = {}  # step thread only: request id -> its stream
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tokenyard-engine", daemon=True)
+        self._thread.start()
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.model_config.name
+
+    @property
+    def max_model_len(self) -> int:
+        """The context window: a prompt must be shorter than this."""
+        return self.core.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        """False once shut down, or if the step thread died."""
+        return not self._closed and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the core's counters.
+
+        Read without stopping the step thread, so a step in progress may show half-done;
+        callers poll these numbers, and a lock here would make every step pay for it.
+        """
+        return self.core.stats()
+
+    # -- requests ------------------------------------------------------------------------
+    async def submit(self, requests: Sequence[Request]) -> CoreStream:
+        """Admit core requests together (all or none) and return their stream.
+
+        Raises what the core refuses with — ValueError (never fits: prompt at or over the
+        context window, larger than the KV pool, duplicate id) or QueueFullError (waiting
+        queue over its bound) — before anything is queued. The caller must close the
+        stream (or consume it to the end).
+        """
+        if not requests:
+            raise ValueError("no requests to submit")
+        if not self.is_running:
+            raise RuntimeError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        stream = CoreStream(self, requests, loop)
+        admitted: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            added: list[str] = []
+            try:
+                for request in requests:
+                    self.core.add_request(request)
+                    added.append(request.request_id)
+            except Exception as exc:
+                self.core.abort(added)
+                _call_in(loop, _settle, admitted, exc)
+                return
+            if not _call_in(loop, _settle, admitted, None):
+                self.core.abort(added)  # the caller's loop is gone: nobody would read
+                return
+            for request_id in added:
+                self._owner[request_id] = stream
+
+        self._submit(add)
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            # Cancelled while the add was queued: it still runs, so undo it after.
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+        """Admit one core request and yield its output step by step until it finishes.
+
+        Admission errors (ValueError, QueueFullError) are raised before the first item.
+        Leaving the iteration early (break + aclose, cancellation) aborts the request and
+        frees its KV blocks before the next step.
+        """
+        stream = await self.submit([request])
+        try:
+            async for batch in stream:
+                for out in batch:
+                    yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown or finished ids are ignored).
+
+        Its stream gets a last output with finish_reason "abort".
+        """
+        self._submit(lambda: self._finish_from_outside(request_id, None))
+
+    def finish_with_stop_string(self, request_id: str, stop: str) -> None:
+        """The caller matched stop string `stop`: finish the request as stopped.
+
+        Its stream gets a last output with finish_reason "stop" and stop_reason `stop`;
+        any token the core produced in the meantime is delivered before it.
+        """
+        self._submit(lambda: self._finish_from_outside(request_id, stop))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the step loop; open streams fail with RuntimeError."""
+        self._closed = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout)
+
+    # -- the step thread -----------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                self._run_commands()
+                if not self.core.has_work:
+                    # A command queued after _run_commands sets the event, so this wait
+                    # returns at once and the next round runs it: no wake-up is lost.
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.core.step()
+                except Exception as exc:  # a failed step fails its requests, not the engine
+                    self._fail_all(exc)
+                    continue
+                self._dispatch(outputs)
+        finally:
+            self._closed = True
+            self._fail_all(RuntimeError("the engine shut down"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:  # a broken command must not take the step loop down
+                log.exception("engine command failed")
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        batches: dict[CoreStream, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            stream = self._owner.get(out.request_id)
+            if stream is None:
+                continue
+            batches.setdefault(stream, []).append(out)
+            if out.finish_reason is not None:
+                del self._owner[out.request_id]
+                stream._pending.pop(out.request_id, None)
+        self._deliver(batches)
+
+    def _finish_from_outside(self, request_id: str, stop: str | None) -> None:
+        """Abort (stop None) or finish as stopped, and end the request's output."""
+        if stop is None:
+            self.core.abort([request_id])
+        else:
+            self.core.finish_with_stop_string(request_id, stop)
+        stream = self._owner.pop(request_id, None)
+        request = stream._pending.pop(request_id, None) if stream is not None else None
+        if stream is None or request is None:
+            return
+        reason = "abort" if stop is None else "stop"
+        self._deliver({stream: [_final_output(request, reason, stop)]})
+
+    def _abort_owned(self, stream: CoreStream) -> None:
+        """Abort what is left of a closed stream (only ids still owned by it)."""
+        ids = [i for i in stream._pending if self._owner.get(i) is stream]
+        self.core.abort(ids)
+        for request_id in ids:
+            del self._owner[request_id]
+        stream._pending.clear()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams = set(self._owner.values())
+        self.core.abort(list(self._owner))
+        self._owner.clear()
+        for stream in streams:
+            stream._pending.clear()
+        self._deliver(dict.fromkeys(streams, exc))
+
+    def _deliver(self, items: dict[CoreStream, Any]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[CoreStream, _Item, bool]]] = {}
+        for stream, item in items.items():
+            ended = isinstance(item, BaseException) or not stream._pending
+            by_loop.setdefault(stream._loop, []).append((stream, item, ended))
+        for loop, batch in by_loop.items():
+            if not _call_in(loop, _put_all, batch):
+                for stream, _, _ in batch:  # that loop is closed: nobody will read these
+                    self._abort_owned(stream)
+
+
+def _final_output(request: Request, reason: str, stop: str | None) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        new_logprobs=None,
+        finish_reason=reason,
+        stop_reason=stop,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+    )
+
+
+def _put_all(batch: list[tuple[CoreStream, _Item, bool]]) -> None:
+    for stream, item, ended in batch:
+        stream._queue.put_nowait(item)
+        if ended and not isinstance(item, BaseException):
+            stream._queue.put_nowait(_END)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
+    """Schedule fn on `loop` from another thread; False if that loop is closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    return False
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

@@ -1,0 +1,379 @@
+"""The wire format between the HTTP process and an engine replica: token ids as JSON.
+
+One source of truth for both ends: the replica server (`engine/server.py`) and the
+client the balancer uses (`balancer/replica_client.py`) encode and decode through here.
+This module must stay free of torch (and of anything that imports it): the gateway
+process imports it and never loads torch.
+
+The replica API:
+
+- ``POST /v1/engine/generate`` a `GenerateRequest`; 200 answers ``application/x-ndjson``,
+  one `CoreDelta` line per engine step that moved the request. Errors before the stream
+  starts are ``{"error": {"message", "param", "code"}}`` with 400 (invalid request,
+  ``context_length_exceeded``) or 503 (``overloaded``, ``draining``; ``retry-after``
+  header). A failure after the stream began arrives as a last line ``{"error": {...}}``.
+- ``POST /v1/engine/abort`` ``{"request_id"}``; ``POST /v1/engine/stop``
+  ``{"request_id", "stop"}`` (the HTTP side matched a stop string).
+- ``GET /v1/engine/stats`` (`ReplicaStats`), ``GET /v1/engine/info`` (`ReplicaInfo`),
+  ``GET /healthz``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+from tokenyard.engine.outputs import EngineStats
+from tokenyard.engine.sampling_params import SamplingParams
+
+GENERATE_PATH = "/v1/engine/generate"
+ABORT_PATH = "/v1/engine/abort"
+STOP_PATH = "/v1/engine/stop"
+STATS_PATH = "/v1/engine/stats"
+INFO_PATH = "/v1/engine/info"
+HEALTH_PATH = "/healthz"
+NDJSON = "application/x-ndjson"
+
+# Error codes in {"error": {"code": ...}}.
+INVALID_REQUEST = "invalid_request"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+OVERLOADED = "overloaded"
+DRAINING = "draining"
+ENGINE_ERROR = "engine_error"
+
+# The SamplingParams fields that cross the wire. Stop strings, special-token skipping
+# and include_stop_str_in_output are text matters and stay on the HTTP side.
+WIRE_PARAMS: tuple[str, ...] = (
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "max_tokens",
+    "min_tokens", "stop_token_ids", "ignore_eos", "logprobs",
+)
+
+Json = dict[str, Any]
+
+
+class ProtocolError(ValueError):
+    """A message does not follow the wire format; `param` names the offending field."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON as bytes (what every body and stream line is)."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def error_body(message: str, code: str, param: str | None = None) -> Json:
+    """The error object of every non-200 answer and of a failed stream's last line."""
+    return {"error": {"message": message, "param": param, "code": code}}
+
+
+# -- field checks ---------------------------------------------------------------------------
+# JSON from a peer is untrusted: a bool where an int belongs, or a float token id, must be
+# refused here rather than fail inside a batched engine step.
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(value: Any, param: str) -> int:
+    if not _is_int(value):
+        raise ProtocolError(param, f"{param} must be an integer")
+    return int(value)
+
+
+def _float(value: Any, param: str) -> float:
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise ProtocolError(param, f"{param} must be a finite number")
+    return float(value)
+
+
+def _int_list(value: Any, param: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise ProtocolError(param, f"{param} must be a list of integers")
+    return list(value)
+
+
+def _object(value: Any, param: str | None) -> Json:
+    if not isinstance(value, dict):
+        raise ProtocolError(param, f"{param or 'the body'} must be a JSON object")
+    return value
+
+
+def _str(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(param, f"{param} must be a non-empty string")
+    return value
+
+
+# -- sampling parameters --------------------------------------------------------------------
+
+def params_to_json(params: SamplingParams) -> Json:
+    """The wire fields of `params` (logit_bias keys become strings, as JSON needs)."""
+    out: Json = {name: getattr(params, name) for name in WIRE_PARAMS}
+    out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logit_bias is not None:
+        out["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    return out
+
+
+_PARAM_KINDS: dict[str, str] = {
+    "n": "int", "temperature": "float", "top_p": "float", "top_k": "int", "min_p": "float",
+    "presence_penalty": "float", "frequency_penalty": "float",
+    "repetition_penalty": "float", "seed": "int?", "max_tokens": "int?", "min_tokens": "int",
+    "ignore_eos": "bool", "logprobs": "int?",
+}
+
+
+def params_from_json(obj: Any) -> SamplingParams:
+    """SamplingParams from wire JSON; missing fields take their defaults.
+
+    Raises ProtocolError (wrong type, unknown field, n != 1) or SamplingParamsError (out of
+    range), each naming the parameter.
+    """
+    obj = _object(obj, "params")
+    unknown = sorted(set(obj) - set(WIRE_PARAMS))
+    if unknown:
+        raise ProtocolError(unknown[0], f"unknown sampling parameter {unknown[0]!r}")
+    values: Json = {}
+    for name, kind in _PARAM_KINDS.items():
+        if name not in obj:
+            continue
+        value = obj[name]
+        if kind.endswith("?") and value is None:
+            values[name] = None
+        elif kind.startswith("int"):
+            values[name] = _int(value, name)
+        elif kind == "float":
+            values[name] = _float(value, name)
+        else:
+            if not isinstance(value, bool):
+                raise ProtocolError(name, f"{name} must be true or false")
+            values[name] = value
+    if "stop_token_ids" in obj:
+        values["stop_token_ids"] = _int_list(obj["stop_token_ids"], "stop_token_ids")
+    bias = obj.get("logit_bias")
+    if bias is not None:
+        bias = _object(bias, "logit_bias")
+        try:
+            values["logit_bias"] = {
+                int(k): _float(v, "logit_bias") for k, v in bias.items()
+            }
+        except ValueError as exc:  # int() of a key that is no number
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError("logit_bias", "logit_bias keys must be token ids") from exc
+    # The HTTP side fans n out into single completions; a replica runs one at a time, so
+    # seeds and ids stay under the caller's control.
+    if values.get("n", 1) != 1:
+        raise ProtocolError("n", "a replica runs one completion per request; n must be 1")
+    return SamplingParams(**values)  # validates ranges (SamplingParamsError)
+
+
+# -- generate -------------------------------------------------------------------------------
+
+@dataclass
+class GenerateRequest:
+    """The body of ``POST /v1/engine/generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    priority: int = 0
+
+    def to_json(self) -> Json:
+        """The wire body."""
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": self.prompt_token_ids,
+            "params": params_to_json(self.params),
+            "cache_salt": self.cache_salt,
+            "priority": self.priority,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerateRequest:
+        """Decode and type-check a body (ProtocolError / SamplingParamsError on bad input)."""
+        obj = _object(obj, None)
+        salt = obj.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ProtocolError("cache_salt", "cache_salt must be a string or null")
+        prompt = _int_list(obj.get("prompt_token_ids"), "prompt_token_ids")
+        if not prompt:
+            raise ProtocolError("prompt_token_ids", "prompt_token_ids is empty")
+        return cls(
+            request_id=_str(obj.get("request_id"), "request_id"),
+            prompt_token_ids=prompt,
+            params=params_from_json(obj.get("params", {})),
+            cache_salt=salt,
+            priority=_int(obj.get("priority", 0), "priority"),
+        )
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob and its top alternatives as (token id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class LogprobLike(Protocol):
+    """What the engine's TokenLogprobs offers (read-only view, to encode it torch-free)."""
+
+    @property
+    def logprob(self) -> float: ...
+
+    @property
+    def top(self) -> Sequence[tuple[int, float]]: ...
+
+
+class CoreOutputLike(Protocol):
+    """What the engine's EngineCoreOutput offers; `encode_delta` takes any such object."""
+
+    @property
+    def new_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def new_logprobs(self) -> Sequence[LogprobLike] | None: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def stop_reason(self) -> int | str | None: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_cached_tokens(self) -> int: ...
+
+
+@dataclass
+class CoreDelta:
+    """One engine step's output for one request, as the HTTP side receives it.
+
+    The same fields as the engine's EngineCoreOutput, so the HTTP side's OutputProcessor
+    can consume either. `finish_reason` is "stop", "length", "abort" (the replica aborted
+    it: an abort call or a drain past its bound) or None while running.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @classmethod
+    def from_json(cls, request_id: str, obj: Any) -> CoreDelta:
+        """Decode one stream line (the request id is not on the wire: the caller knows it)."""
+        obj = _object(obj, None)
+        raw_lps = obj.get("new_logprobs")
+        logprobs = None
+        if raw_lps is not None:
+            logprobs = [
+                TokenLogprob(float(lp["logprob"]), [(int(t), float(v)) for t, v in lp["top"]])
+                for lp in raw_lps
+            ]
+        finish = obj.get("finish_reason")
+        if finish not in (None, "stop", "length", "abort"):
+            raise ProtocolError("finish_reason", f"unknown finish_reason {finish!r}")
+        return cls(
+            request_id=request_id,
+            new_token_ids=_int_list(obj.get("new_token_ids"), "new_token_ids"),
+            new_logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=obj.get("stop_reason"),
+            num_prompt_tokens=_int(obj.get("num_prompt_tokens"), "num_prompt_tokens"),
+            num_cached_tokens=_int(obj.get("num_cached_tokens"), "num_cached_tokens"),
+        )
+
+
+def encode_delta(out: CoreOutputLike) -> bytes:
+    """One NDJSON stream line (with its newline) for an engine step's output."""
+    logprobs = None
+    if out.new_logprobs is not None:
+        logprobs = [
+            {"logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]}
+            for lp in out.new_logprobs
+        ]
+    return dumps({
+        "new_token_ids": list(out.new_token_ids),
+        "new_logprobs": logprobs,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_cached_tokens": out.num_cached_tokens,
+    }) + b"\n"
+
+
+def encode_stream_error(message: str, code: str = ENGINE_ERROR) -> bytes:
+    """The last line of a stream that failed after it began."""
+    return dumps({"error": {"message": message, "code": code}}) + b"\n"
+
+
+# -- abort, stop ----------------------------------------------------------------------------
+
+def abort_body(request_id: str) -> Json:
+    """The body of ``POST /v1/engine/abort``."""
+    return {"request_id": request_id}
+
+
+def stop_body(request_id: str, stop: str) -> Json:
+    """The body of ``POST /v1/engine/stop``."""
+    return {"request_id": request_id, "stop": stop}
+
+
+def decode_abort(obj: Any) -> str:
+    """The request id of an abort body."""
+    return _str(_object(obj, None).get("request_id"), "request_id")
+
+
+def decode_stop(obj: Any) -> tuple[str, str]:
+    """(request id, stop string) of a stop body."""
+    obj = _object(obj, None)
+    return _str(obj.get("request_id"), "request_id"), _str(obj.get("stop"), "stop")
+
+
+# -- stats, info ----------------------------------------------------------------------------
+
+#: ``GET /v1/engine/stats`` carries the engine's own EngineStats, field for field.
+ReplicaStats = EngineStats
+
+
+def stats_from_json(obj: Any) -> EngineStats:
+    """Decode a stats body; fields a newer replica adds beyond these are ignored."""
+    obj = _object(obj, None)
+    return EngineStats(**{f.name: obj[f.name] for f in fields(EngineStats)})
+
+
+@dataclass
+class ReplicaInfo:
+    """``GET /v1/engine/info``: what the HTTP side needs to know of the replica's model."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+
+    def to_json(self) -> Json:
+        """The wire body."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ReplicaInfo:
+        """Decode; unknown extra fields are ignored."""
+        obj = _object(obj, None)
+        return cls(**{f.name: obj[f.name] for f in fields(cls)})
+

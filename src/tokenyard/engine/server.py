@@ -1,0 +1,325 @@
+"""An engine replica as an HTTP server: token ids in, one NDJSON line per engine step out.
+
+The wire format is `engine/protocol.py`. aiohttp rather than starlette + uvicorn: it costs
+less CPU per request and per streamed line, and the replica's CPU belongs to the model.
+
+- A client that disconnects mid-stream cancels its handler (aiohttp's
+  `handler_cancellation`), which closes the request's CoreStream: the request is aborted
+  and its KV blocks freed before the next engine step.
+- SIGTERM (or SIGINT) drains: new requests get 503 ``draining``, in-flight ones run to
+  their end for up to `drain_timeout` seconds, then whatever is left is aborted (its
+  stream ends with finish_reason "abort") and the process exits 0. A second signal
+  skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from tokenyard.config import EngineConfig
+from tokenyard.engine.async_core import AsyncEngineCore
+from tokenyard.engine.frontend import make_request
+from tokenyard.engine.protocol import (
+    ABORT_PATH,
+    CONTEXT_LENGTH_EXCEEDED,
+    DRAINING,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    INFO_PATH,
+    INVALID_REQUEST,
+    NDJSON,
+    OVERLOADED,
+    STATS_PATH,
+    STOP_PATH,
+    GenerateRequest,
+    ProtocolError,
+    ReplicaInfo,
+    decode_abort,
+    decode_stop,
+    dumps,
+    encode_delta,
+    encode_stream_error,
+    error_body,
+)
+from tokenyard.engine.sampling_params import SamplingParamsError
+from tokenyard.engine.scheduler import QueueFullError
+
+# A 128k-token prompt is about 1 MiB of JSON; aiohttp's default body cap is 1 MiB.
+MAX_BODY_BYTES = 16 * 2**20
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=dumps(obj), status=status, content_type="application/json", headers=headers
+    )
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None, code: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ReplicaServer:
+    """The replica's HTTP routes over one AsyncEngineCore, and its drain on shutdown."""
+
+    def __init__(
+        self,
+        engine: AsyncEngineCore,
+        *,
+        drain_timeout: float = 30.0,
+        retry_after_s: int = 1,
+    ) -> None:
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.retry_after_s = retry_after_s
+        self.draining = False
+        self._in_flight: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._force = asyncio.Event()
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application with every replica route."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post(GENERATE_PATH, self.generate)
+        app.router.add_post(ABORT_PATH, self.abort)
+        app.router.add_post(STOP_PATH, self.stop)
+        app.router.add_get(STATS_PATH, self.stats)
+        app.router.add_get(INFO_PATH, self.info)
+        app.router.add_get(HEALTH_PATH, self.health)
+        return app
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # -- routes --------------------------------------------------------------------------
+    async def generate(self, http: web.Request) -> web.StreamResponse:
+        """Admit a request, then stream its per-step deltas until it finishes."""
+        if self.draining or not self.engine.is_running:
+            return self._unavailable(DRAINING, "the replica is shutting down")
+        try:
+            body = await _read_json(http)
+            wire = GenerateRequest.from_json(body)
+            self._check_fits(wire)
+        except _BadRequest as exc:
+            return _json(error_body(str(exc), exc.code, exc.param), status=400)
+        except (ProtocolError, SamplingParamsError) as exc:
+            return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
+        request = make_request(
+            wire.request_id, wire.prompt_token_ids, wire.params, self.engine.eos_token_ids,
+            cache_salt=wire.cache_salt, priority=wire.priority,
+        )
+        try:
+            stream = await self.engine.submit([request])
+        except QueueFullError as exc:
+            return self._unavailable(OVERLOADED, str(exc))
+        except ValueError as exc:  # larger than the KV pool, a duplicate id
+            return _json(error_body(str(exc), INVALID_REQUEST), status=400)
+        self._in_flight.add(wire.request_id)
+        self._idle.clear()
+        try:
+            response = web.StreamResponse(headers={"Content-Type": NDJSON})
+            try:
+                await response.prepare(http)
+                async for batch in stream:
+                    await response.write(b"".join(encode_delta(out) for out in batch))
+                await response.write_eof()
+            except ConnectionResetError:
+                pass  # the client left; `finally` aborts the request
+            except Exception as exc:  # the engine failed this request after it began
+                with contextlib.suppress(ConnectionResetError):
+                    await response.write(encode_stream_error(f"engine step failed: {exc}"))
+                    await response.write_eof()
+            return response
+        finally:
+            # Also reached on cancellation (the client disconnected): abort what is left.
+            stream.close()
+            self._in_flight.discard(wire.request_id)
+            if not self._in_flight:
+                self._idle.set()
+
+    async def abort(self, http: web.Request) -> web.Response:
+        """Abort a request; its stream ends with finish_reason "abort"."""
+        try:
+            request_id = decode_abort(await _read_json(http))
+        except (_BadRequest, ProtocolError) as exc:
+            return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
+        self.engine.abort(request_id)
+        return _json({"ok": True})
+
+    async def stop(self, http: web.Request) -> web.Response:
+        """The HTTP side matched a stop string: finish the request as stopped."""
+        try:
+            request_id, stop = decode_stop(await _read_json(http))
+        except (_BadRequest, ProtocolError) as exc:
+            return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
+        self.engine.finish_with_stop_string(request_id, stop)
+        return _json({"ok": True})
+
+    async def stats(self, http: web.Request) -> web.Response:
+        """The engine's counters (`ReplicaStats` on the wire)."""
+        return _json(asdict(self.engine.stats()))
+
+    async def info(self, http: web.Request) -> web.Response:
+        """What the HTTP side needs to know of this replica's model."""
+        core = self.engine.core
+        info = ReplicaInfo(
+            model=self.engine.model_name,
+            max_model_len=core.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size,
+            eos_token_ids=sorted(self.engine.eos_token_ids),
+            block_size=core.kv.block_size,
+            num_kv_blocks=core.kv.num_blocks,
+        )
+        return _json(info.to_json())
+
+    async def health(self, http: web.Request) -> web.Response:
+        """200 while admitting; 503 while draining or if the step loop died."""
+        if not self.engine.is_running:
+            return _json({"status": "dead"}, status=503)
+        if self.draining:
+            return _json({"status": "draining"}, status=503)
+        return _json({"status": "ok"})
+
+    # -- shutdown ------------------------------------------------------------------------
+    def request_shutdown(self) -> None:
+        """Begin draining; called again, stop waiting for in-flight requests."""
+        if self.draining:
+            self._force.set()
+        self.draining = True
+
+    async def drain(self) -> None:
+        """Refuse new requests; wait for in-flight ones (bounded), then abort the rest."""
+        self.draining = True
+        if self._in_flight:
+            print(
+                f"tokenyard engine: draining {len(self._in_flight)} requests "
+                f"(up to {self.drain_timeout:g} s)", file=sys.stderr, flush=True,
+            )
+            await _first_of(self._idle.wait(), self._force.wait(), timeout=self.drain_timeout)
+        if self._in_flight:
+            for request_id in list(self._in_flight):
+                self.engine.abort(request_id)
+            # Their streams now end with an "abort" line; let the handlers write it.
+            await _first_of(self._idle.wait(), timeout=5.0)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _check_fits(self, wire: GenerateRequest) -> None:
+        n, window = len(wire.prompt_token_ids), self.engine.max_model_len
+        if n >= window:
+            raise _BadRequest(
+                f"the prompt has {n} tokens; this model's context window is {window} tokens "
+                f"(the prompt must be shorter, to leave room for output)",
+                "prompt_token_ids", CONTEXT_LENGTH_EXCEEDED,
+            )
+        # An id past the embedding table would fail the whole batched step, not just this
+        # request: refuse it here.
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in wire.prompt_token_ids):
+            raise _BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt_token_ids")
+        if any(not 0 <= t < vocab for t in wire.params.logit_bias or {}):
+            raise _BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+
+    def _unavailable(self, code: str, message: str) -> web.Response:
+        return _json(
+            error_body(message, code), status=503,
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
+
+async def _read_json(http: web.Request) -> Any:
+    try:
+        return json.loads(await http.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _BadRequest(f"the body is not valid JSON: {exc}", None) from exc
+
+
+async def _first_of(*waits: Any, timeout: float) -> None:
+    """Wait until the first of some coroutines is done, at most `timeout` seconds."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def run_server(
+    engine: AsyncEngineCore,
+    host: str,
+    port: int,
+    *,
+    drain_timeout: float = 30.0,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and return.
+
+    `port` 0 binds a free port; `on_ready` receives the URL actually served.
+    """
+    server = ReplicaServer(engine, drain_timeout=drain_timeout)
+    runner = web.AppRunner(
+        server.make_app(),
+        handler_cancellation=True,  # a disconnect cancels the handler: abort at once
+        access_log=None,  # per-request logging costs CPU the model could use
+        shutdown_timeout=1.0,  # handlers are already done when cleanup runs
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        shown = f"[{host}]" if ":" in host else host
+        url = f"http://{shown}:{bound}"
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            server.request_shutdown()
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        if on_ready is not None:
+            on_ready(url)
+        await stop.wait()
+        await server.drain()
+    finally:
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+
+
+def serve_engine(
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    *,
+    drain_timeout: float = 30.0,
+    show_progress: bool = True,
+    **engine_config: Any,
+) -> int:
+    """Load the model, serve the replica API until SIGTERM, drain, and return 0.
+
+    Keyword arguments beyond these are EngineConfig fields.
+    """
+    config = EngineConfig.from_env(**engine_config)
+    engine = AsyncEngineCore(config, show_progress=show_progress)
+
+    def ready(url: str) -> None:
+        print(f"tokenyard engine: {engine.model_name} serving at {url}", flush=True)
+
+    try:
+        asyncio.run(run_server(engine, host, port, drain_timeout=drain_timeout, on_ready=ready))
+    finally:
+        engine.shutdown()
+    return 0

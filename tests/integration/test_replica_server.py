@@ -1,0 +1,265 @@
+"""`tokenyard engine` as a real process, driven through ReplicaClient over HTTP.
+
+One replica process serves the whole module (loading the model takes seconds). It runs
+one request at a time with a waiting queue of one, so overload is easy to provoke. The
+SIGTERM test stops it, so it stays last in the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, TypeVar
+
+import pytest
+
+from tokenyard.balancer.replica_client import (
+    ReplicaClient,
+    ReplicaOverloaded,
+    ReplicaRequestError,
+)
+from tokenyard.engine.llm import LLM
+from tokenyard.engine.protocol import CoreDelta, ReplicaStats
+from tokenyard.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Replica:
+    proc: subprocess.Popen[str]
+    url: str
+    stderr: IO[str]
+
+    def log(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-3000:]
+
+
+def _read_url(proc: subprocess.Popen[str], timeout: float) -> str | None:
+    """The URL the replica prints once it serves (None if it died or took too long)."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not selector.select(timeout=deadline - time.monotonic()):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                return None  # EOF: the process exited
+            match = re.search(r"http://\S+", line)
+            if match:
+                return match.group(0)
+    finally:
+        selector.close()
+    return None
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[Replica]:
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "tokenyard.cli", "engine",
+                "--host", "127.0.0.1", "--port", "0",  # port 0: the OS picks a free one
+                "--kv-cache-gib", "0.05", "--max-num-seqs", "1",
+                "--max-waiting-requests", "1", "--drain-timeout", "20",
+            ],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ),
+        )
+        replica = Replica(proc, "", stderr)
+        try:
+            url = _read_url(proc, timeout=120)
+            if url is None:
+                pytest.fail(f"the replica did not start:\n{replica.log()}")
+            replica.url = url
+            yield replica
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def run(url: str, scenario: Callable[[ReplicaClient], Awaitable[T]]) -> T:
+    """Run an async scenario with a fresh client (its session lives in this loop)."""
+
+    async def main() -> T:
+        async with ReplicaClient(url) as client:
+            return await scenario(client)
+
+    return asyncio.run(main())
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+async def wait_idle(client: ReplicaClient, within: float) -> ReplicaStats:
+    """Poll stats until nothing runs or waits and every KV block is free."""
+    deadline = time.monotonic() + within
+    while True:
+        stats = await client.stats()
+        idle = stats.num_running == 0 and stats.num_waiting == 0
+        if idle and stats.num_free_kv_blocks == stats.num_kv_blocks:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replica not idle after {within} s: {stats}")
+        await asyncio.sleep(0.02)
+
+
+def test_http_side_modules_never_import_torch() -> None:
+    code = (
+        "import sys, tokenyard.engine.protocol, tokenyard.balancer.replica_client\n"
+        "import tokenyard.engine.output_processor, tokenyard.api.convert\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_info_and_health(replica: Replica) -> None:
+    async def scenario(client: ReplicaClient) -> None:
+        assert await client.health()
+        info = await client.info()
+        assert info.max_model_len == 8192 and info.vocab_size == 49152
+        assert info.block_size == 16 and info.num_kv_blocks > 0 and info.eos_token_ids
+
+    run(replica.url, scenario)
+
+
+def test_greedy_generate_matches_the_in_process_engine(replica: Replica, llm: LLM) -> None:
+    ids = llm.frontend.prompt_token_ids(CHAT)
+    expected = llm.generate([ids], greedy(16))[0].token_ids
+
+    async def scenario(client: ReplicaClient) -> list[CoreDelta]:
+        return [d async for d in client.generate("greedy", ids, greedy(16, logprobs=2))]
+
+    deltas = run(replica.url, scenario)
+    assert [t for d in deltas for t in d.new_token_ids] == expected
+    assert [d.finish_reason for d in deltas] == [None] * 15 + ["length"]
+    assert deltas[0].num_prompt_tokens == len(ids)
+    assert all(d.new_logprobs is not None and len(d.new_logprobs[0].top) == 2 for d in deltas)
+
+
+def test_prompt_longer_than_the_context_and_bad_params_are_400(replica: Replica) -> None:
+    async def scenario(client: ReplicaClient) -> None:
+        with pytest.raises(ReplicaRequestError) as info:
+            async for _ in client.generate("long", [5] * 9000, greedy(4)):
+                pass
+        assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+        assert "9000" in info.value.message and "8192" in info.value.message
+        with pytest.raises(ReplicaRequestError) as info:
+            async for _ in client.generate("n2", [5, 6], SamplingParams(n=2)):
+                pass
+        assert info.value.status == 400 and info.value.param == "n"
+
+    run(replica.url, scenario)
+
+
+def test_client_that_stops_reading_aborts_and_frees_blocks_within_a_second(
+    replica: Replica,
+) -> None:
+    async def scenario(client: ReplicaClient) -> None:
+        stream = client.generate("leaver", [1, 2, 3, 4, 5], greedy(500))
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.aclose()  # closes the HTTP stream; the replica must notice alone
+        await wait_idle(client, within=1.0)
+
+    run(replica.url, scenario)
+
+
+def test_full_waiting_queue_answers_503_with_retry_after(replica: Replica) -> None:
+    async def scenario(client: ReplicaClient) -> ReplicaOverloaded:
+        running = client.generate("running", [7, 8, 9], greedy(500))
+        await anext(running)  # admitted and running: the one running slot is taken
+
+        async def consume() -> None:
+            async for _ in client.generate("waiting", [7, 8, 10], greedy(500)):
+                pass
+
+        waiting = asyncio.create_task(consume())
+        try:
+            for _ in range(100):
+                if (await client.stats()).num_waiting == 1:
+                    break
+                await asyncio.sleep(0.02)
+            with pytest.raises(ReplicaOverloaded) as info:
+                async for _ in client.generate("shed", [7, 8, 11], greedy(4)):
+                    pass
+        finally:
+            waiting.cancel()
+            await running.aclose()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await wait_idle(client, within=2.0)
+        return info.value
+
+    overloaded = run(replica.url, scenario)
+    assert overloaded.code == "overloaded" and overloaded.retry_after == 1.0
+
+
+def test_stop_and_abort_end_the_stream(replica: Replica) -> None:
+    async def scenario(client: ReplicaClient) -> tuple[list[CoreDelta], list[CoreDelta]]:
+        ends: list[list[CoreDelta]] = []
+        for request_id in ("stopped", "aborted"):
+            deltas: list[CoreDelta] = []
+            async for delta in client.generate(request_id, [3, 1, 4, 1, 5], greedy(300)):
+                deltas.append(delta)
+                if len(deltas) == 2:
+                    if request_id == "stopped":
+                        await client.stop(request_id, "xyz")
+                    else:
+                        await client.abort(request_id)
+            ends.append(deltas)
+        await wait_idle(client, within=1.0)
+        return ends[0], ends[1]
+
+    stopped, aborted = run(replica.url, scenario)
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == "xyz"
+    assert stopped[-1].new_token_ids == [] and len(stopped) < 20
+    assert aborted[-1].finish_reason == "abort" and len(aborted) < 20
+
+
+def test_sigterm_lets_in_flight_requests_finish_refuses_new_ones_and_exits_0(
+    replica: Replica,
+) -> None:
+    async def scenario(client: ReplicaClient) -> tuple[list[CoreDelta], ReplicaOverloaded]:
+        stream = client.generate("in-flight", [2, 7, 1, 8], greedy(40))
+        deltas = [await anext(stream)]
+        replica.proc.send_signal(signal.SIGTERM)
+        for _ in range(100):
+            if not await client.health():
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(ReplicaOverloaded) as info:
+            async for _ in client.generate("late", [2, 7], greedy(4)):
+                pass
+        deltas += [d async for d in stream]
+        return deltas, info.value
+
+    deltas, refused = run(replica.url, scenario)
+    assert refused.code == "draining"
+    assert len(deltas) == 40 and deltas[-1].finish_reason == "length"
+    assert replica.proc.wait(timeout=15) == 0, replica.log()
