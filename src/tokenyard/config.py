@@ -8,8 +8,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("TOKENYARD_CACHE", Path.home() / ".cache" / "tokenyard"))
+def default_cache_dir() -> Path:
+    """`$TOKENYARD_CACHE` if set, else `~/.cache/tokenyard`: converted models, kernels."""
+    env = os.environ.get("TOKENYARD_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenyard"
+
+
+def kernels_disabled() -> bool:
+    """`TOKENYARD_DISABLE_KERNELS=1`: use the pure-torch paths instead of C++ kernels."""
+    value = os.environ.get("TOKENYARD_DISABLE_KERNELS", "").strip().lower()
+    return value not in ("", "0", "false", "no")
 
 
 @dataclass
@@ -19,7 +27,7 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None: the embedded SmolLM2
     weights: str = "float32"  # "float32" or "int8" (CPU, fbgemm dynamic quantization)
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    cache_dir: Path = field(default_factory=_default_cache_dir)
+    cache_dir: Path = field(default_factory=default_cache_dir)
     block_size: int = 16  # tokens per KV block
     kv_cache_gib: float = 1.0  # KV pool size; ignored when num_kv_blocks is set
     num_kv_blocks: int | None = None

@@ -40,9 +40,9 @@ def load_paged_decode(cache_dir: Path | None = None) -> PagedDecodeFn | None:
     context_lens[i] cached tokens, addressed through block_tables [N, max_blocks].
     """
     if cache_dir is None:
-        from tokenyard.config import _default_cache_dir
+        from tokenyard.config import default_cache_dir
 
-        cache_dir = _default_cache_dir()
+        cache_dir = default_cache_dir()
     module = load_kernel("paged_decode", cache_dir)
     if module is None:
         return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -20,20 +19,17 @@ from types import ModuleType
 
 import torch
 
+from tokenyard.config import kernels_disabled
+
 log = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).resolve().parent
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _LDFLAGS = ["-fopenmp"]
-DISABLE_ENV = "TOKENYARD_DISABLE_KERNELS"
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 _reasons: dict[str, str] = {}
-
-
-def kernels_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _build_hash(source: bytes) -> str:
@@ -54,7 +50,7 @@ def load_kernel(name: str, cache_dir: Path) -> ModuleType | None:
         module: ModuleType | None = None
         try:
             if kernels_disabled():
-                raise _Unavailable(f"{DISABLE_ENV} is set")
+                raise _Unavailable("TOKENYARD_DISABLE_KERNELS is set")
             module = _compile(name, cache_dir)
         except _Unavailable as exc:
             _reasons[name] = str(exc)

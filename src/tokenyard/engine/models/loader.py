@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenyard.config import default_cache_dir
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
 from tokenyard.engine.models.hf_loader import load_hf_folder
@@ -59,12 +60,6 @@ class LoadedModel:
     source: Path
     from_cache: bool = False
     cache_path: Path | None = None
-
-
-def default_cache_dir() -> Path:
-    """`$TOKENYARD_CACHE` if set, else `~/.cache/tokenyard`."""
-    env = os.environ.get("TOKENYARD_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenyard"
 
 
 def embedded_model_path() -> Path:
