@@ -20,7 +20,6 @@ from tokenyard.engine.models.loader import build_model, load_model
 from tokenyard.engine.output_processor import OutputProcessor, child_params
 from tokenyard.engine.outputs import RequestOutput
 from tokenyard.engine.request import Request
-from tokenyard.engine.sampler import make_generator
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.text.chat_template import DEFAULT_CHATML_TEMPLATE, render_chat
 from tokenyard.text.tokenizer import Tokenizer
@@ -84,7 +83,7 @@ def make_request(
     cache_salt: str | None = None,
     priority: int = 0,
 ) -> Request:
-    """One core request (a single completion), with its own generator when seeded."""
+    """One core request (a single completion); the runner makes its seeded generator."""
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
@@ -92,7 +91,6 @@ def make_request(
         eos_token_ids=eos_token_ids,
         cache_salt=cache_salt,
         priority=priority,
-        generator=make_generator(params.seed) if params.seed is not None else None,
     )
 
 
