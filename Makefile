@@ -1,11 +1,11 @@
-# tokenyard — `make serve` (once the serving issue lands), `make test`, `make bench`.
+# tokenyard — `make serve`, `make test`, `make bench`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: venv test lint unit bench generate clean
+.PHONY: venv test lint unit bench generate serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ test: lint unit
 
 bench: venv
 	$(VENV)/bin/tokenyard bench offline --write docs/benchmarks.md
+
+serve: venv
+	$(VENV)/bin/tokenyard serve
 
 generate: venv
 	$(VENV)/bin/tokenyard generate "$(PROMPT)" --chat

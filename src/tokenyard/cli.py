@@ -70,10 +70,71 @@ def _engine(args: argparse.Namespace) -> int:
     )
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tokenyard.api.serve import serve
+
+    # The replica child gets the same engine flags back, spelled as its parser wants them.
+    flags = {"num_threads": "--threads"}
+    engine_args: list[str] = []
+    for name, value in _engine_kwargs(args).items():
+        engine_args += [flags.get(name, "--" + name.replace("_", "-")), str(value)]
+    try:
+        return serve(
+            args.host, args.port, engine_args, model=args.model, replica_url=args.replica_url,
+            drain_timeout=args.drain_timeout,
+        )
+    except (RuntimeError, OSError) as exc:  # the replica failed to start, port in use, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tokenyard.bench.offline import main as offline_main
 
     return offline_main(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from tokenyard.chat import main as chat_main
+
+    return chat_main(
+        args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        system=args.system,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _add_chat_parser(sub: Any) -> None:
+    chat = sub.add_parser("chat", help="chat with a running server in the terminal")
+    chat.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                      help="the server's OpenAI-compatible base URL")
+    chat.add_argument("--model", help="model name (default: the first the server lists)")
+    chat.add_argument("--api-key", help="sent as a bearer token")
+    chat.add_argument("--system", help="system message")
+    chat.add_argument("--temperature", type=float)
+    chat.add_argument("--max-tokens", type=int)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
+    serve.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    serve.add_argument("--replica-url",
+                       help="use this running `tokenyard engine` instead of starting one")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds to let in-flight requests finish")
+    _add_engine_args(serve)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """A parser with only `serve`: the full one imports the benchmark (and so torch), and
+    the HTTP process must never load torch."""
+    parser = argparse.ArgumentParser(prog="tokenyard", description=__doc__)
+    _add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM, seconds to let in-flight requests finish")
     _add_engine_args(engine)
 
+    _add_serve_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = bench_sub.add_parser("offline", help="the engine alone, no HTTP")
@@ -106,18 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(offline)
     _add_engine_args(offline)
+
+    _add_chat_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _serve_parser() if argv[:1] == ["serve"] else build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return asyncio.run(_generate(args))
         if args.command == "engine":
             return _engine(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "chat":
+            return _chat(args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError) as exc:

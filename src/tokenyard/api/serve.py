@@ -1,0 +1,186 @@
+"""`tokenyard serve`: the HTTP process plus (unless given one) its engine replica process.
+
+The replica (`tokenyard engine`) is a child process on a free local port: it alone imports
+torch and runs the step loop; this process stays torch-free and serves the HTTP API. On
+SIGTERM/SIGINT this process stops admitting, asks the replica to drain (it finishes or
+aborts in-flight requests within its bound), lets the open responses end, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from tokenyard.api.app import build_state, make_app
+from tokenyard.balancer.replica_client import ReplicaError
+from tokenyard.config import default_cache_dir
+
+logger = logging.getLogger("tokenyard.serve")
+
+#: The replica's ready line, printed by `tokenyard engine` once it listens.
+_READY_MARK = " serving at "
+#: First start converts the GGUF (tens of seconds); later starts read the cache.
+REPLICA_START_TIMEOUT_S = 600.0
+#: After the replica has drained, how long open HTTP responses may take to finish.
+HTTP_SHUTDOWN_TIMEOUT_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends it SIGTERM when this process dies, so a
+    crashed or SIGKILLed server never leaves an orphan replica holding the model."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def _forward_output(stream: asyncio.StreamReader) -> None:
+    """Copy the replica's remaining output to our stderr (its logs stay visible)."""
+    while line := await stream.readline():
+        sys.stderr.write(line.decode("utf-8", "replace"))
+        sys.stderr.flush()
+
+
+async def start_replica(
+    engine_args: Sequence[str], drain_timeout: float
+) -> tuple[asyncio.subprocess.Process, str, asyncio.Task[None]]:
+    """Start `tokenyard engine` on a free 127.0.0.1 port; return it once it listens."""
+    cmd = [sys.executable, "-m", "tokenyard.cli", "engine", "--host", "127.0.0.1",
+           "--port", "0", "--drain-timeout", str(drain_timeout), *engine_args]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=None, preexec_fn=_die_with_parent
+    )
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(REPLICA_START_TIMEOUT_S):
+            while True:
+                raw = await proc.stdout.readline()
+                if not raw:
+                    code = await proc.wait()
+                    raise RuntimeError(f"the engine replica exited with code {code} before "
+                                       "it was ready (see its output above)")
+                line = raw.decode("utf-8", "replace")
+                if _READY_MARK in line:
+                    url = line.rsplit(_READY_MARK, 1)[1].strip()
+                    break
+                sys.stderr.write(line)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise
+    return proc, url, asyncio.create_task(_forward_output(proc.stdout))
+
+
+def banner(base_url: str, model: str, replica_url: str) -> str:
+    """What a person needs to start using the server, ready to paste."""
+    curl_body = json.dumps({"model": model,
+                            "messages": [{"role": "user", "content": "Say hello."}]})
+    return "\n".join([
+        f"tokenyard serving {model} at {base_url}",
+        f"  OpenAI base URL:    {base_url}/v1",
+        f"  Anthropic base URL: {base_url}",
+        f"  replica: {replica_url}",
+        "",
+        "curl:",
+        f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"    -d '{curl_body}'",
+        "",
+        "Python:",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{base_url}/v1", api_key="unused")',
+        f'  r = client.chat.completions.create(model="{model}",',
+        '      messages=[{"role": "user", "content": "Say hello."}])',
+        "  print(r.choices[0].message.content)",
+        "",
+    ])
+
+
+async def run(
+    host: str,
+    port: int,
+    engine_args: Sequence[str],
+    *,
+    model: str | None,
+    replica_url: str | None = None,
+    drain_timeout: float = 30.0,
+    cache_dir: Path | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and return 0."""
+    proc: asyncio.subprocess.Process | None = None
+    forward: asyncio.Task[None] | None = None
+    if replica_url is None:
+        proc, replica_url, forward = await start_replica(engine_args, drain_timeout)
+    runner: web.AppRunner | None = None
+    try:
+        try:
+            state = await build_state(replica_url, model, cache_dir or default_cache_dir())
+        except ReplicaError as exc:
+            raise RuntimeError(f"cannot reach the replica at {replica_url}: {exc}") from exc
+        # handler_cancellation: a client that goes away cancels its handler, which closes
+        # the replica stream, which aborts the request there and frees its blocks.
+        runner = web.AppRunner(make_app(state), handler_cancellation=True,
+                               shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        shown = f"[{host}]" if ":" in host else host
+        print(banner(f"http://{shown}:{bound}", state.model, replica_url), flush=True)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        child_exit = asyncio.ensure_future(proc.wait()) if proc is not None else None
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
+        if child_exit is not None:
+            waiters.append(child_exit)
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            logger.error("the engine replica exited unexpectedly")
+            print("tokenyard serve: the engine replica exited; stopping", file=sys.stderr)
+            return 1
+        # Stop admitting new requests; in-flight ones go on while the replica drains.
+        state.admitting = False
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), drain_timeout + 10.0)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        if forward is not None:
+            forward.cancel()
+
+
+def serve(
+    host: str,
+    port: int,
+    engine_args: Sequence[str],
+    *,
+    model: str | None,
+    replica_url: str | None = None,
+    drain_timeout: float = 30.0,
+) -> int:
+    """Blocking entry point of `tokenyard serve`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return asyncio.run(run(host, port, engine_args, model=model, replica_url=replica_url,
+                           drain_timeout=drain_timeout))

@@ -1,0 +1,79 @@
+"""One `tokenyard serve` for the whole e2e session, on a free 127.0.0.1 port.
+
+The server prints a banner once it serves; the fixture reads the base URL and the
+replica's URL from it (the disconnect test watches the replica's engine stats).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+_SERVING = re.compile(r"tokenyard serving (\S+) at (http://\S+)")
+_REPLICA = re.compile(r"replica: (http://\S+)")
+START_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str
+    model: str
+    replica_url: str
+
+
+def _read_banner(proc: subprocess.Popen[str], found: dict[str, str], ready: threading.Event,
+                 lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if m := _SERVING.search(line):
+            found["model"], found["base_url"] = m.group(1), m.group(2)
+        if m := _REPLICA.search(line):
+            found["replica_url"] = m.group(1)
+            ready.set()
+    ready.set()  # the process ended: let the fixture fail with its output
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that needs the server loads the model: mark it slow."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A small step budget keeps the 2-core machine responsive for the test client.
+    cmd = [sys.executable, "-m", "tokenyard.cli", "serve", "--port", "0",
+           "--drain-timeout", "5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    found: dict[str, str] = {}
+    lines: list[str] = []
+    ready = threading.Event()
+    reader = threading.Thread(target=_read_banner, args=(proc, found, ready, lines),
+                              daemon=True)
+    reader.start()
+    try:
+        ready.wait(START_TIMEOUT_S)
+        if "replica_url" not in found:
+            pytest.fail("tokenyard serve did not start:\n" + "".join(lines[-40:]))
+        yield Server(found["base_url"], found["model"], found["replica_url"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        # Graceful shutdown is part of the contract: SIGTERM → exit 0.
+        assert code == 0, "".join(lines[-40:])

@@ -1,0 +1,111 @@
+"""The official `openai` SDK against `tokenyard serve`."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.slow
+
+HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_replica_model(client: openai.OpenAI, server: Server) -> None:
+    assert [m.id for m in client.models.list().data] == [server.model]
+
+
+def test_chat_non_stream(client: openai.OpenAI, server: Server) -> None:
+    r = client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=16)
+    assert r.object == "chat.completion" and r.model == server.model
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage is not None and r.usage.prompt_tokens > 0
+    assert 0 < r.usage.completion_tokens <= 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details is not None
+
+
+def test_chat_stream_with_usage(client: openai.OpenAI, server: Server) -> None:
+    chunks = list(client.chat.completions.create(
+        model=server.model, messages=HELLO, max_tokens=8, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert last.usage.completion_tokens == 8 or finish[0].choices[0].finish_reason == "stop"
+
+
+def test_n_choices(client: openai.OpenAI, server: Server) -> None:
+    r = client.chat.completions.create(
+        model=server.model, messages=HELLO, max_tokens=6, n=2, temperature=1.0, seed=3
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage is not None
+    assert r.usage.completion_tokens <= 12
+
+
+def test_seed_reproducible_at_temperature_1(client: openai.OpenAI, server: Server) -> None:
+    def once() -> str | None:
+        r = client.chat.completions.create(
+            model=server.model, messages=HELLO, max_tokens=12, temperature=1.0, seed=1234
+        )
+        return r.choices[0].message.content
+
+    assert once() == once()
+
+
+def test_logprobs(client: openai.OpenAI, server: Server) -> None:
+    r = client.chat.completions.create(
+        model=server.model, messages=HELLO, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+
+
+def test_stop_string(client: openai.OpenAI, server: Server) -> None:
+    free = client.chat.completions.create(
+        model=server.model, messages=HELLO, max_tokens=12, temperature=0
+    ).choices[0].message.content
+    assert free and len(free) > 3
+    stop = free[2:4]
+    r = client.chat.completions.create(
+        model=server.model, messages=HELLO, max_tokens=12, temperature=0, stop=[stop]
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert stop not in (choice.message.content or "")
+    assert free.startswith(choice.message.content or "")
+
+
+def test_completions_endpoint(client: openai.OpenAI, server: Server) -> None:
+    r = client.completions.create(model=server.model, prompt="The capital of France is",
+                                  max_tokens=5, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text
+    assert r.usage is not None and r.usage.completion_tokens == 5
+
+
+def test_bad_temperature_is_bad_request(client: openai.OpenAI, server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, messages=HELLO, temperature=7)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "temperature"  # type: ignore[index]
+
+
+def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=HELLO)
+    assert info.value.body["code"] == "model_not_found"  # type: ignore[index]

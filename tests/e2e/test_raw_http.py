@@ -1,0 +1,359 @@
+"""Raw HTTP against `tokenyard serve`: client faults get the right status and shape."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tests.e2e.conftest import Server
+
+
+def test_http_process_modules_never_import_torch() -> None:
+    # The HTTP process must stay torch-free (DESIGN §2): torch belongs to the replica.
+    code = (
+        "import sys, tokenyard.api.app, tokenyard.api.serve, tokenyard.cli\n"
+        "tokenyard.cli._serve_parser().parse_args(['serve', '--port', '0'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _chat(server: Server, **extra: Any) -> dict[str, Any]:
+    return {"model": server.model, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4, **extra}
+
+
+def test_replica_overload_maps_to_503_and_529_with_retry_after() -> None:
+    from tokenyard.api.app import _replica_error
+    from tokenyard.api.errors import render_anthropic, render_openai
+    from tokenyard.balancer.replica_client import ReplicaOverloaded, ReplicaRequestError
+
+    err = _replica_error(ReplicaOverloaded(2.0, "queue full", "overloaded"))
+    openai_err, anthropic_err = render_openai(err), render_anthropic(err)
+    assert openai_err.status == 503 and anthropic_err.status == 529
+    assert openai_err.headers["retry-after"] == anthropic_err.headers["retry-after"] == "2"
+    too_long = _replica_error(ReplicaRequestError(400, "too long", "messages",
+                                                  "context_length_exceeded"))
+    assert (too_long.status, too_long.code) == (400, "context_length_exceeded")
+
+
+async def _post(url: str, data: bytes | str, headers: dict[str, str] | None = None
+                ) -> tuple[int, Any, Any]:
+    async with aiohttp.ClientSession() as session, session.post(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    ) as r:
+        return r.status, await r.json(content_type=None), r.headers
+
+
+def post(url: str, data: bytes | str, headers: dict[str, str] | None = None
+         ) -> tuple[int, Any, Any]:
+    return asyncio.run(_post(url, data, headers))
+
+
+def get(url: str) -> tuple[int, Any, Any]:
+    async def go() -> tuple[int, Any, Any]:
+        async with aiohttp.ClientSession() as session, session.get(url) as r:
+            return r.status, await r.json(content_type=None), r.headers
+    return asyncio.run(go())
+
+
+def assert_openai_error(body: Any, param: str | None = None) -> None:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def assert_anthropic_error(body: Any) -> None:
+    assert body["type"] == "error"
+    assert body["error"]["type"] and body["error"]["message"]
+
+
+def test_malformed_json(server: Server) -> None:
+    status, body, _ = post(server.base_url + "/v1/chat/completions", b'{"model": ')
+    assert status == 400
+    assert_openai_error(body)
+    status, body, _ = post(server.base_url + "/v1/messages", b"{nope")
+    assert status == 400
+    assert_anthropic_error(body)
+
+
+def test_wrong_types(server: Server) -> None:
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps(_chat(server, temperature="hot")))
+    assert status == 400
+    assert_openai_error(body, "temperature")
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps({"model": server.model, "messages": "hi"}))
+    assert status == 400
+    assert_openai_error(body, "messages")
+
+
+def test_huge_body_is_413(server: Server) -> None:
+    big = json.dumps(_chat(server, user="x" * (5 * 2**20)))
+    status, body, _ = post(server.base_url + "/v1/chat/completions", big)
+    assert status == 413
+    assert_openai_error(body)
+    status, body, _ = post(server.base_url + "/v1/messages", big)
+    assert status == 413
+    assert_anthropic_error(body)
+
+
+def test_deep_nesting(server: Server) -> None:
+    deep = '{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    status, body, _ = post(server.base_url + "/v1/chat/completions", deep)
+    assert status == 400
+    assert_openai_error(body)
+
+
+def test_unknown_fields_are_ignored(server: Server) -> None:
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps(_chat(server, not_a_field=1, also={"x": [1]})))
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_empty_messages(server: Server) -> None:
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps({"model": server.model, "messages": []}))
+    assert status == 400
+    assert_openai_error(body, "messages")
+    status, body, _ = post(server.base_url + "/v1/messages",
+                           json.dumps({"model": server.model, "messages": [],
+                                       "max_tokens": 4}))
+    assert status == 400
+    assert_anthropic_error(body)
+
+
+def test_unsupported_parameters_are_named(server: Server) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps(_chat(server, tools=tools)))
+    assert status == 400
+    assert_openai_error(body, "tools")
+
+
+def test_context_length_exceeded(server: Server) -> None:
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps(_chat(server, max_tokens=10**6)))
+    assert status == 400
+    assert body["error"]["code"] == "context_length_exceeded"
+
+
+def test_request_id_echoed_or_generated(server: Server) -> None:
+    _, _, headers = post(server.base_url + "/v1/chat/completions", json.dumps(_chat(server)),
+                         {"x-request-id": "my-id-42"})
+    assert headers["x-request-id"] == "my-id-42"
+    timing = headers["Server-Timing"]
+    for stage in ("parse", "tokenize", "prefill", "decode"):
+        assert f"{stage};dur=" in timing
+    _, _, headers = post(server.base_url + "/v1/chat/completions", b"{")
+    assert headers["x-request-id"]
+
+
+def test_operational_routes(server: Server) -> None:
+    assert get(server.base_url + "/healthz")[0] == 200
+    assert get(server.base_url + "/readyz")[0] == 200
+    status, doc, _ = get(server.base_url + "/openapi.json")
+    assert status == 200 and "/v1/chat/completions" in doc["paths"]
+    assert "ChatCompletionRequest" in doc["components"]["schemas"]
+    status, body, _ = get(server.base_url + "/v1/nowhere")
+    assert status == 404
+    assert_openai_error(body)
+
+
+def test_disconnect_mid_stream_frees_the_replica(server: Server) -> None:
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(
+                server.base_url + "/v1/chat/completions",
+                json=_chat(server, max_tokens=400, min_tokens=400, stream=True),
+            )
+            assert response.status == 200
+            chunks = 0
+            async for line in response.content:
+                if line.startswith(b"data: "):
+                    chunks += 1
+                if chunks >= 3:
+                    break
+            response.close()  # go away mid-stream
+            deadline = time.monotonic() + 2.0
+            while True:
+                async with session.get(server.replica_url + "/v1/engine/stats") as r:
+                    stats: dict[str, Any] = await r.json()
+                idle = (stats["num_running"] == 0 and stats["num_waiting"] == 0
+                        and stats["num_free_kv_blocks"] == stats["num_kv_blocks"])
+                if idle or time.monotonic() > deadline:
+                    return stats
+                await asyncio.sleep(0.05)
+
+    stats = asyncio.run(go())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
+
+
+async def _wait_idle(session: aiohttp.ClientSession, replica_url: str) -> dict[str, Any]:
+    """The replica's stats once nothing runs and every KV block is free (or after 2 s)."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        async with session.get(replica_url + "/v1/engine/stats") as r:
+            stats: dict[str, Any] = await r.json()
+        idle = (stats["num_running"] == 0 and stats["num_waiting"] == 0
+                and stats["num_free_kv_blocks"] == stats["num_kv_blocks"])
+        if idle or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer(server: Server) -> None:
+    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.create_task(session.post(
+                server.base_url + "/v1/chat/completions",
+                json=_chat(server, max_tokens=400, min_tokens=400),
+            ))
+            await asyncio.sleep(0.7)
+            async with session.get(server.replica_url + "/v1/engine/stats") as r:
+                busy: dict[str, Any] = await r.json()
+            request.cancel()  # closes the connection: the server's handler is cancelled
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            return busy, await _wait_idle(session, server.replica_url)
+
+    busy, stats = asyncio.run(go())
+    assert busy["num_running"] == 1, busy
+    assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_64_concurrent_streams_complete_with_usage(server: Server) -> None:
+    async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, dict[str, Any]]:
+        body = {"model": server.model, "max_tokens": 8, "min_tokens": 8, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"Count to {i}."}]}
+        async with session.post(server.base_url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            events = [line[6:] async for line in r.content if line.startswith(b"data: ")]
+        assert events[-1].strip() == b"[DONE]"
+        text_chunks = sum(
+            1 for e in events[:-1] if json.loads(e)["choices"]
+            and json.loads(e)["choices"][0]["delta"].get("content")
+        )
+        return text_chunks, json.loads(events[-2])["usage"]
+
+    async def go() -> list[tuple[int, dict[str, Any]]]:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0)
+        ) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(64)))
+
+    results = asyncio.run(go())
+    assert len(results) == 64
+    for text_chunks, usage in results:
+        assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] > 0
+        assert 0 < text_chunks <= 8
+
+
+def test_stream_headers_and_timing_comment(server: Server) -> None:
+    async def go() -> tuple[Any, bytes]:
+        async with aiohttp.ClientSession() as session, session.post(
+            server.base_url + "/v1/chat/completions", headers={"x-request-id": "s-1"},
+            json=_chat(server, stream=True),
+        ) as r:
+            return r.headers, await r.read()
+
+    headers, raw = asyncio.run(go())
+    assert headers["x-request-id"] == "s-1" and "prefill;dur=" in headers["Server-Timing"]
+    assert headers["content-type"].startswith("text/event-stream")
+    assert b": server-timing: parse;dur=" in raw and b"decode;dur=" in raw
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+# ---------------------------------------------------------------------------- fake replica
+# Overload and a failure after the stream began cannot be provoked on demand from the real
+# engine, so these run the HTTP app against a scripted replica (no model is loaded: the
+# tokenizer is read from the model's files only).
+
+
+def _fake_replica(mode: str) -> web.Application:
+    from tokenyard.engine.protocol import dumps, encode_stream_error, error_body
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({
+            "model": "fake", "max_model_len": 2048, "vocab_size": 49152,
+            "eos_token_ids": [2], "block_size": 16, "num_kv_blocks": 64,
+        })
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        if mode == "overloaded":
+            return web.Response(status=503, body=dumps(error_body("full", "overloaded")),
+                                headers={"Retry-After": "3"},
+                                content_type="application/json")
+        response = web.StreamResponse()
+        await response.prepare(request)
+        delta = {"new_token_ids": [28120], "new_logprobs": None, "finish_reason": None,
+                 "stop_reason": None, "num_prompt_tokens": 5, "num_cached_tokens": 0}
+        await response.write(dumps(delta) + b"\n")
+        await response.write(encode_stream_error("the step failed"))
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/engine/info", info)
+    app.router.add_post("/v1/engine/generate", generate)
+    return app
+
+
+async def _with_fake(mode: str, path: str, body: dict[str, Any]) -> tuple[int, Any, bytes]:
+    from tokenyard.api.app import build_state, make_app
+    from tokenyard.config import default_cache_dir
+
+    replica = web.AppRunner(_fake_replica(mode))
+    await replica.setup()
+    site = web.TCPSite(replica, "127.0.0.1", 0)
+    await site.start()
+    replica_url = f"http://127.0.0.1:{replica.addresses[0][1]}"
+    front = web.AppRunner(make_app(await build_state(replica_url, None, default_cache_dir())))
+    await front.setup()
+    await web.TCPSite(front, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"http://127.0.0.1:{front.addresses[0][1]}{path}", json=body
+        ) as r:
+            return r.status, r.headers, await r.read()
+    finally:
+        await front.cleanup()
+        await replica.cleanup()
+
+
+_HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_overloaded_replica_is_503_or_529_with_retry_after() -> None:
+    status, headers, raw = asyncio.run(_with_fake(
+        "overloaded", "/v1/chat/completions", {"model": "fake", "messages": _HI}))
+    assert status == 503 and headers["retry-after"] == "3"
+    assert json.loads(raw)["error"]["type"]
+    status, headers, raw = asyncio.run(_with_fake(
+        "overloaded", "/v1/messages", {"model": "fake", "messages": _HI, "max_tokens": 4}))
+    assert status == 529 and headers["retry-after"] == "3"
+    assert json.loads(raw)["error"]["type"] == "overloaded_error"
+
+
+def test_failure_after_the_stream_began_is_an_error_event() -> None:
+    status, _, raw = asyncio.run(_with_fake(
+        "midstream", "/v1/chat/completions",
+        {"model": "fake", "messages": _HI, "stream": True}))
+    assert status == 200
+    events = [line for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert "error" in json.loads(events[-1][6:])
+    status, _, raw = asyncio.run(_with_fake(
+        "midstream", "/v1/messages",
+        {"model": "fake", "messages": _HI, "max_tokens": 4, "stream": True}))
+    assert status == 200 and b"event: error\n" in raw
