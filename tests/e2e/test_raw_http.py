@@ -357,3 +357,24 @@ def test_failure_after_the_stream_began_is_an_error_event() -> None:
         "midstream", "/v1/messages",
         {"model": "fake", "messages": _HI, "max_tokens": 4, "stream": True}))
     assert status == 200 and b"event: error\n" in raw
+
+
+def test_metrics_show_the_engine_idle_with_every_kv_block_free(server: Server) -> None:
+    async def scenario() -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{server.base_url}/v1/chat/completions",
+                                    json=_chat(server)) as resp:
+                assert resp.status == 200
+            async with session.get(f"{server.base_url}/metrics") as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/plain")
+                return await resp.text()
+
+    text = asyncio.run(scenario())
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines() if line and not line.startswith("#")
+    }
+    assert values["tokenyard:num_requests_running"] == 0
+    assert values["tokenyard:kv_cache_usage_perc"] == 0
+    assert values["tokenyard:prefix_cache_queries"] > 0

@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -81,6 +81,8 @@ from tokenyard.engine.output_processor import OutputProcessor, child_params
 from tokenyard.engine.outputs import Completion, EngineCoreOutput, RequestOutput
 from tokenyard.engine.protocol import CoreDelta, ReplicaInfo
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.telemetry.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.text.chat_template import ChatTemplateError
 from tokenyard.text.prompts import Conversation, prompt_token_ids, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
@@ -160,6 +162,7 @@ class AppState:
     info: ReplicaInfo
     created: int
     admitting: bool = True
+    metrics: TokenyardMetrics = field(default_factory=TokenyardMetrics)
 
     @property
     def model(self) -> str:
@@ -667,6 +670,15 @@ async def healthz(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text; the engine's figures are read from the replica."""
+    state = request.app[_STATE]
+    state.metrics.update_from_stats(await state.client.stats())
+    return web.Response(
+        body=state.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+    )
+
+
 async def readyz(request: web.Request) -> web.Response:
     """GET /readyz: 200 only while admitting and the replica is healthy."""
     state = request.app[_STATE]
@@ -771,6 +783,7 @@ def make_app(state: AppState) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/metrics", metrics)
 
     async def close_client(app: web.Application) -> None:
         await app[_STATE].client.close()
