@@ -89,6 +89,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "micro":
+        from tokenyard.bench.micro import main as micro_main
+
+        return micro_main(args)
     from tokenyard.bench.offline import main as offline_main
 
     return offline_main(args)
@@ -164,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_sub.add_parser("micro", help="small-M matmuls and SDPA kernels on this CPU")
     offline = bench_sub.add_parser("offline", help="the engine alone, no HTTP")
     from tokenyard.bench.offline import add_arguments
 

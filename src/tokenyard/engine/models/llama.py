@@ -44,8 +44,8 @@ def _param(*shape: int) -> nn.Parameter:
 
 #: Up to this many rows, a projection runs as a batched matmul over row slices of its
 #: weight: MKL runs a small-M matmul on one core (about 11 GB/s of weights here), while a
-#: bmm spreads the slices over the cores (measured 1.3-2.4x faster for M = 1..256 on 2
-#: cores, docs/benchmarks.md). Large prefill GEMMs are compute-bound and use F.linear.
+#: bmm spreads the slices over the cores (1.4-3.7x faster for M = 1..64 on 2 cores:
+#: `tokenyard bench micro`). Large prefill GEMMs are compute-bound and use F.linear.
 SPLIT_MAX_ROWS = 256
 
 
