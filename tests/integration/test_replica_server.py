@@ -186,6 +186,7 @@ def test_client_that_stops_reading_aborts_and_frees_blocks_within_a_second(
             if got == 3:
                 break
         await stream.aclose()  # closes the HTTP stream; the replica must notice alone
+        assert got == 3  # left mid-way: 500 tokens with ignore_eos cannot end within 1 s
         await wait_idle(client, within=1.0)
 
     run(replica.url, scenario)
