@@ -72,3 +72,19 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs must be positive")
+
+
+#: The embedded default's state lives here, beside where `tokenyard serve` runs (DESIGN §4).
+STATE_DIR = Path(".tokenyard")
+
+
+def database_url() -> str:
+    """TOKENYARD_DATABASE_URL, else the embedded SQLite file under `./.tokenyard/`."""
+    env = os.environ.get("TOKENYARD_DATABASE_URL", "").strip()
+    return env or f"sqlite+aiosqlite:///{STATE_DIR / 'tokenyard.db'}"
+
+
+def redis_url() -> str | None:
+    """TOKENYARD_REDIS_URL (shared limits across gateway processes), else None: in-process."""
+    env = os.environ.get("TOKENYARD_REDIS_URL", "").strip()
+    return env or None

@@ -6,6 +6,7 @@ replica's URL from it (the disconnect test watches the replica's engine stats).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -49,12 +51,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
+@contextlib.contextmanager
+def running_server(*extra_args: str) -> Iterator[tuple[Server, subprocess.Popen[str]]]:
+    """`tokenyard serve` on a free port with `extra_args`; SIGTERM must end it with 0."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # A small step budget keeps the 2-core machine responsive for the test client.
     cmd = [sys.executable, "-m", "tokenyard.cli", "serve", "--port", "0",
-           "--drain-timeout", "5"]
+           "--drain-timeout", "5", *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     found: dict[str, str] = {}
@@ -67,7 +69,7 @@ def server() -> Iterator[Server]:
         ready.wait(START_TIMEOUT_S)
         if "replica_url" not in found:
             pytest.fail("tokenyard serve did not start:\n" + "".join(lines[-40:]))
-        yield Server(found["base_url"], found["model"], found["replica_url"])
+        yield Server(found["base_url"], found["model"], found["replica_url"]), proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -77,3 +79,22 @@ def server() -> Iterator[Server]:
             code = proc.wait()
         # Graceful shutdown is part of the contract: SIGTERM → exit 0.
         assert code == 0, "".join(lines[-40:])
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process `pid` (from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    with running_server() as (srv, _):
+        yield srv

@@ -152,8 +152,9 @@ def test_request_id_echoed_or_generated(server: Server) -> None:
                          {"x-request-id": "my-id-42"})
     assert headers["x-request-id"] == "my-id-42"
     timing = headers["Server-Timing"]
-    for stage in ("parse", "tokenize", "prefill", "decode"):
-        assert f"{stage};dur=" in timing
+    stages = [entry.split(";")[0] for entry in timing.split(", ")]
+    assert stages == ["parse", "template", "tokenize", "queue", "prefill", "decode",
+                      "detokenize"]
     _, _, headers = post(server.base_url + "/v1/chat/completions", b"{")
     assert headers["x-request-id"]
 
@@ -260,19 +261,65 @@ def test_64_concurrent_streams_complete_with_usage(server: Server) -> None:
         assert 0 < text_chunks <= 8
 
 
-def test_stream_headers_and_timing_comment(server: Server) -> None:
-    async def go() -> tuple[Any, bytes]:
-        async with aiohttp.ClientSession() as session, session.post(
-            server.base_url + "/v1/chat/completions", headers={"x-request-id": "s-1"},
-            json=_chat(server, stream=True),
-        ) as r:
-            return r.headers, await r.read()
+def _sse_events(raw: bytes) -> list[Any]:
+    """The JSON payloads of a stream's events, either API's (named events or not)."""
+    lines = [line for event in raw.split(b"\n\n") for line in event.split(b"\n")]
+    return [json.loads(line[6:]) for line in lines
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]
 
-    headers, raw = asyncio.run(go())
-    assert headers["x-request-id"] == "s-1" and "prefill;dur=" in headers["Server-Timing"]
+
+async def _raw_post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+                    ) -> tuple[Any, bytes]:
+    async with aiohttp.ClientSession() as session, session.post(
+        url, headers=headers, json=body
+    ) as r:
+        return r.headers, await r.read()
+
+
+def test_stream_header_has_the_stages_before_the_first_byte_and_the_last_event_all(
+    server: Server,
+) -> None:
+    headers, raw = asyncio.run(_raw_post(server.base_url + "/v1/chat/completions",
+                                         _chat(server, stream=True), {"x-request-id": "s-1"}))
+    assert headers["x-request-id"] == "s-1"
     assert headers["content-type"].startswith("text/event-stream")
-    assert b": server-timing: parse;dur=" in raw and b"decode;dur=" in raw
+    header_stages = [e.split(";")[0] for e in headers["Server-Timing"].split(", ")]
+    assert header_stages == ["parse", "template", "tokenize", "queue", "prefill"]
     assert raw.endswith(b"data: [DONE]\n\n")
+    events = _sse_events(raw)
+    assert all("timings" not in e for e in events[:-1])
+    timings = events[-1]["timings"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert set(timings) >= {"parse", "tokenize", "queue", "prefill", "decode", "detokenize"}
+    assert all(v >= 0 for v in timings.values()) and timings["prefill"] > 0
+    # With include_usage the usage chunk is last, and it carries the timings.
+    _, raw = asyncio.run(_raw_post(server.base_url + "/v1/chat/completions", _chat(
+        server, stream=True, stream_options={"include_usage": True})))
+    events = _sse_events(raw)
+    assert events[-1]["choices"] == [] and "decode" in events[-1]["timings"]
+
+
+def test_anthropic_message_stop_carries_the_timings(server: Server) -> None:
+    _, raw = asyncio.run(_raw_post(server.base_url + "/v1/messages", {
+        "model": server.model, "max_tokens": 3, "stream": True,
+        "messages": [{"role": "user", "content": "Hi"}]}))
+    events = _sse_events(raw)
+    assert events[-1]["type"] == "message_stop" and events[-1]["timings"]["decode"] >= 0
+
+
+def test_streamed_completions_of_several_prompts_run_and_arrive_together(
+    server: Server,
+) -> None:
+    body = {"model": server.model, "prompt": ["The sky is", "Paris is the capital of"],
+            "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    _, raw = asyncio.run(_raw_post(server.base_url + "/v1/completions", body))
+    events = _sse_events(raw)
+    order = [e["choices"][0]["index"] for e in events if e["choices"]]
+    assert sorted(set(order)) == [0, 1]
+    # Interleaved: prompt 1's first token comes before prompt 0's last.
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == 16
 
 
 # ---------------------------------------------------------------------------- fake replica
@@ -378,3 +425,10 @@ def test_metrics_show_the_engine_idle_with_every_kv_block_free(server: Server) -
     assert values["tokenyard:num_requests_running"] == 0
     assert values["tokenyard:kv_cache_usage_perc"] == 0
     assert values["tokenyard:prefix_cache_queries"] > 0
+    # The HTTP process observes every request it served.
+    assert values["tokenyard:time_to_first_token_seconds_count"] >= 1
+    assert values["tokenyard:e2e_request_latency_seconds_count"] >= 1
+    assert values["tokenyard:request_queue_time_seconds_count"] >= 1
+    assert values["tokenyard:inter_token_latency_seconds_count"] >= 1
+    assert values["tokenyard:generation_tokens_total"] >= 4
+    assert values['tokenyard:request_success_total{finished_reason="length"}'] >= 1

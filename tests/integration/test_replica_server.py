@@ -158,6 +158,11 @@ def test_greedy_generate_matches_the_in_process_engine(replica: Replica, llm: LL
     assert [d.finish_reason for d in deltas] == [None] * 15 + ["length"]
     assert deltas[0].num_prompt_tokens == len(ids)
     assert all(d.new_logprobs is not None and len(d.new_logprobs[0].top) == 2 for d in deltas)
+    # The first delta says how long the request queued and prefilled on the replica.
+    first = deltas[0]
+    assert first.queue_time is not None and first.queue_time >= 0
+    assert first.prefill_time is not None and first.prefill_time > 0
+    assert all(d.queue_time is None and d.prefill_time is None for d in deltas[1:])
 
 
 def test_prompt_longer_than_the_context_and_bad_params_are_400(replica: Replica) -> None:

@@ -87,7 +87,7 @@ def test_tokenyard_metrics_follow_engine_stats_and_finished_requests() -> None:
     metrics.observe_inter_token(tl.mark_token(now_ns=60_000_000))
     tl.mark("done", now_ns=100_000_000)
     metrics.observe_request(tl, num_prompt_tokens=7, num_generation_tokens=2,
-                            finished_reason="stop")
+                            finished_reasons="stop")
     text = metrics.render()
     for line in [
         "tokenyard:num_requests_running 2",

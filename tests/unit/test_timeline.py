@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 from tokenyard.telemetry.timeline import STAGES, Timeline
 
@@ -26,7 +25,7 @@ def _full_timeline() -> Timeline:
 
 def test_stage_durations_are_the_intervals_between_their_events() -> None:
     durations = _full_timeline().durations_ns()
-    assert list(durations) == list(STAGES)
+    assert list(durations) == [s for s in STAGES if s in durations]
     assert durations == {
         "parse": 120_000, "template": 80_000, "tokenize": 300_000, "queue": 2 * MS,
         "prefill": round(9.4 * MS), "decode": 7 * MS, "detokenize": 500_000,
@@ -66,15 +65,15 @@ def test_timings_ms_is_the_dict_for_the_last_stream_event() -> None:
     assert all(isinstance(v, float) for v in timings.values())
 
 
-def test_marking_is_cheap() -> None:
-    start = time.perf_counter()
-    for _ in range(1000):
-        tl = Timeline()
-        for event in ("parsed", "templated", "tokenized", "queued", "admitted"):
-            tl.mark(event)
-        tl.mark_token()
-        tl.mark_token()
-        tl.mark("done")
-        tl.server_timing()
-    per_request_us = (time.perf_counter() - start) * 1e3
-    assert per_request_us < 100  # a few µs in practice; generous for a shared machine
+def test_optional_stages_drop_out_and_the_next_stage_starts_at_the_last_stamp() -> None:
+    tl = Timeline(received_ns=0)
+    tl.mark("authenticated", now_ns=MS)
+    tl.mark("parsed", now_ns=3 * MS)
+    tl.mark("tokenized", now_ns=4 * MS)  # no "templated": a raw text prompt
+    tl.mark("limited", now_ns=6 * MS)  # gateway on, "authorized" skipped
+    assert tl.durations_ns() == {"auth": MS, "parse": 2 * MS, "tokenize": MS, "limit": 2 * MS}
+
+
+def test_gateway_stages_come_in_request_order() -> None:
+    assert STAGES.index("auth") < STAGES.index("parse") < STAGES.index("limit")
+    assert STAGES.index("limit") < STAGES.index("queue") < STAGES.index("detokenize")

@@ -60,14 +60,15 @@ from tokenyard.api.errors import (
     render_anthropic,
     render_openai,
 )
+from tokenyard.api.schemas_anthropic import MessageStopEvent
 from tokenyard.api.sse import (
     SSE_DONE,
     SSE_HEADERS,
     anthropic_event,
     anthropic_stream_error,
     openai_stream_error,
-    sse_comment,
     sse_data,
+    sse_event,
 )
 from tokenyard.balancer.replica_client import (
     ReplicaClient,
@@ -83,8 +84,9 @@ from tokenyard.engine.protocol import CoreDelta, ReplicaInfo
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.telemetry.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenyard.telemetry.metrics import TokenyardMetrics
+from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.chat_template import ChatTemplateError
-from tokenyard.text.prompts import Conversation, prompt_token_ids, render_conversation
+from tokenyard.text.prompts import Conversation, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenyard.api")
@@ -168,17 +170,17 @@ class AppState:
     def model(self) -> str:
         return self.info.model
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """Chat template, then tokens (the template already holds BOS if the model wants it)."""
+    def template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The conversation through the model's chat template, as text."""
         try:
-            return prompt_token_ids(
+            return render_conversation(
                 self.tokenizer, cast(Conversation, messages), add_generation_prompt
             )
         except ChatTemplateError as exc:
             raise APIError(400, f"The chat template rejected the messages: {exc}",
                            param="messages") from None
 
-    def render_with_prefill(self, messages: list[dict[str, str]]) -> list[int]:
+    def template_with_prefill(self, messages: list[dict[str, str]]) -> str:
         """Anthropic's rule: a final assistant message is the start of the reply.
 
         The template renders the turns before it with the generation prompt, and the
@@ -186,15 +188,12 @@ class AppState:
         end-of-turn token and the model would start a new turn instead of continuing.
         """
         if not has_prefill(messages):
-            return self.render(messages, add_generation_prompt=True)
-        try:
-            text = render_conversation(
-                self.tokenizer, cast(Conversation, messages[:-1]), add_generation_prompt=True
-            )
-        except ChatTemplateError as exc:
-            raise APIError(400, f"The chat template rejected the messages: {exc}",
-                           param="messages") from None
-        return self.tokenizer.encode(text + messages[-1]["content"], add_special_tokens=False)
+            return self.template(messages, add_generation_prompt=True)
+        return self.template(messages[:-1], True) + messages[-1]["content"]
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Tokens of templated text (the template already holds BOS if the model wants it)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def fit(self, prompt_len: int, params: SamplingParams, param: str) -> SamplingParams:
         """Check prompt + max_tokens against the window; fill max_tokens when unset."""
@@ -238,9 +237,15 @@ class Generation:
     """
 
     def __init__(
-        self, state: AppState, request_id: str, prompt: list[int], params: SamplingParams
+        self,
+        state: AppState,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        timeline: Timeline | None = None,
     ) -> None:
         self.state = state
+        self.timeline = timeline if timeline is not None else Timeline()
         # The replica's id must be unique even when clients reuse an x-request-id; the
         # client's id stays as a prefix so replica logs can be matched to it.
         self.request_id = f"{request_id[:64]}.{uuid.uuid4().hex[:12]}"
@@ -250,6 +255,12 @@ class Generation:
         self._queue: asyncio.Queue[CoreDelta | BaseException | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._side_tasks: set[asyncio.Task[None]] = set()
+        #: Each completion's finish reason once it has one ("abort" is set by close()).
+        self.finish_reasons: list[str | None] = [None] * params.n
+        #: The last RequestOutput: prompt, cached and output token counts.
+        self.last: RequestOutput | None = None
+        self.failed = False
+        self._observed = False
 
     async def start(self) -> None:
         ids = self.processor.add_request(self.request_id, self.prompt, self.params)
@@ -262,9 +273,11 @@ class Generation:
                  self.state.client.generate(cid, self.prompt, child_params(wire, i)))
             for i, cid in enumerate(ids)
         ]
+        self.timeline.mark("queued")
         firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
         failed = [r for r in firsts if isinstance(r, BaseException)]
         if failed:
+            self.failed = True
             for s in streams:
                 with contextlib.suppress(Exception):
                     await s.aclose()
@@ -272,8 +285,18 @@ class Generation:
             if isinstance(error, ReplicaError):
                 raise _replica_error(error) from None
             raise error
+        self._stamp_first_token(cast(list[CoreDelta], firsts))
         for stream, first in zip(streams, firsts, strict=True):
             self._tasks.append(asyncio.create_task(self._pump(stream, cast(CoreDelta, first))))
+
+    def _stamp_first_token(self, firsts: list[CoreDelta]) -> None:
+        """first_token now; "admitted" (end of the queue stage) from the replica's own
+        prefill time, so Server-Timing can tell queueing from prefill."""
+        timeline = self.timeline
+        first = timeline.mark("first_token")
+        prefill = max((d.prefill_time or 0.0 for d in firsts), default=0.0)
+        queued = timeline.events["queued"]
+        timeline.mark("admitted", max(queued, first - int(prefill * 1e9)))
 
     async def _pump(self, stream: AsyncGenerator[CoreDelta, None], first: CoreDelta) -> None:
         try:
@@ -288,21 +311,33 @@ class Generation:
                 await stream.aclose()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        timeline, metrics = self.timeline, self.state.metrics
         while True:
             item = await self._queue.get()
-            if isinstance(item, ReplicaError):
-                raise _replica_error(item)
             if isinstance(item, BaseException):
-                raise item
+                self.failed = True
+                raise _replica_error(item) if isinstance(item, ReplicaError) else item
             if item is None:
                 continue
+            began = time.perf_counter_ns()
             outputs, stopped = self.processor.process([cast(EngineCoreOutput, item)])
+            timeline.add("detokenize", time.perf_counter_ns() - began)
+            if item.new_token_ids:
+                metrics.observe_inter_token(
+                    timeline.mark_token(len(item.new_token_ids), began)
+                )
             for core_id, stop in stopped:
                 # The replica ends that completion; its stream then finishes on its own.
                 task = asyncio.create_task(self._stop(core_id, stop))
                 self._side_tasks.add(task)
                 task.add_done_callback(self._side_tasks.discard)
             for out in outputs:
+                self.last = out
+                for delta in out.deltas:
+                    if delta.finish_reason is not None:
+                        self.finish_reasons[delta.index] = delta.finish_reason
+                if out.finished:
+                    timeline.mark("done")
                 yield out
                 if out.finished:
                     return
@@ -316,59 +351,50 @@ class Generation:
                 await self.state.client.abort(core_id)
 
     async def close(self) -> None:
-        """Cancel the pumps: each open replica stream is closed, so the replica aborts it."""
+        """Cancel the pumps (each open replica stream is closed, so the replica aborts it),
+        then record the request in the metrics once."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
+        if self._observed:
+            return
+        self._observed = True
+        reasons = [reason or "abort" for reason in self.finish_reasons]
+        self.finish_reasons = list(reasons)
+        if self.failed or self.last is None:
+            return
+        self.state.metrics.observe_request(
+            self.timeline, self.last.num_prompt_tokens, self.last.num_output_tokens, reasons
+        )
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.last.num_cached_tokens if self.last is not None else 0
 
 
-async def _finished_completions(gen: Generation) -> tuple[list[Completion], RequestOutput | None]:
+async def _finished_completions(gen: Generation) -> list[Completion]:
     """Run a generation to its end, accumulating each choice."""
     completions = [Completion(index=i) for i in range(gen.params.n)]
-    last: RequestOutput | None = None
     try:
         async for out in gen:
-            last = out
             for delta in out.deltas:
                 completions[delta.index].add(delta)
     finally:
         await gen.close()
-    return completions, last
+    return completions
 
 
 # ---------------------------------------------------------------------------- middleware
 
 
-class Timings:
-    """Stage durations of one request, for the `Server-Timing` header.
-
-    `lap(name)` charges the time since the previous lap to `name`. "prefill" covers the
-    replica's queue wait and prefill together: the HTTP side sees only the first delta.
-    """
-
-    def __init__(self) -> None:
-        self._last = time.perf_counter()
-        self.stages: dict[str, float] = {}
-
-    def lap(self, name: str) -> None:
-        t = time.perf_counter()
-        self.stages[name] = self.stages.get(name, 0.0) + (t - self._last)
-        self._last = t
-
-    def header(self) -> str:
-        return ", ".join(f"{name};dur={secs * 1000:.1f}" for name, secs in self.stages.items())
-
-
 _REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
-_TIMINGS: web.RequestKey[Timings] = web.RequestKey("timings", Timings)
+_TIMELINE: web.RequestKey[Timeline] = web.RequestKey("timeline", Timeline)
 
 
-def _lap(request: web.Request, name: str) -> None:
-    timings = request.get(_TIMINGS)
-    if timings is not None:
-        timings.lap(name)
+def _mark(request: web.Request, event: str) -> None:
+    request[_TIMELINE].mark(event)
 
 
 def _is_anthropic(request: web.Request) -> bool:
@@ -392,10 +418,11 @@ def _error_response(request: web.Request, err: APIError) -> web.Response:
 async def _middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """x-request-id on every response, and every failure in the route's own error shape."""
+    """x-request-id and Server-Timing on every response, and every failure in the route's
+    own error shape."""
+    timeline = request[_TIMELINE] = Timeline()
     request_id = request.headers.get(REQUEST_ID_HEADER) or f"req_{uuid.uuid4().hex}"
     request[_REQUEST_ID] = request_id
-    timings = request[_TIMINGS] = Timings()
     try:
         response = await handler(request)
     except APIError as err:
@@ -417,8 +444,9 @@ async def _middleware(
         response = _error_response(request, internal_error())
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id
-        if timings.stages:
-            response.headers["Server-Timing"] = timings.header()
+        server_timing = timeline.server_timing()
+        if server_timing:
+            response.headers["Server-Timing"] = server_timing
     return response
 
 
@@ -434,13 +462,13 @@ def _check_model(state: AppState, model: str) -> None:
         raise model_not_found(model)
 
 
-def _timing_comment(request: web.Request) -> bytes:
-    """The stream's full stage timings as an SSE comment (clients skip comments; the
-    header went out before decoding began)."""
-    _lap(request, "decode")
-    timings = request.get(_TIMINGS)
-    header = timings.header() if timings is not None else ""
-    return sse_comment("server-timing: " + header)
+def _with_timings(event: BaseModel, timeline: Timeline) -> dict[str, Any]:
+    """A stream's last event with the request's stage durations (ms) as `timings` — the
+    Server-Timing figures the header could not hold, since it went out before decoding.
+    (llama.cpp's server puts a `timings` object in its last chunk too; SDKs ignore it.)"""
+    body = event.model_dump(mode="json")
+    body["timings"] = timeline.timings_ms()
+    return body
 
 
 def _stream_failure(request: web.Request, exc: Exception) -> APIError:
@@ -455,12 +483,41 @@ async def _sse_response(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={**SSE_HEADERS, REQUEST_ID_HEADER: request[_REQUEST_ID]}
     )
-    timings = request.get(_TIMINGS)
-    if timings is not None and timings.stages:
-        # A stream's header can only hold the stages before its first byte.
-        response.headers["Server-Timing"] = timings.header()
+    server_timing = request[_TIMELINE].server_timing()
+    if server_timing:
+        # A stream's header holds the stages before its first byte; the last event has all.
+        response.headers["Server-Timing"] = server_timing
     await response.prepare(request)
     return response
+
+
+async def _merged(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several generations as they arrive, tagged with their position."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as exc:  # delivered to the consumer, which raises it
+            await queue.put(exc)
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ---------------------------------------------------------------------------- OpenAI routes
@@ -468,50 +525,49 @@ async def _sse_response(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    state = request.app[_STATE]
+    state, timeline = request.app[_STATE], request[_TIMELINE]
     req = parse_body(so.ChatCompletionRequest, await _body(request), MAX_BODY_BYTES)
-    _lap(request, "parse")
+    timeline.mark("parsed")
     _check_model(state, req.model)
     messages, params = chat_request_to_engine(req, state.info.vocab_size)
-    prompt = state.render(messages, add_generation_prompt=True)
-    _lap(request, "tokenize")
+    text = state.template(messages, add_generation_prompt=True)
+    timeline.mark("templated")
+    prompt = state.encode_rendered(text)
+    timeline.mark("tokenized")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     params = state.fit(len(prompt), params, param)
-    gen = Generation(state, request[_REQUEST_ID], prompt, params)
+    gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
     await gen.start()
-    _lap(request, "prefill")
     token_bytes = state.tokenizer.id_to_token_bytes
     if not req.stream:
-        completions, last = await _finished_completions(gen)
-        body = build_chat_completion(
+        completions = await _finished_completions(gen)
+        return _json(build_chat_completion(
             id=new_chat_id(), model=state.model, created=now(), completions=completions,
-            prompt_tokens=len(prompt), cached_tokens=last.num_cached_tokens if last else 0,
+            prompt_tokens=len(prompt), cached_tokens=gen.num_cached_tokens,
             token_bytes=token_bytes, system_fingerprint=SYSTEM_FINGERPRINT,
-        )
-        _lap(request, "decode")
-        return _json(body)
+        ))
     stream = ChatStream(new_chat_id(), state.model, now(), SYSTEM_FINGERPRINT, token_bytes)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     response = await _sse_response(request)
     try:
         for chunk in stream.role_chunks(params.n):
             await response.write(sse_data(chunk))
-        last = None
         try:
             async for out in gen:
-                last = out
-                for chunk in stream.output_chunks(out):
+                chunks: list[Any] = list(stream.output_chunks(out))
+                if out.finished and not include_usage and chunks:
+                    chunks[-1] = _with_timings(chunks[-1], timeline)
+                for chunk in chunks:
                     await response.write(sse_data(chunk))
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client is gone: nothing to tell it
         except Exception as exc:
             await response.write(openai_stream_error(_stream_failure(request, exc)))
             return response
-        if include_usage and last is not None:
-            await response.write(sse_data(stream.usage_chunk(
-                last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
-            )))
-        await response.write(_timing_comment(request))
+        if include_usage and gen.last is not None:
+            usage = stream.usage_chunk(gen.last.num_prompt_tokens, gen.last.num_output_tokens,
+                                       gen.last.num_cached_tokens)
+            await response.write(sse_data(_with_timings(usage, timeline)))
         await response.write(SSE_DONE)
     finally:
         await gen.close()
@@ -520,25 +576,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (several prompts: choice i*n+j is completion j of prompt i)."""
-    state = request.app[_STATE]
+    state, timeline = request.app[_STATE], request[_TIMELINE]
     req = parse_body(so.CompletionRequest, await _body(request), MAX_BODY_BYTES)
-    _lap(request, "parse")
+    timeline.mark("parsed")
     _check_model(state, req.model)
     prompts, params = completion_request_to_engine(req, state.info.vocab_size)
     tok = state.tokenizer
     ids = [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
-    _lap(request, "tokenize")
+    timeline.mark("tokenized")
     fitted = [state.fit(len(p), params, "max_tokens") for p in ids]
     echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
     base_id = request[_REQUEST_ID]
     gens = [
-        Generation(state, f"{base_id}-{i}", p, fp)
+        Generation(state, f"{base_id}-{i}", p, fp, timeline)
         for i, (p, fp) in enumerate(zip(ids, fitted, strict=True))
     ]
     try:
-        for gen in gens:
-            await gen.start()
-        _lap(request, "prefill")
+        # Sent together: the replica batches them; a refusal of any refuses the request.
+        await asyncio.gather(*(gen.start() for gen in gens))
     except BaseException:
         for gen in gens:
             await gen.close()
@@ -547,46 +602,40 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens = sum(len(p) for p in ids)
     if not req.stream:
         results = await asyncio.gather(*(_finished_completions(g) for g in gens))
-        cached = sum(last.num_cached_tokens for _, last in results if last is not None)
-        body = build_text_completion(
+        return _json(build_text_completion(
             id=new_completion_id(), model=state.model, created=now(),
-            completions=[c for c, _ in results], n=params.n, prompt_tokens=prompt_tokens,
-            cached_tokens=cached, token_bytes=token_bytes, echo_prompts=echo,
-            system_fingerprint=SYSTEM_FINGERPRINT,
-        )
-        _lap(request, "decode")
-        return _json(body)
+            completions=list(results), n=params.n, prompt_tokens=prompt_tokens,
+            cached_tokens=sum(g.num_cached_tokens for g in gens), token_bytes=token_bytes,
+            echo_prompts=echo, system_fingerprint=SYSTEM_FINGERPRINT,
+        ))
     stream = CompletionStream(new_completion_id(), state.model, now(), params.n,
                               SYSTEM_FINGERPRINT, token_bytes)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     response = await _sse_response(request)
-    output_tokens = cached = 0
     try:
-        # Prompts stream one after another (all already admitted on the replica, so they
-        # still run concurrently there); their choices carry distinct indexes.
-        for i, gen in enumerate(gens):
-            if echo is not None:
-                for chunk in stream.echo_chunks(i, echo[i]):
+        for i, text in enumerate(echo or []):
+            for chunk in stream.echo_chunks(i, text):
+                await response.write(sse_data(chunk))
+        unfinished = len(gens)
+        try:
+            # Every prompt streams at once; choice indexes tell them apart.
+            async for i, out in _merged(gens):
+                chunks: list[Any] = [c for d in out.deltas for c in stream.delta_chunks(d, i)]
+                unfinished -= out.finished
+                if not unfinished and not include_usage and chunks:
+                    chunks[-1] = _with_timings(chunks[-1], timeline)
+                for chunk in chunks:
                     await response.write(sse_data(chunk))
-            last = None
-            try:
-                async for out in gen:
-                    last = out
-                    for delta in out.deltas:
-                        for chunk in stream.delta_chunks(delta, i):
-                            await response.write(sse_data(chunk))
-            except (ConnectionResetError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await response.write(openai_stream_error(_stream_failure(request, exc)))
-                return response
-            if last is not None:
-                output_tokens += last.num_output_tokens
-                cached += last.num_cached_tokens
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await response.write(openai_stream_error(_stream_failure(request, exc)))
+            return response
         if include_usage:
-            await response.write(sse_data(stream.usage_chunk(prompt_tokens, output_tokens,
-                                                             cached)))
-        await response.write(_timing_comment(request))
+            output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
+            usage = stream.usage_chunk(prompt_tokens, output_tokens,
+                                       sum(g.num_cached_tokens for g in gens))
+            await response.write(sse_data(_with_timings(usage, timeline)))
         await response.write(SSE_DONE)
     finally:
         for gen in gens:
@@ -605,27 +654,26 @@ async def models(request: web.Request) -> web.Response:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    state = request.app[_STATE]
+    state, timeline = request.app[_STATE], request[_TIMELINE]
     req = parse_body(sa.MessagesRequest, await _body(request), MAX_BODY_BYTES)
-    _lap(request, "parse")
+    timeline.mark("parsed")
     _check_model(state, req.model)
     template_messages, params = anthropic_request_to_engine(req)
-    prompt = state.render_with_prefill(template_messages)
-    _lap(request, "tokenize")
+    text = state.template_with_prefill(template_messages)
+    timeline.mark("templated")
+    prompt = state.encode_rendered(text)
+    timeline.mark("tokenized")
     params = state.fit(len(prompt), params, "max_tokens")
-    gen = Generation(state, request[_REQUEST_ID], prompt, params)
+    gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
     await gen.start()
-    _lap(request, "prefill")
     stops = req.stop_sequences or []
     if not req.stream:
-        completions, last = await _finished_completions(gen)
-        body = build_anthropic_message(
+        completions = await _finished_completions(gen)
+        return _json(build_anthropic_message(
             id=new_message_id(), model=state.model, completion=completions[0],
-            prompt_tokens=len(prompt), cached_tokens=last.num_cached_tokens if last else 0,
+            prompt_tokens=len(prompt), cached_tokens=gen.num_cached_tokens,
             stop_sequences=stops,
-        )
-        _lap(request, "decode")
-        return _json(body)
+        ))
     stream = AnthropicStream(new_message_id(), state.model, stops)
     response = await _sse_response(request)
     try:
@@ -639,8 +687,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
                                                      out.num_cached_tokens):
                         await response.write(anthropic_event(event))
                 for event in stream.output_events(out):
-                    await response.write(anthropic_event(event))
-            await response.write(_timing_comment(request))
+                    if isinstance(event, MessageStopEvent):
+                        await response.write(sse_event(event.type,
+                                                       _with_timings(event, timeline)))
+                    else:
+                        await response.write(anthropic_event(event))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -653,12 +704,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the templated prompt's length."""
-    state = request.app[_STATE]
+    state, timeline = request.app[_STATE], request[_TIMELINE]
     req = parse_body(sa.CountTokensRequest, await _body(request), MAX_BODY_BYTES)
-    _lap(request, "parse")
+    timeline.mark("parsed")
     _check_model(state, req.model)
-    template_messages = anthropic_messages(req)
-    prompt = state.render_with_prefill(template_messages)
+    text = state.template_with_prefill(anthropic_messages(req))
+    timeline.mark("templated")
+    prompt = state.encode_rendered(text)
+    timeline.mark("tokenized")
     return _json(sa.CountTokensResponse(input_tokens=len(prompt)))
 
 

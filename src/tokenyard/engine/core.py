@@ -114,6 +114,7 @@ class EngineCore:
                     stop_reason=request.stop_reason,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    **_first_token_times(request),
                 )
             )
         return outputs
@@ -130,3 +131,14 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_tokens=self.scheduler.num_computed_tokens_total,
         )
+
+
+def _first_token_times(request: Request) -> dict[str, float]:
+    """queue_time and prefill_time (seconds) for a request's first output, else nothing."""
+    first, scheduled = request.first_token_time, request.scheduled_time
+    if request.num_output_tokens != 1 or first is None or scheduled is None:
+        return {}
+    return {
+        "queue_time": max(0.0, scheduled - request.arrival_time),
+        "prefill_time": max(0.0, first - scheduled),
+    }

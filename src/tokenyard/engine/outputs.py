@@ -98,6 +98,11 @@ class EngineCoreOutput:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # On a request's first output only (seconds): arrival → first scheduled, and first
+    # scheduled → first token. The HTTP side splits its Server-Timing "queue" and "prefill"
+    # with them.
+    queue_time: float | None = None
+    prefill_time: float | None = None
 
 
 @dataclass

@@ -93,6 +93,10 @@ def _float(value: Any, param: str) -> float:
     return float(value)
 
 
+def _optional_float(value: Any, param: str) -> float | None:
+    return None if value is None else _float(value, param)
+
+
 def _int_list(value: Any, param: str) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(v) for v in value):
         raise ProtocolError(param, f"{param} must be a list of integers")
@@ -272,6 +276,8 @@ class CoreDelta:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    queue_time: float | None = None  # seconds, first delta only (see EngineCoreOutput)
+    prefill_time: float | None = None
 
     @classmethod
     def from_json(cls, request_id: str, obj: Any) -> CoreDelta:
@@ -295,6 +301,8 @@ class CoreDelta:
             stop_reason=obj.get("stop_reason"),
             num_prompt_tokens=_int(obj.get("num_prompt_tokens"), "num_prompt_tokens"),
             num_cached_tokens=_int(obj.get("num_cached_tokens"), "num_cached_tokens"),
+            queue_time=_optional_float(obj.get("queue_time"), "queue_time"),
+            prefill_time=_optional_float(obj.get("prefill_time"), "prefill_time"),
         )
 
 
@@ -306,14 +314,19 @@ def encode_delta(out: CoreOutputLike) -> bytes:
             {"logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]}
             for lp in out.new_logprobs
         ]
-    return dumps({
+    line: Json = {
         "new_token_ids": list(out.new_token_ids),
         "new_logprobs": logprobs,
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
         "num_prompt_tokens": out.num_prompt_tokens,
         "num_cached_tokens": out.num_cached_tokens,
-    }) + b"\n"
+    }
+    queue_time = getattr(out, "queue_time", None)
+    if queue_time is not None:
+        line["queue_time"] = queue_time
+        line["prefill_time"] = getattr(out, "prefill_time", None)
+    return dumps(line) + b"\n"
 
 
 def encode_stream_error(message: str, code: str = ENGINE_ERROR) -> bytes:

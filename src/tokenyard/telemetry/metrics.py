@@ -314,9 +314,11 @@ class TokenyardMetrics:
         queue_s: float | None,
         num_prompt_tokens: int,
         num_generation_tokens: int,
-        finished_reason: str,
+        finished_reasons: str | Sequence[str],
     ) -> None:
-        """Record one finished request: latencies in seconds (None: not measured), counts."""
+        """Record one finished request: latencies in seconds (None: not measured), counts,
+        and the finish reason of each of its completions (n > 1 counts each, as vLLM's
+        per-sequence counter does)."""
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s)
         self.e2e_request_latency.observe(e2e_s)
@@ -324,14 +326,16 @@ class TokenyardMetrics:
             self.request_queue_time.observe(queue_s)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
-        self.request_success.labels(finished_reason=finished_reason).inc()
+        reasons = [finished_reasons] if isinstance(finished_reasons, str) else finished_reasons
+        for reason in reasons:
+            self.request_success.labels(finished_reason=reason).inc()
 
     def observe_request(
         self,
         timeline: Timeline,
         num_prompt_tokens: int,
         num_generation_tokens: int,
-        finished_reason: str,
+        finished_reasons: str | Sequence[str],
     ) -> None:
         """`observe_finished` with the latencies read off a finished request's timeline.
 
@@ -345,7 +349,7 @@ class TokenyardMetrics:
             queue_s=timeline.interval_s("queued", "admitted"),
             num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=num_generation_tokens,
-            finished_reason=finished_reason,
+            finished_reasons=finished_reasons,
         )
 
     def render(self) -> str:

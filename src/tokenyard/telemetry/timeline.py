@@ -1,28 +1,39 @@
 """One request's timeline: named monotonic stamps and the stage durations between them.
 
-Every stage of the HTTP process stamps an event (``timeline.mark("parsed")``) as it finishes;
-durations are computed only when asked, at the end, so the hot path costs one
-`time.perf_counter_ns` call and one dict store per event. Stages that run many times per
-request (detokenization, once per step) accumulate with `add`.
-
-Events, in order: ``received``, ``parsed``, ``templated``, ``tokenized``, ``queued``,
-``admitted``, ``first_token``, ``last_token``, ``detokenized``, ``done``.
+Every stage stamps an event (``timeline.mark("parsed")``) as it finishes; durations are
+computed only when asked, at the end, so the hot path costs one `time.perf_counter_ns`
+call and one dict store per event. A stage lasts from the previous event that was stamped
+(in `EVENTS` order) to its own, so optional stages (the gateway's, when it is off) simply
+drop out. Stages that run many times per request (detokenization, once per step)
+accumulate with `add`; they overlap the stage they run inside (detokenize inside decode).
 """
 
 from __future__ import annotations
 
 import time
 
-#: Stage name → (start event, end event). Order is the order of Server-Timing entries.
-STAGES: dict[str, tuple[str, str]] = {
-    "parse": ("received", "parsed"),
-    "template": ("parsed", "templated"),
-    "tokenize": ("templated", "tokenized"),
-    "queue": ("queued", "admitted"),
-    "prefill": ("admitted", "first_token"),
-    "decode": ("first_token", "last_token"),
-    "detokenize": ("last_token", "detokenized"),
-}
+#: Events in request order, each with the stage it ends (None: ends no reported stage).
+EVENTS: tuple[tuple[str, str | None], ...] = (
+    ("received", None),
+    ("authenticated", "auth"),  # key → org, project (gateway)
+    ("parsed", "parse"),
+    ("templated", "template"),
+    ("tokenized", "tokenize"),
+    ("authorized", "authorize"),  # scopes: model, context (gateway)
+    ("limited", "limit"),  # RPM/TPM/concurrency admitted (gateway)
+    ("prechecked", "billing"),  # balance, spend cap, free tier (gateway)
+    ("queued", None),  # sent to the replica
+    ("admitted", "queue"),  # the replica scheduled it
+    ("first_token", "prefill"),
+    ("last_token", "decode"),
+    ("done", None),
+)
+#: Stages measured piecewise with `Timeline.add`, reported after the event stages.
+ACCUMULATED: tuple[str, ...] = ("detokenize",)
+#: Every standard stage, in Server-Timing order.
+STAGES: tuple[str, ...] = (
+    *(stage for _, stage in EVENTS if stage is not None), *ACCUMULATED
+)
 
 
 def _format_ms(ns: int) -> str:
@@ -63,8 +74,8 @@ class Timeline:
         """
         stamp = time.perf_counter_ns() if now_ns is None else now_ns
         previous = self.events.get("last_token")
-        if previous is None:
-            self.events["first_token"] = stamp
+        # A caller that saw the first token arrive earlier may have stamped it already.
+        self.events.setdefault("first_token", stamp)
         self.events["last_token"] = stamp
         self.num_tokens += count
         return None if previous is None else stamp - previous
@@ -95,15 +106,15 @@ class Timeline:
     def durations_ns(self) -> dict[str, int]:
         """Stage → duration in ns, in `STAGES` order, for the stages that were measured."""
         out: dict[str, int] = {}
-        for stage, (start, end) in STAGES.items():
-            if stage in self._accumulated:
-                out[stage] = self._accumulated[stage]
+        previous: int | None = None
+        for event, stage in EVENTS:
+            stamp = self.events.get(event)
+            if stamp is None:
                 continue
-            ns = self.interval_ns(start, end)
-            if ns is not None:
-                out[stage] = ns
-        for stage, ns in self._accumulated.items():
-            out.setdefault(stage, ns)  # custom stages go after the standard ones
+            if stage is not None and previous is not None:
+                out[stage] = max(0, stamp - previous)
+            previous = stamp
+        out.update(self._accumulated)  # detokenize, then custom stages, go last
         return out
 
     def timings_ms(self) -> dict[str, float]:
