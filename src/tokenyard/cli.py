@@ -81,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return serve(
             args.host, args.port, engine_args, model=args.model, replica_url=args.replica_url,
-            drain_timeout=args.drain_timeout,
+            drain_timeout=args.drain_timeout, auth=args.auth,
         )
     except (RuntimeError, OSError) as exc:  # the replica failed to start, port in use, ...
         print(f"error: {exc}", file=sys.stderr)
@@ -130,6 +130,8 @@ def _add_serve_parser(sub: Any) -> None:
                        help="use this running `tokenyard engine` instead of starting one")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds to let in-flight requests finish")
+    serve.add_argument("--no-auth", dest="auth", action="store_false",
+                       help="no API keys, limits, billing or ledger: anyone may call")
     _add_engine_args(serve)
 
 

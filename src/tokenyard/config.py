@@ -74,14 +74,17 @@ class EngineConfig:
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs must be positive")
 
 
-#: The embedded default's state lives here, beside where `tokenyard serve` runs (DESIGN §4).
-STATE_DIR = Path(".tokenyard")
+def state_dir() -> Path:
+    """`$TOKENYARD_STATE_DIR`, else `./.tokenyard`: the embedded default's SQLite file, the
+    ledger journal and the development key (DESIGN §4)."""
+    env = os.environ.get("TOKENYARD_STATE_DIR", "").strip()
+    return Path(env).expanduser() if env else Path(".tokenyard")
 
 
-def database_url() -> str:
-    """TOKENYARD_DATABASE_URL, else the embedded SQLite file under `./.tokenyard/`."""
+def database_url(state: Path | None = None) -> str:
+    """TOKENYARD_DATABASE_URL, else the embedded SQLite file in the state directory."""
     env = os.environ.get("TOKENYARD_DATABASE_URL", "").strip()
-    return env or f"sqlite+aiosqlite:///{STATE_DIR / 'tokenyard.db'}"
+    return env or f"sqlite+aiosqlite:///{(state or state_dir()) / 'tokenyard.db'}"
 
 
 def redis_url() -> str | None:

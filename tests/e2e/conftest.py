@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import pytest
 
 _SERVING = re.compile(r"tokenyard serving (\S+) at (http://\S+)")
 _REPLICA = re.compile(r"replica: (http://\S+)")
+_API_KEY = re.compile(r"API key: (\S+)")
 START_TIMEOUT_S = 300.0
 
 
@@ -29,6 +32,12 @@ class Server:
     base_url: str
     model: str
     replica_url: str
+    api_key: str | None = None  # None: served with --no-auth
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The bearer header every authenticated call needs."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 def _read_banner(proc: subprocess.Popen[str], found: dict[str, str], ready: threading.Event,
@@ -38,6 +47,8 @@ def _read_banner(proc: subprocess.Popen[str], found: dict[str, str], ready: thre
         lines.append(line)
         if m := _SERVING.search(line):
             found["model"], found["base_url"] = m.group(1), m.group(2)
+        if m := _API_KEY.search(line):
+            found["api_key"] = m.group(1)
         if m := _REPLICA.search(line):
             found["replica_url"] = m.group(1)
             ready.set()
@@ -54,7 +65,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @contextlib.contextmanager
 def running_server(*extra_args: str) -> Iterator[tuple[Server, subprocess.Popen[str]]]:
     """`tokenyard serve` on a free port with `extra_args`; SIGTERM must end it with 0."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Each server gets its own state directory: its SQLite file, journal and dev key.
+    state = tempfile.mkdtemp(prefix="tokenyard-e2e-")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENYARD_STATE_DIR": state}
+    env.pop("TOKENYARD_DATABASE_URL", None)
+    env.pop("TOKENYARD_REDIS_URL", None)
     cmd = [sys.executable, "-m", "tokenyard.cli", "serve", "--port", "0",
            "--drain-timeout", "5", *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -69,7 +84,8 @@ def running_server(*extra_args: str) -> Iterator[tuple[Server, subprocess.Popen[
         ready.wait(START_TIMEOUT_S)
         if "replica_url" not in found:
             pytest.fail("tokenyard serve did not start:\n" + "".join(lines[-40:]))
-        yield Server(found["base_url"], found["model"], found["replica_url"]), proc
+        yield Server(found["base_url"], found["model"], found["replica_url"],
+                     found.get("api_key")), proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -77,6 +93,7 @@ def running_server(*extra_args: str) -> Iterator[tuple[Server, subprocess.Popen[
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
+        shutil.rmtree(state, ignore_errors=True)
         # Graceful shutdown is part of the contract: SIGTERM → exit 0.
         assert code == 0, "".join(lines[-40:])
 

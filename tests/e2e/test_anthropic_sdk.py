@@ -16,7 +16,7 @@ HELLO: list[Any] = [{"role": "user", "content": "Say hello in one short sentence
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    return anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key, max_retries=0)
 
 
 def test_messages_create(client: anthropic.Anthropic, server: Server) -> None:
@@ -48,7 +48,7 @@ def test_count_tokens(client: anthropic.Anthropic, server: Server) -> None:
 
 def test_missing_max_tokens_is_bad_request(server: Server) -> None:
     # The SDK itself insists on max_tokens, so send the body through its raw `post`.
-    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key, max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as info:
         client.post("/v1/messages", cast_to=object,
                     body={"model": server.model, "messages": HELLO})

@@ -14,7 +14,7 @@ HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0)
 
 
 def test_models_lists_the_replica_model(client: openai.OpenAI, server: Server) -> None:

@@ -43,7 +43,7 @@ def small_replica() -> Iterator[tuple[Server, subprocess.Popen[str]]]:
                 break
         if url is None:
             pytest.fail("tokenyard engine did not start:\n" + "".join(seen[-40:]))
-        with running_server("--replica-url", url) as (server, _):
+        with running_server("--replica-url", url, "--no-auth") as (server, _):
             yield server, engine
     finally:
         if engine.poll() is None:

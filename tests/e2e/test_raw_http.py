@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.e2e.conftest import Server
@@ -24,6 +25,15 @@ def test_http_process_modules_never_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+#: The server's bearer header, filled in once the session's server is up.
+AUTH: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _auth(server: Server) -> None:
+    AUTH.update(server.headers)
 
 
 def _chat(server: Server, **extra: Any) -> dict[str, Any]:
@@ -47,7 +57,7 @@ def test_replica_overload_maps_to_503_and_529_with_retry_after() -> None:
 
 async def _post(url: str, data: bytes | str, headers: dict[str, str] | None = None
                 ) -> tuple[int, Any, Any]:
-    async with aiohttp.ClientSession() as session, session.post(
+    async with aiohttp.ClientSession(headers=AUTH) as session, session.post(
         url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
     ) as r:
         return r.status, await r.json(content_type=None), r.headers
@@ -60,7 +70,7 @@ def post(url: str, data: bytes | str, headers: dict[str, str] | None = None
 
 def get(url: str) -> tuple[int, Any, Any]:
     async def go() -> tuple[int, Any, Any]:
-        async with aiohttp.ClientSession() as session, session.get(url) as r:
+        async with aiohttp.ClientSession(headers=AUTH) as session, session.get(url) as r:
             return r.status, await r.json(content_type=None), r.headers
     return asyncio.run(go())
 
@@ -153,8 +163,9 @@ def test_request_id_echoed_or_generated(server: Server) -> None:
     assert headers["x-request-id"] == "my-id-42"
     timing = headers["Server-Timing"]
     stages = [entry.split(";")[0] for entry in timing.split(", ")]
-    assert stages == ["parse", "template", "tokenize", "queue", "prefill", "decode",
-                      "detokenize"]
+    # With the gateway on: authenticate first, then authorize, limit, billing pre-check.
+    assert stages == ["auth", "parse", "template", "tokenize", "authorize", "limit",
+                      "billing", "queue", "prefill", "decode", "detokenize"]
     _, _, headers = post(server.base_url + "/v1/chat/completions", b"{")
     assert headers["x-request-id"]
 
@@ -172,7 +183,7 @@ def test_operational_routes(server: Server) -> None:
 
 def test_disconnect_mid_stream_frees_the_replica(server: Server) -> None:
     async def go() -> dict[str, Any]:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             response = await session.post(
                 server.base_url + "/v1/chat/completions",
                 json=_chat(server, max_tokens=400, min_tokens=400, stream=True),
@@ -215,7 +226,7 @@ async def _wait_idle(session: aiohttp.ClientSession, replica_url: str) -> dict[s
 
 def test_disconnect_while_waiting_for_a_non_streamed_answer(server: Server) -> None:
     async def go() -> tuple[dict[str, Any], dict[str, Any]]:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             request = asyncio.create_task(session.post(
                 server.base_url + "/v1/chat/completions",
                 json=_chat(server, max_tokens=400, min_tokens=400),
@@ -250,7 +261,7 @@ def test_64_concurrent_streams_complete_with_usage(server: Server) -> None:
 
     async def go() -> list[tuple[int, dict[str, Any]]]:
         async with aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0)
+            connector=aiohttp.TCPConnector(limit=0), headers=AUTH
         ) as session:
             return await asyncio.gather(*(one(session, i) for i in range(64)))
 
@@ -270,7 +281,7 @@ def _sse_events(raw: bytes) -> list[Any]:
 
 async def _raw_post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None
                     ) -> tuple[Any, bytes]:
-    async with aiohttp.ClientSession() as session, session.post(
+    async with aiohttp.ClientSession(headers=AUTH) as session, session.post(
         url, headers=headers, json=body
     ) as r:
         return r.headers, await r.read()
@@ -284,7 +295,8 @@ def test_stream_header_has_the_stages_before_the_first_byte_and_the_last_event_a
     assert headers["x-request-id"] == "s-1"
     assert headers["content-type"].startswith("text/event-stream")
     header_stages = [e.split(";")[0] for e in headers["Server-Timing"].split(", ")]
-    assert header_stages == ["parse", "template", "tokenize", "queue", "prefill"]
+    assert header_stages == ["auth", "parse", "template", "tokenize", "authorize", "limit",
+                             "billing", "queue", "prefill"]
     assert raw.endswith(b"data: [DONE]\n\n")
     events = _sse_events(raw)
     assert all("timings" not in e for e in events[:-1])
@@ -319,6 +331,7 @@ def test_streamed_completions_of_several_prompts_run_and_arrive_together(
     # Interleaved: prompt 1's first token comes before prompt 0's last.
     assert order.index(1) < len(order) - 1 - order[::-1].index(0)
     usage = events[-1]["usage"]
+    assert usage is not None, events[-3:]
     assert usage["completion_tokens"] == 16
 
 
@@ -369,7 +382,7 @@ async def _with_fake(mode: str, path: str, body: dict[str, Any]) -> tuple[int, A
     await front.setup()
     await web.TCPSite(front, "127.0.0.1", 0).start()
     try:
-        async with aiohttp.ClientSession() as session, session.post(
+        async with aiohttp.ClientSession(headers=AUTH) as session, session.post(
             f"http://127.0.0.1:{front.addresses[0][1]}{path}", json=body
         ) as r:
             return r.status, r.headers, await r.read()
@@ -408,7 +421,7 @@ def test_failure_after_the_stream_began_is_an_error_event() -> None:
 
 def test_metrics_show_the_engine_idle_with_every_kv_block_free(server: Server) -> None:
     async def scenario() -> str:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             async with session.post(f"{server.base_url}/v1/chat/completions",
                                     json=_chat(server)) as resp:
                 assert resp.status == 200

@@ -82,6 +82,18 @@ from tokenyard.engine.output_processor import OutputProcessor, child_params
 from tokenyard.engine.outputs import Completion, EngineCoreOutput, RequestOutput
 from tokenyard.engine.protocol import CoreDelta, ReplicaInfo
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.gateway import idempotency
+from tokenyard.gateway.billing import Usage
+from tokenyard.gateway.pipeline import (
+    ABORTED,
+    COMPLETED,
+    FAILED,
+    STOPPED,
+    Gateway,
+    Ticket,
+    ratelimit_headers,
+)
+from tokenyard.store.records import KeyContext
 from tokenyard.telemetry.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
@@ -165,6 +177,8 @@ class AppState:
     created: int
     admitting: bool = True
     metrics: TokenyardMetrics = field(default_factory=TokenyardMetrics)
+    #: Keys, limits, billing and the ledger; None serves without authentication.
+    gateway: Gateway | None = None
 
     @property
     def model(self) -> str:
@@ -257,6 +271,8 @@ class Generation:
         self._side_tasks: set[asyncio.Task[None]] = set()
         #: Each completion's finish reason once it has one ("abort" is set by close()).
         self.finish_reasons: list[str | None] = [None] * params.n
+        #: The stop string (str) or stop token (int) that ended each completion, if any.
+        self.stop_reasons: list[int | str | None] = [None] * params.n
         #: The last RequestOutput: prompt, cached and output token counts.
         self.last: RequestOutput | None = None
         self.failed = False
@@ -336,6 +352,7 @@ class Generation:
                 for delta in out.deltas:
                     if delta.finish_reason is not None:
                         self.finish_reasons[delta.index] = delta.finish_reason
+                        self.stop_reasons[delta.index] = delta.stop_reason
                 if out.finished:
                     timeline.mark("done")
                 yield out
@@ -391,10 +408,14 @@ async def _finished_completions(gen: Generation) -> list[Completion]:
 
 _REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 _TIMELINE: web.RequestKey[Timeline] = web.RequestKey("timeline", Timeline)
+_KEY: web.RequestKey[KeyContext] = web.RequestKey("api_key", KeyContext)
+_TICKET: web.RequestKey[Ticket] = web.RequestKey("ticket", Ticket)
+_RECORDING: web.RequestKey[bool] = web.RequestKey("recording", bool)
 
-
-def _mark(request: web.Request, event: str) -> None:
-    request[_TIMELINE].mark(event)
+#: Routes anyone may call (probes, scrapes, the schema); everything else needs a key.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+#: Routes that take an Idempotency-Key.
+IDEMPOTENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
 
 
 def _is_anthropic(request: web.Request) -> bool:
@@ -424,7 +445,18 @@ async def _middleware(
     request_id = request.headers.get(REQUEST_ID_HEADER) or f"req_{uuid.uuid4().hex}"
     request[_REQUEST_ID] = request_id
     try:
-        response = await handler(request)
+        gateway = request.app[_STATE].gateway
+        if gateway is None or request.path in PUBLIC_PATHS:
+            response = await handler(request)
+        else:
+            request[_KEY] = await gateway.authenticate(request.headers, timeline)
+            idem_key = request.headers.get(idempotency.HEADER)
+            if idem_key is not None and request.method == "POST" and (
+                request.path in IDEMPOTENT_PATHS
+            ):
+                response = await _idempotent(request, gateway, idem_key, handler)
+            else:
+                response = await handler(request)
     except APIError as err:
         response = _error_response(request, err)
     except web.HTTPRequestEntityTooLarge:
@@ -443,10 +475,66 @@ async def _middleware(
                          request_id)
         response = _error_response(request, internal_error())
     if not response.prepared:
-        response.headers[REQUEST_ID_HEADER] = request_id
-        server_timing = timeline.server_timing()
-        if server_timing:
-            response.headers["Server-Timing"] = server_timing
+        _add_headers(request, response)
+    return response
+
+
+def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """x-request-id, Server-Timing and (admitted requests) the rate-limit headers."""
+    response.headers[REQUEST_ID_HEADER] = request[_REQUEST_ID]
+    server_timing = request[_TIMELINE].server_timing()
+    if server_timing:
+        response.headers["Server-Timing"] = server_timing
+    ticket = request.get(_TICKET)
+    if ticket is not None:
+        response.headers.update(
+            ratelimit_headers(ticket.admission.state, _is_anthropic(request))
+        )
+
+
+class _RecordingStreamResponse(web.StreamResponse):
+    """A stream that keeps a copy of what it sent, for Idempotency-Key replays."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.recorded = bytearray()
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.recorded += data
+        await super().write(data)
+
+
+async def _idempotent(
+    request: web.Request,
+    gateway: Gateway,
+    idem_key: str,
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """Run `handler` once per (org, Idempotency-Key); replay its stored 2xx response."""
+    org_id = request[_KEY].org_id
+    store = gateway.store
+    stored = await idempotency.claim(store, org_id, idem_key, await request.read())
+    if stored is not None:
+        headers = {**stored.headers, idempotency.REPLAYED_HEADER: "true"}
+        return web.Response(status=stored.status_code or 200, body=stored.body or b"",
+                            headers=headers)
+    request[_RECORDING] = True
+    try:
+        response = await handler(request)
+    except BaseException:
+        # A task of its own: a cancelled handler (client gone) must still free the key.
+        asyncio.get_running_loop().create_task(store.idem_release(org_id, idem_key))
+        raise
+    if 200 <= response.status < 300:
+        body = (
+            bytes(response.recorded) if isinstance(response, _RecordingStreamResponse)
+            else bytes(cast(bytes, getattr(response, "body", b"")) or b"")
+        )
+        content_type = response.headers.get("Content-Type", "application/json")
+        await store.idem_complete(org_id, idem_key, response.status,
+                                  {"Content-Type": content_type}, body)
+    else:
+        await store.idem_release(org_id, idem_key)
     return response
 
 
@@ -480,15 +568,52 @@ def _stream_failure(request: web.Request, exc: Exception) -> APIError:
 
 
 async def _sse_response(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={**SSE_HEADERS, REQUEST_ID_HEADER: request[_REQUEST_ID]}
-    )
-    server_timing = request[_TIMELINE].server_timing()
-    if server_timing:
-        # A stream's header holds the stages before its first byte; the last event has all.
-        response.headers["Server-Timing"] = server_timing
+    cls = _RecordingStreamResponse if request.get(_RECORDING) else web.StreamResponse
+    response = cls(headers=SSE_HEADERS)
+    # A stream's Server-Timing holds the stages before its first byte; the last event has all.
+    _add_headers(request, response)
     await response.prepare(request)
     return response
+
+
+async def _admit(
+    request: web.Request, model: str, prompt_tokens: int, max_tokens: int
+) -> None:
+    """The gateway's stages 4–6 for a request (no-op without a gateway): scopes, limits
+    (reserving prompt + max_tokens), billing pre-check. The ticket waits in the request
+    for `_finish`."""
+    gateway = request.app[_STATE].gateway
+    if gateway is None:
+        return
+    request[_TICKET] = await gateway.admit(
+        request[_KEY], model=model, endpoint=request.path,
+        request_id=f"req_{uuid.uuid4().hex}", prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens, timeline=request[_TIMELINE], anthropic=_is_anthropic(request),
+    )
+
+
+def _finish(request: web.Request, gens: Sequence[Generation]) -> None:
+    """Settle the request's ticket with what its generations really used."""
+    gateway, ticket = request.app[_STATE].gateway, request.get(_TICKET)
+    if gateway is None or ticket is None:
+        return
+    ran = [gen for gen in gens if gen.last is not None]
+    usage = Usage(
+        prompt_tokens=sum(len(gen.prompt) for gen in ran),
+        cached_tokens=sum(gen.num_cached_tokens for gen in ran),
+        output_tokens=sum(gen.last.num_output_tokens for gen in ran if gen.last is not None),
+    ) if ran else None
+    reasons = [reason for gen in gens for reason in gen.finish_reasons]
+    if any(gen.failed for gen in gens):
+        status = FAILED
+    elif "abort" in reasons or None in reasons:
+        status = ABORTED
+    elif any(isinstance(r, str) or r in gen.params.stop_token_ids
+             for gen in gens for r in gen.stop_reasons if r is not None):
+        status = STOPPED  # a stop sequence or stop token of the client's ended it
+    else:
+        status = COMPLETED
+    gateway.finish(ticket, usage, status)
 
 
 async def _merged(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -536,7 +661,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     timeline.mark("tokenized")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     params = state.fit(len(prompt), params, param)
+    await _admit(request, req.model, len(prompt), _max_total(params))
     gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
+    try:
+        return await _chat_response(request, req, gen)
+    finally:
+        await gen.close()
+        _finish(request, [gen])
+
+
+async def _chat_response(
+    request: web.Request, req: so.ChatCompletionRequest, gen: Generation
+) -> web.StreamResponse:
+    state, timeline, params, prompt = request.app[_STATE], gen.timeline, gen.params, gen.prompt
     await gen.start()
     token_bytes = state.tokenizer.id_to_token_bytes
     if not req.stream:
@@ -549,29 +686,31 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = ChatStream(new_chat_id(), state.model, now(), SYSTEM_FINGERPRINT, token_bytes)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     response = await _sse_response(request)
+    for chunk in stream.role_chunks(params.n):
+        await response.write(sse_data(chunk))
     try:
-        for chunk in stream.role_chunks(params.n):
-            await response.write(sse_data(chunk))
-        try:
-            async for out in gen:
-                chunks: list[Any] = list(stream.output_chunks(out))
-                if out.finished and not include_usage and chunks:
-                    chunks[-1] = _with_timings(chunks[-1], timeline)
-                for chunk in chunks:
-                    await response.write(sse_data(chunk))
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise  # the client is gone: nothing to tell it
-        except Exception as exc:
-            await response.write(openai_stream_error(_stream_failure(request, exc)))
-            return response
-        if include_usage and gen.last is not None:
-            usage = stream.usage_chunk(gen.last.num_prompt_tokens, gen.last.num_output_tokens,
-                                       gen.last.num_cached_tokens)
-            await response.write(sse_data(_with_timings(usage, timeline)))
-        await response.write(SSE_DONE)
-    finally:
-        await gen.close()
+        async for out in gen:
+            chunks: list[Any] = list(stream.output_chunks(out))
+            if out.finished and not include_usage and chunks:
+                chunks[-1] = _with_timings(chunks[-1], timeline)
+            for chunk in chunks:
+                await response.write(sse_data(chunk))
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client is gone: nothing to tell it
+    except Exception as exc:
+        await response.write(openai_stream_error(_stream_failure(request, exc)))
+        return response
+    if include_usage and gen.last is not None:
+        usage = stream.usage_chunk(gen.last.num_prompt_tokens, gen.last.num_output_tokens,
+                                   gen.last.num_cached_tokens)
+        await response.write(sse_data(_with_timings(usage, timeline)))
+    await response.write(SSE_DONE)
     return response
+
+
+def _max_total(params: SamplingParams) -> int:
+    """The most tokens a request's n completions can generate together."""
+    return (params.max_tokens or 0) * params.n
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -587,19 +726,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fitted = [state.fit(len(p), params, "max_tokens") for p in ids]
     echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
     base_id = request[_REQUEST_ID]
+    await _admit(request, req.model, sum(len(p) for p in ids), sum(map(_max_total, fitted)))
     gens = [
         Generation(state, f"{base_id}-{i}", p, fp, timeline)
         for i, (p, fp) in enumerate(zip(ids, fitted, strict=True))
     ]
     try:
-        # Sent together: the replica batches them; a refusal of any refuses the request.
-        await asyncio.gather(*(gen.start() for gen in gens))
-    except BaseException:
+        return await _completions_response(request, req, gens, echo)
+    finally:
         for gen in gens:
             await gen.close()
-        raise
+        _finish(request, gens)
+
+
+async def _completions_response(
+    request: web.Request, req: so.CompletionRequest, gens: list[Generation],
+    echo: list[str] | None,
+) -> web.StreamResponse:
+    state, timeline, tok = request.app[_STATE], request[_TIMELINE], request.app[_STATE].tokenizer
+    params = gens[0].params
+    # Sent together: the replica batches them; a refusal of any refuses the request.
+    await asyncio.gather(*(gen.start() for gen in gens))
     token_bytes = tok.id_to_token_bytes
-    prompt_tokens = sum(len(p) for p in ids)
+    prompt_tokens = sum(len(gen.prompt) for gen in gens)
     if not req.stream:
         results = await asyncio.gather(*(_finished_completions(g) for g in gens))
         return _json(build_text_completion(
@@ -612,34 +761,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               SYSTEM_FINGERPRINT, token_bytes)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     response = await _sse_response(request)
+    for i, text in enumerate(echo or []):
+        for chunk in stream.echo_chunks(i, text):
+            await response.write(sse_data(chunk))
+    unfinished = len(gens)
     try:
-        for i, text in enumerate(echo or []):
-            for chunk in stream.echo_chunks(i, text):
+        # Every prompt streams at once; choice indexes tell them apart.
+        async for i, out in _merged(gens):
+            chunks: list[Any] = [c for d in out.deltas for c in stream.delta_chunks(d, i)]
+            unfinished -= out.finished
+            if not unfinished and not include_usage and chunks:
+                chunks[-1] = _with_timings(chunks[-1], timeline)
+            for chunk in chunks:
                 await response.write(sse_data(chunk))
-        unfinished = len(gens)
-        try:
-            # Every prompt streams at once; choice indexes tell them apart.
-            async for i, out in _merged(gens):
-                chunks: list[Any] = [c for d in out.deltas for c in stream.delta_chunks(d, i)]
-                unfinished -= out.finished
-                if not unfinished and not include_usage and chunks:
-                    chunks[-1] = _with_timings(chunks[-1], timeline)
-                for chunk in chunks:
-                    await response.write(sse_data(chunk))
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await response.write(openai_stream_error(_stream_failure(request, exc)))
-            return response
-        if include_usage:
-            output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
-            usage = stream.usage_chunk(prompt_tokens, output_tokens,
-                                       sum(g.num_cached_tokens for g in gens))
-            await response.write(sse_data(_with_timings(usage, timeline)))
-        await response.write(SSE_DONE)
-    finally:
-        for gen in gens:
-            await gen.close()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        await response.write(openai_stream_error(_stream_failure(request, exc)))
+        return response
+    if include_usage:
+        output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
+        usage = stream.usage_chunk(prompt_tokens, output_tokens,
+                                   sum(g.num_cached_tokens for g in gens))
+        await response.write(sse_data(_with_timings(usage, timeline)))
+    await response.write(SSE_DONE)
     return response
 
 
@@ -664,7 +809,19 @@ async def messages(request: web.Request) -> web.StreamResponse:
     prompt = state.encode_rendered(text)
     timeline.mark("tokenized")
     params = state.fit(len(prompt), params, "max_tokens")
+    await _admit(request, req.model, len(prompt), _max_total(params))
     gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
+    try:
+        return await _messages_response(request, req, gen)
+    finally:
+        await gen.close()
+        _finish(request, [gen])
+
+
+async def _messages_response(
+    request: web.Request, req: sa.MessagesRequest, gen: Generation
+) -> web.StreamResponse:
+    state, timeline, prompt = request.app[_STATE], gen.timeline, gen.prompt
     await gen.start()
     stops = req.stop_sequences or []
     if not req.stream:
@@ -676,29 +833,26 @@ async def messages(request: web.Request) -> web.StreamResponse:
         ))
     stream = AnthropicStream(new_message_id(), state.model, stops)
     response = await _sse_response(request)
+    # The first delta is already in: the cached-token count is known for message_start.
+    started = False
     try:
-        # The first delta is already in: the cached-token count is known for message_start.
-        started = False
-        try:
-            async for out in gen:
-                if not started:
-                    started = True
-                    for event in stream.start_events(out.num_prompt_tokens,
-                                                     out.num_cached_tokens):
-                        await response.write(anthropic_event(event))
-                for event in stream.output_events(out):
-                    if isinstance(event, MessageStopEvent):
-                        await response.write(sse_event(event.type,
-                                                       _with_timings(event, timeline)))
-                    else:
-                        await response.write(anthropic_event(event))
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await response.write(anthropic_stream_error(_stream_failure(request, exc),
-                                                        request[_REQUEST_ID]))
-    finally:
-        await gen.close()
+        async for out in gen:
+            if not started:
+                started = True
+                for event in stream.start_events(out.num_prompt_tokens,
+                                                 out.num_cached_tokens):
+                    await response.write(anthropic_event(event))
+            for event in stream.output_events(out):
+                if isinstance(event, MessageStopEvent):
+                    await response.write(sse_event(event.type,
+                                                   _with_timings(event, timeline)))
+                else:
+                    await response.write(anthropic_event(event))
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        await response.write(anthropic_stream_error(_stream_failure(request, exc),
+                                                    request[_REQUEST_ID]))
     return response
 
 

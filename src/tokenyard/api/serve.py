@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -23,7 +24,9 @@ from aiohttp import web
 
 from tokenyard.api.app import build_state, make_app
 from tokenyard.balancer.replica_client import ReplicaError
-from tokenyard.config import default_cache_dir
+from tokenyard.config import database_url, default_cache_dir, redis_url, state_dir
+from tokenyard.gateway.limits import make_limiter
+from tokenyard.gateway.pipeline import Gateway
 
 logger = logging.getLogger("tokenyard.serve")
 
@@ -34,6 +37,8 @@ REPLICA_START_TIMEOUT_S = 600.0
 #: After the replica has drained, how long open HTTP responses may take to finish.
 HTTP_SHUTDOWN_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
+#: The development key's file in the state directory.
+DEV_KEY_FILE = "dev-key"
 
 
 def _die_with_parent() -> None:
@@ -80,23 +85,27 @@ async def start_replica(
     return proc, url, asyncio.create_task(_forward_output(proc.stdout))
 
 
-def banner(base_url: str, model: str, replica_url: str) -> str:
+def banner(base_url: str, model: str, replica_url: str, api_key: str | None = None) -> str:
     """What a person needs to start using the server, ready to paste."""
     curl_body = json.dumps({"model": model,
                             "messages": [{"role": "user", "content": "Say hello."}]})
+    key_lines = [f"  API key: {api_key}"] if api_key else []
+    auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     return "\n".join([
         f"tokenyard serving {model} at {base_url}",
         f"  OpenAI base URL:    {base_url}/v1",
         f"  Anthropic base URL: {base_url}",
+        *key_lines,
         f"  replica: {replica_url}",
         "",
         "curl:",
-        f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'"
+        f"{auth_header} \\",
         f"    -d '{curl_body}'",
         "",
         "Python:",
         "  from openai import OpenAI",
-        f'  client = OpenAI(base_url="{base_url}/v1", api_key="unused")',
+        f'  client = OpenAI(base_url="{base_url}/v1", api_key="{api_key or "unused"}")',
         f'  r = client.chat.completions.create(model="{model}",',
         '      messages=[{"role": "user", "content": "Say hello."}])',
         "  print(r.choices[0].message.content)",
@@ -113,18 +122,25 @@ async def run(
     replica_url: str | None = None,
     drain_timeout: float = 30.0,
     cache_dir: Path | None = None,
+    auth: bool = True,
 ) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and return 0."""
+    """Serve until SIGTERM/SIGINT, then drain and return 0. `auth`: API keys, limits,
+    billing and the ledger (the gateway); off, anyone may call."""
     proc: asyncio.subprocess.Process | None = None
     forward: asyncio.Task[None] | None = None
-    if replica_url is None:
-        proc, replica_url, forward = await start_replica(engine_args, drain_timeout)
+    gateway: Gateway | None = None
+    api_key: str | None = None
+    if auth:
+        gateway, api_key = await open_gateway()
     runner: web.AppRunner | None = None
     try:
+        if replica_url is None:
+            proc, replica_url, forward = await start_replica(engine_args, drain_timeout)
         try:
             state = await build_state(replica_url, model, cache_dir or default_cache_dir())
         except ReplicaError as exc:
             raise RuntimeError(f"cannot reach the replica at {replica_url}: {exc}") from exc
+        state.gateway = gateway
         # handler_cancellation: a client that goes away cancels its handler, which closes
         # the replica stream, which aborts the request there and frees its blocks.
         runner = web.AppRunner(make_app(state), handler_cancellation=True,
@@ -134,7 +150,7 @@ async def run(
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
-        print(banner(f"http://{shown}:{bound}", state.model, replica_url), flush=True)
+        print(banner(f"http://{shown}:{bound}", state.model, replica_url, api_key), flush=True)
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -163,12 +179,39 @@ async def run(
     finally:
         if runner is not None:
             await runner.cleanup()
+        if gateway is not None:
+            await gateway.close()
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
         if forward is not None:
             forward.cancel()
+
+
+async def open_gateway() -> tuple[Gateway, str | None]:
+    """The gateway over `TOKENYARD_DATABASE_URL` (else SQLite in the state directory) and
+    `TOKENYARD_REDIS_URL` (else in-process limits), and the development key to show.
+
+    On an empty database the default org and an admin key are created; the key is kept
+    in `<state dir>/dev-key` (mode 0600) so later starts can show it again.
+    """
+    state = state_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    gateway, new_key = await Gateway.open(
+        database_url(state), make_limiter(redis_url()), state / "journal"
+    )
+    key_file = state / DEV_KEY_FILE
+    if new_key is not None:
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(new_key + "\n")
+        print(f"created org 'default' and an admin API key (kept in {key_file})", flush=True)
+        return gateway, new_key
+    try:
+        return gateway, key_file.read_text().strip() or None
+    except OSError:
+        return gateway, None
 
 
 def serve(
@@ -179,8 +222,9 @@ def serve(
     model: str | None,
     replica_url: str | None = None,
     drain_timeout: float = 30.0,
+    auth: bool = True,
 ) -> int:
     """Blocking entry point of `tokenyard serve`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return asyncio.run(run(host, port, engine_args, model=model, replica_url=replica_url,
-                           drain_timeout=drain_timeout))
+                           drain_timeout=drain_timeout, auth=auth))

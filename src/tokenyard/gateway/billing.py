@@ -1,0 +1,218 @@
+"""Stage 6 (the billing pre-check) and stage 19 (metering): may this org spend now, and
+what did the request cost.
+
+The pre-check never waits on the database once an org is known: it reads a per-org
+snapshot (prepaid balance, this month's spend by org and by project, today's requests)
+that is refreshed in the background when older than `refresh_s`, and adds what this
+process settled since the snapshot was read. Metering appends one row to the ledger
+writer (off the request path, journaled) and records the same cost locally, so the next
+pre-check sees it before the row reaches the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from tokenyard.api.errors import APIError, insufficient_quota
+from tokenyard.store.ledger import LedgerWriter, UsageRecord
+from tokenyard.store.money import Prices, cost_micros, format_money
+from tokenyard.store.records import KeyContext
+from tokenyard.store.repo import Store
+
+logger = logging.getLogger("tokenyard.gateway.billing")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one request used, as its response reports it."""
+
+    prompt_tokens: int  # every prompt token, cached ones included
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass
+class _OrgView:
+    """An org's spending figures as last read from the store, plus local changes since."""
+
+    balance: int | None = None  # micros; None: postpaid (no prepaid balance)
+    month_spend: int = 0
+    project_spend: dict[str, int] = field(default_factory=dict)
+    caps: dict[str | None, int] = field(default_factory=dict)  # project (None: org) → cap
+    requests_today: int = 0
+    day: str = ""
+    read_at: float = float("-inf")
+    # Settled here since the read began: (sequence, project, cost). Dropped once a read
+    # that started after them (and after the ledger flushed them) lands.
+    local: list[tuple[int, str | None, int]] = field(default_factory=list)
+    refreshing: asyncio.Task[None] | None = None
+
+    def spent(self, project_id: str | None) -> tuple[int, int, int]:
+        """(org month spend, project month spend, requests today), local changes included."""
+        org = self.month_spend + sum(cost for _, _, cost in self.local)
+        proj = self.project_spend.get(project_id or "", 0) + sum(
+            cost for _, p, cost in self.local if p == project_id
+        )
+        return org, proj, self.requests_today + len(self.local)
+
+
+class Billing:
+    """The pre-check and the meter, over a `Store` and a `LedgerWriter`."""
+
+    def __init__(
+        self,
+        store: Store,
+        ledger: LedgerWriter,
+        *,
+        refresh_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.refresh_s = refresh_s
+        self._clock = clock
+        self._views: dict[str, _OrgView] = {}
+        self._prices: dict[str, Prices] = {}
+        self._prices_read_at = float("-inf")
+        self._prices_task: asyncio.Task[None] | None = None
+        self._seq = 0
+
+    # -- pre-check --------------------------------------------------------------------------
+
+    async def precheck(self, key: KeyContext) -> None:
+        """Refuse (429 insufficient_quota, not retryable) an org or project that is out of
+        credit, over its monthly spend cap, or past its free tier's requests for today."""
+        view = await self._view(key.org_id)
+        org_spend, project_spend, requests_today = view.spent(key.project_id)
+        local_cost = org_spend - view.month_spend
+        if view.balance is not None and view.balance - local_cost <= 0:
+            raise _quota(
+                f"Your organization's prepaid balance is used up "
+                f"({format_money(view.balance - local_cost)} left). Add credit to continue."
+            )
+        org_cap = view.caps.get(None)
+        if org_cap is not None and org_spend >= org_cap:
+            raise _quota(
+                f"Your organization reached its monthly spend cap of {format_money(org_cap)} "
+                f"(spent {format_money(org_spend)})."
+            )
+        project_cap = view.caps.get(key.project_id) if key.project_id else None
+        if project_cap is not None and project_spend >= project_cap:
+            raise _quota(
+                f"Project {key.project_id} reached its monthly spend cap of "
+                f"{format_money(project_cap)} (spent {format_money(project_spend)})."
+            )
+        allowance = key.free_tier_daily_requests
+        if allowance is not None and view.balance is None and requests_today >= allowance:
+            raise _quota(
+                f"Your organization used its free tier's {allowance} requests for today "
+                "(UTC). Add credit to continue."
+            )
+
+    async def _view(self, org_id: str) -> _OrgView:
+        view = self._views.get(org_id)
+        if view is None:  # first sight of this org: the one time a request waits for a read
+            view = self._views[org_id] = _OrgView()
+            await self._refresh(org_id, view)
+            return view
+        if self._clock() - view.read_at > self.refresh_s and view.refreshing is None:
+            view.refreshing = asyncio.create_task(self._refresh(org_id, view))
+        return view
+
+    async def _refresh(self, org_id: str, view: _OrgView) -> None:
+        started_seq = self._seq
+        try:
+            # Rows settled before this read began must be in the database when it reads.
+            await self.ledger.flush()
+            balance = await self.store.balance(org_id)
+            month = await self.store.month_spend(org_id)
+            caps = {cap.project_id: cap.cap_micros
+                    for cap in await self.store.spend_caps(org_id)}
+            project_spend = {
+                project: await self.store.month_spend(org_id, project)
+                for project in caps if project is not None
+            }
+            today = await self.store.requests_today(org_id)
+        except Exception:
+            logger.exception("billing refresh for %s failed; keeping the last figures", org_id)
+            return
+        finally:
+            view.refreshing = None
+        view.balance, view.month_spend, view.caps = balance, month, caps
+        view.project_spend = project_spend
+        day = datetime.now(UTC).date().isoformat()
+        view.requests_today, view.day = today, day
+        view.local = [entry for entry in view.local if entry[0] > started_seq]
+        view.read_at = self._clock()
+
+    # -- metering ---------------------------------------------------------------------------
+
+    async def prices(self, model: str) -> Prices:
+        """The model's prices (micros per million tokens; none set: free). Read once, then
+        refreshed in the background every 10 s."""
+        if self._prices_read_at == float("-inf"):
+            await self._read_prices()
+        elif self._clock() - self._prices_read_at > 10.0 and self._prices_task is None:
+            self._prices_task = asyncio.create_task(self._read_prices())
+        return self._prices.get(model, Prices())
+
+    async def _read_prices(self) -> None:
+        try:
+            self._prices = await self.store.prices()
+        except Exception:
+            logger.exception("reading prices failed; keeping the last ones")
+        finally:
+            self._prices_read_at = self._clock()
+            self._prices_task = None
+
+    def cost(self, prices: Prices, usage: Usage) -> int:
+        """Micros: uncached input, cached input and output at the model's prices."""
+        cached = min(usage.cached_tokens, usage.prompt_tokens)
+        return cost_micros(prices, usage.prompt_tokens - cached, cached, 0, usage.output_tokens)
+
+    def meter(
+        self,
+        key: KeyContext,
+        *,
+        request_id: str,
+        model: str,
+        endpoint: str,
+        status: str,
+        usage: Usage,
+        prices: Prices,
+    ) -> UsageRecord:
+        """Append the request's ledger row (off the request path) and count it locally."""
+        record = UsageRecord(
+            request_id=request_id,
+            org_id=key.org_id,
+            project_id=key.project_id,
+            key_id=key.key_id,
+            model=model,
+            endpoint=endpoint,
+            status=status,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            output_tokens=usage.output_tokens,
+            cost_micros=self.cost(prices, usage),
+        )
+        self.ledger.append(record)
+        self._seq += 1
+        view = self._views.get(key.org_id)
+        if view is not None:
+            view.local.append((self._seq, key.project_id, record.cost_micros))
+        return record
+
+
+def _quota(message: str) -> APIError:
+    err = insufficient_quota(message)
+    err.headers["x-should-retry"] = "false"
+    return err

@@ -1,0 +1,51 @@
+"""`Idempotency-Key` (IETF draft "The Idempotency-Key HTTP Header Field").
+
+A POST that carries the header claims the key for its org. The same key and the same body
+again gets the stored response back (and is not charged again); the same key with another
+body is 422; a retry while the first is still running is 409. Only successful (2xx)
+responses are kept, for 24 hours; a request that failed releases its key so that the
+client's retry runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from tokenyard.api.errors import APIError, invalid_request
+from tokenyard.store.records import IdempotencyRecord
+from tokenyard.store.repo import Store
+
+HEADER = "Idempotency-Key"
+#: Response header on a replayed response (as Stripe names it).
+REPLAYED_HEADER = "Idempotent-Replayed"
+MAX_KEY_LENGTH = 255
+TTL_S = 24 * 3600.0
+
+
+def body_digest(body: bytes) -> str:
+    """SHA-256 hex of the request body: what "the same request" means."""
+    return hashlib.sha256(body).hexdigest()
+
+
+async def claim(store: Store, org_id: str, key: str, body: bytes) -> IdempotencyRecord | None:
+    """Claim `key` for this request: None to go on and run it, or the stored response of
+    an earlier identical request to replay. Raises 400 (bad key), 409 or 422."""
+    if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
+        raise invalid_request(
+            f"The {HEADER} header must be 1 to {MAX_KEY_LENGTH} printable characters.",
+            param=HEADER,
+        )
+    outcome, record = await store.idem_begin(org_id, key, body_digest(body), ttl_s=TTL_S)
+    if outcome == "new":
+        return None
+    if outcome == "replay" and record is not None:
+        return record
+    if outcome == "mismatch":
+        raise APIError(
+            422, f"This {HEADER} was already used with a different request body.",
+            param=HEADER, code="idempotency_key_reused",
+        )
+    raise APIError(
+        409, f"A request with this {HEADER} is still being processed; retry later.",
+        param=HEADER, code="idempotency_key_in_use", headers={"retry-after": "1"},
+    )

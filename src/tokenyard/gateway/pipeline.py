@@ -1,0 +1,205 @@
+"""The gateway's stages in request order, behind one object the HTTP routes call.
+
+    authenticate (3) → [parse, template, tokenize] → authorize (4) → limit (5)
+    → billing pre-check (6) → … engine … → settle + meter (19)
+
+A `Ticket` is what admission hands out; `Gateway.finish` settles it exactly once,
+whatever way the request ended (completed, stopped, aborted by the client, failed), in a
+task of its own so a cancelled handler cannot leave a concurrency slot taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from tokenyard.api.errors import APIError
+from tokenyard.gateway.auth import Authenticator, authorize
+from tokenyard.gateway.billing import Billing, Usage
+from tokenyard.gateway.limits import Admission, Limiter, RateLimited, RateLimitState, Subject
+from tokenyard.store.db import Database
+from tokenyard.store.ledger import LedgerWriter
+from tokenyard.store.money import Prices
+from tokenyard.store.records import KeyContext, Limits
+from tokenyard.store.repo import Store
+from tokenyard.telemetry.timeline import Timeline
+
+logger = logging.getLogger("tokenyard.gateway")
+
+#: How a request ended, as the ledger records it.
+COMPLETED, STOPPED, ABORTED, FAILED = "completed", "stopped", "aborted", "failed"
+
+
+@dataclass(eq=False)
+class Ticket:
+    """An admitted request's claim on its key's and org's limits, until `finish`."""
+
+    key: KeyContext
+    admission: Admission
+    model: str
+    endpoint: str
+    request_id: str
+    prices: Prices
+    finished: bool = field(default=False)
+
+
+def _subjects(key: KeyContext) -> list[Subject]:
+    """The key and its org, each only when it has a limit."""
+    out = []
+    for scope, sid, limits in (("key", key.key_id, key.key_limits),
+                               ("org", key.org_id, key.org_limits)):
+        if limits != Limits():
+            out.append(Subject(scope, sid, limits))
+    return out
+
+
+class Gateway:
+    """Authentication, authorization, limits, billing and metering over one store."""
+
+    def __init__(
+        self, store: Store, limiter: Limiter, billing: Billing, *, key_ttl_s: float = 1.0
+    ) -> None:
+        self.store = store
+        self.limiter = limiter
+        self.billing = billing
+        self.auth = Authenticator(store.find_key, ttl_s=key_ttl_s)
+        self._settling: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def open(
+        cls, database_url: str, limiter: Limiter, journal_dir: Path
+    ) -> tuple[Gateway, str | None]:
+        """Open the store (migrating it), start the ledger writer (replaying what a crashed
+        gateway left in its journal) and create the default org on an empty database.
+        Returns the gateway and the new development key's secret (None if not new)."""
+        db = await Database.open(database_url)
+        try:
+            store = Store(db)
+            ledger = LedgerWriter(db, journal_dir)
+            await ledger.start()
+            dev_key = await store.ensure_default_org()
+        except BaseException:
+            await db.close()
+            raise
+        return cls(store, limiter, Billing(store, ledger)), dev_key
+
+    async def close(self) -> None:
+        """Wait for pending settlements, flush the ledger, close everything."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+        await self.billing.ledger.close(timeout=10.0)
+        await self.limiter.close()
+        await self.store.db.close()
+
+    async def authenticate(self, headers: Mapping[str, str], timeline: Timeline) -> KeyContext:
+        key = await self.auth.authenticate(headers)
+        timeline.mark("authenticated")
+        return key
+
+    async def admit(
+        self,
+        key: KeyContext,
+        *,
+        model: str,
+        endpoint: str,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        timeline: Timeline,
+        anthropic: bool = False,
+    ) -> Ticket:
+        """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
+        (all completions together): its scopes, its limits (reserving prompt + max_tokens
+        from the token buckets) and the billing pre-check. `anthropic`: refusals carry
+        Anthropic's rate-limit headers rather than OpenAI's."""
+        authorize(key, model, prompt_tokens + max_tokens)
+        timeline.mark("authorized")
+        try:
+            admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens)
+        except RateLimited as refusal:
+            raise rate_limit_error(refusal, anthropic) from None
+        timeline.mark("limited")
+        ticket = Ticket(key, admission, model, endpoint, request_id, Prices())
+        try:
+            await self.billing.precheck(key)
+            ticket.prices = await self.billing.prices(model)
+        except BaseException:
+            self.finish(ticket, None, FAILED)
+            raise
+        timeline.mark("prechecked")
+        return ticket
+
+    def finish(self, ticket: Ticket, usage: Usage | None, status: str) -> None:
+        """Settle the reservation with the real usage (None: nothing ran), release the
+        concurrency slots, and meter the request if it produced tokens. Idempotent."""
+        if ticket.finished:
+            return
+        ticket.finished = True
+        if usage is not None and (usage.output_tokens or status != FAILED):
+            self.billing.meter(
+                ticket.key, request_id=ticket.request_id, model=ticket.model,
+                endpoint=ticket.endpoint, status=status, usage=usage, prices=ticket.prices,
+            )
+        used = usage.total_tokens if usage is not None else 0
+        task = asyncio.get_running_loop().create_task(self._settle(ticket.admission, used))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, admission: Admission, used: int) -> None:
+        try:
+            await self.limiter.settle(admission, used)
+        except Exception:
+            logger.exception("settling a rate-limit reservation failed")
+
+
+# ---------------------------------------------------------------------------- headers
+
+
+def _openai_duration(seconds: float) -> str:
+    """OpenAI's reset format: "20ms", "1s", "6m0s", "1h2m3s"."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def ratelimit_headers(state: RateLimitState, anthropic: bool) -> dict[str, str]:
+    """`x-ratelimit-*` (OpenAI routes) or `anthropic-ratelimit-*` headers for `state`."""
+    out: dict[str, str] = {}
+    now = datetime.now(UTC)
+    for kind, limit, remaining, reset in (
+        ("requests", state.limit_requests, state.remaining_requests, state.reset_requests),
+        ("tokens", state.limit_tokens, state.remaining_tokens, state.reset_tokens),
+    ):
+        if limit is None or remaining is None or reset is None:
+            continue
+        if anthropic:
+            at = (now + timedelta(seconds=reset)).replace(microsecond=0)
+            out[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
+            out[f"anthropic-ratelimit-{kind}-remaining"] = str(remaining)
+            out[f"anthropic-ratelimit-{kind}-reset"] = at.isoformat().replace("+00:00", "Z")
+        else:
+            out[f"x-ratelimit-limit-{kind}"] = str(limit)
+            out[f"x-ratelimit-remaining-{kind}"] = str(remaining)
+            out[f"x-ratelimit-reset-{kind}"] = _openai_duration(reset)
+    return out
+
+
+def rate_limit_error(refusal: RateLimited, anthropic: bool = False) -> APIError:
+    """429 rate_limit_exceeded with retry-after (s), retry-after-ms and the limit headers."""
+    retry = max(refusal.retry_after, 0.001)
+    headers = {"retry-after": str(max(1, math.ceil(retry))),
+               "retry-after-ms": str(math.ceil(retry * 1000)),
+               **ratelimit_headers(refusal.state, anthropic)}
+    if refusal.never_fits:
+        headers["x-should-retry"] = "false"
+    return APIError(429, refusal.message(), code="rate_limit_exceeded", headers=headers)

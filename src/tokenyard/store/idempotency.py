@@ -1,0 +1,119 @@
+"""Idempotency-Key records: claim a key atomically, store the response, replay it.
+
+The claim is an INSERT on the (org_id, key) primary key: of two racing requests the
+database lets exactly one insert, and the other sees the winner's row. An expired record,
+or a 'running' one whose request has held it past the lease (its gateway crashed), counts
+as absent and is replaced.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tokenyard.store.records import IdemOutcome, IdempotencyRecord
+from tokenyard.store.tables import idempotency_records as records
+
+DEFAULT_TTL_S = 86_400.0  # how long a response stays replayable
+DEFAULT_RUNNING_LEASE_S = 900.0  # longer than any request may run
+MAX_ATTEMPTS = 5  # insert / read rounds before giving up (a row deleted under us)
+
+
+async def begin(
+    engine: AsyncEngine,
+    now: datetime,
+    org_id: str,
+    key: str,
+    body_hash: str,
+    ttl_s: float = DEFAULT_TTL_S,
+    running_lease_s: float = DEFAULT_RUNNING_LEASE_S,
+) -> tuple[IdemOutcome, IdempotencyRecord | None]:
+    """Claim `key` for a request whose body hashes to `body_hash` (SHA-256 hex).
+
+    Returns ('new', None): the caller runs the request, then `complete` or `release`;
+    ('replay', record): a response is stored for the same body; ('running', record): the
+    same key is in flight; ('mismatch', record): the key was used with another body.
+    """
+    stale = or_(
+        records.c.expires_at <= now,
+        and_(
+            records.c.state == "running",
+            records.c.created_at <= now - timedelta(seconds=running_lease_s),
+        ),
+    )
+    row = {
+        "org_id": org_id,
+        "key": key,
+        "body_hash": body_hash,
+        "state": "running",
+        "created_at": now,
+        "expires_at": now + timedelta(seconds=ttl_s),
+    }
+    this_key = and_(records.c.org_id == org_id, records.c.key == key)
+    for _ in range(MAX_ATTEMPTS):
+        try:
+            # Delete-if-stale first: the transaction starts with a write, so SQLite takes
+            # its write lock at once, and a dead record never blocks the insert.
+            async with engine.begin() as conn:
+                await conn.execute(delete(records).where(this_key, stale))
+                await conn.execute(records.insert().values(row))
+            return "new", None
+        except IntegrityError:
+            pass  # someone holds the key: read what they left
+        async with engine.connect() as conn:
+            found = (await conn.execute(select(records).where(this_key))).mappings().first()
+        if found is None:
+            continue  # released between our insert and our read: try to claim it again
+        record = _record(found)
+        if record.body_hash != body_hash:
+            return "mismatch", record
+        return ("running" if record.state == "running" else "replay"), record
+    raise RuntimeError(f"idempotency key {key!r} kept changing under {MAX_ATTEMPTS} attempts")
+
+
+async def complete(
+    engine: AsyncEngine,
+    org_id: str,
+    key: str,
+    status: int,
+    headers: dict[str, str],
+    body: bytes,
+) -> bool:
+    """Store the response (status code, headers, body bytes) of the request holding `key`.
+
+    False if the claim is gone (released, or replaced after its lease ran out).
+    """
+    query = (
+        update(records)
+        .where(records.c.org_id == org_id, records.c.key == key, records.c.state == "running")
+        .values(state="done", status_code=status, headers=dict(headers), body=body)
+    )
+    async with engine.begin() as conn:
+        return (await conn.execute(query)).rowcount == 1
+
+
+async def release(engine: AsyncEngine, org_id: str, key: str) -> bool:
+    """Delete a 'running' claim (the request failed), so that a retry runs it anew."""
+    query = delete(records).where(
+        records.c.org_id == org_id, records.c.key == key, records.c.state == "running"
+    )
+    async with engine.begin() as conn:
+        return (await conn.execute(query)).rowcount == 1
+
+
+def _record(row: Any) -> IdempotencyRecord:
+    return IdempotencyRecord(
+        org_id=row["org_id"],
+        key=row["key"],
+        body_hash=row["body_hash"],
+        state=row["state"],
+        status_code=row["status_code"],
+        headers=dict(row["headers"] or {}),
+        body=None if row["body"] is None else bytes(row["body"]),
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+    )

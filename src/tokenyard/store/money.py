@@ -1,0 +1,66 @@
+"""Money: integer micro-units of currency (1 unit = 1,000,000 micros), never floats.
+
+Prices are micros per MILLION tokens, so a request's cost is
+    sum(tokens_i * price_i) / 1,000,000
+computed in integers and rounded ONCE, half up, at the end. Rounding per line item
+instead would let a stream of tiny requests drift from what the price list says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+MICROS_PER_UNIT = 1_000_000
+TOKENS_PER_PRICE_UNIT = 1_000_000  # prices are quoted per million tokens
+
+
+@dataclass(frozen=True)
+class Prices:
+    """One model's price list, each field in micros per million tokens."""
+
+    input: int = 0  # uncached prompt tokens
+    cached_input: int = 0  # prompt tokens served from the prefix cache
+    cache_write: int = 0  # prompt tokens written to an explicit cache
+    output: int = 0  # generated tokens
+
+
+def cost_micros(
+    prices: Prices, uncached_input: int, cached_input: int, cache_write: int, output: int
+) -> int:
+    """Cost in micros of one request's token counts under `prices`.
+
+    Exact integer arithmetic: the per-million products are summed first and divided by
+    1,000,000 once, rounding half up (0.5 micro -> 1 micro).
+    """
+    counts = (uncached_input, cached_input, cache_write, output)
+    if min(counts) < 0:
+        raise ValueError(f"token counts must be non-negative, got {counts}")
+    numerator = (
+        uncached_input * prices.input
+        + cached_input * prices.cached_input
+        + cache_write * prices.cache_write
+        + output * prices.output
+    )
+    # Floor division of (n + d/2) rounds half up for the non-negative n we have here.
+    return (numerator + TOKENS_PER_PRICE_UNIT // 2) // TOKENS_PER_PRICE_UNIT
+
+
+def parse_money(text: str) -> int:
+    """Micros from a decimal amount such as "12.50" (-> 12_500_000); at most 6 decimals."""
+    try:
+        amount = Decimal(text.strip())
+    except InvalidOperation:
+        raise ValueError(f"not an amount of money: {text!r}") from None
+    if not amount.is_finite():
+        raise ValueError(f"not an amount of money: {text!r}")
+    micros = amount * MICROS_PER_UNIT
+    if micros != micros.to_integral_value():
+        # Silently rounding an admin's input would credit a different amount than typed.
+        raise ValueError(f"{text!r} has more than 6 decimal places")
+    return int(micros)
+
+
+def format_money(micros: int) -> str:
+    """A decimal string with exactly 6 places from micros: 12_500_000 -> "12.500000"."""
+    return f"{Decimal(micros).scaleb(-6):.6f}"

@@ -1,0 +1,465 @@
+"""The Store: every read and write of orgs, keys, prices, balances and caps, as async methods.
+
+Methods return frozen dataclasses (`records.py`), never ORM objects, so callers never
+touch a session. Usage reports live in `reports.py` and idempotency in `idempotency.py`;
+the Store exposes them too so that the gateway needs one object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+
+from tokenyard.store import idempotency, reports
+from tokenyard.store.db import Database
+from tokenyard.store.ids import new_id
+from tokenyard.store.keys import hash_secret, new_secret, visible_prefix
+from tokenyard.store.money import Prices
+from tokenyard.store.records import (
+    ApiKeyRecord,
+    GroupBy,
+    IdemOutcome,
+    IdempotencyRecord,
+    KeyContext,
+    Limits,
+    OrgRecord,
+    ProjectRecord,
+    Scopes,
+    SpendCap,
+    UsageRow,
+    UserRecord,
+)
+from tokenyard.store.sql import insert_for, utcnow
+from tokenyard.store.tables import (
+    api_keys,
+    balances,
+    model_prices,
+    orgs,
+    projects,
+    spend_caps,
+    users,
+)
+
+DEFAULT_ORG_ID = "org_default"  # fixed, so two gateways starting at once create it only once
+DEFAULT_PROJECT_ID = "proj_default"
+
+
+class Store:
+    """Async access to the gateway's state over one open `Database`."""
+
+    def __init__(self, db: Database, clock: Callable[[], datetime] = utcnow) -> None:
+        self.db = db
+        self.clock = clock  # aware UTC now; tests pass a fake one
+
+    # -- orgs, projects, users ---------------------------------------------------------
+
+    async def create_org(
+        self,
+        name: str,
+        *,
+        balance_micros: int | None = None,
+        free_tier_daily_requests: int | None = None,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_concurrency: int | None = None,
+    ) -> OrgRecord:
+        """A new org; with `balance_micros` it is prepaid (a balance row), else postpaid."""
+        row = {
+            "id": new_id("org"),
+            "name": name,
+            "rpm": rpm,
+            "tpm": tpm,
+            "max_concurrency": max_concurrency,
+            "free_tier_daily_requests": free_tier_daily_requests,
+            "created_at": self.clock(),
+        }
+        async with self.db.engine.begin() as conn:
+            await conn.execute(orgs.insert().values(row))
+            if balance_micros is not None:
+                await conn.execute(
+                    balances.insert().values(org_id=row["id"], balance_micros=balance_micros)
+                )
+        return _org(row)
+
+    async def get_org(self, org_id: str) -> OrgRecord | None:
+        """The org with id `org_id`, or None."""
+        async with self.db.engine.connect() as conn:
+            row = (await conn.execute(select(orgs).where(orgs.c.id == org_id))).mappings().first()
+        return _org(row) if row else None
+
+    async def list_orgs(self) -> list[OrgRecord]:
+        """All orgs, oldest first."""
+        async with self.db.engine.connect() as conn:
+            rows = (await conn.execute(select(orgs).order_by(orgs.c.created_at))).mappings()
+            return [_org(row) for row in rows]
+
+    async def set_org_limits(
+        self,
+        org_id: str,
+        *,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_concurrency: int | None = None,
+        free_tier_daily_requests: int | None = None,
+    ) -> bool:
+        """Replace all of the org's limits (None: unlimited / no free tier); False if no org."""
+        values = {
+            "rpm": rpm,
+            "tpm": tpm,
+            "max_concurrency": max_concurrency,
+            "free_tier_daily_requests": free_tier_daily_requests,
+        }
+        async with self.db.engine.begin() as conn:
+            result = await conn.execute(update(orgs).where(orgs.c.id == org_id).values(values))
+        return result.rowcount == 1
+
+    async def create_project(self, org_id: str, name: str) -> ProjectRecord:
+        """A new project in `org_id`; LookupError if the org does not exist."""
+        project = ProjectRecord(new_id("proj"), org_id, name, self.clock())
+        await self._insert_owned(projects, asdict(project), f"org {org_id}")
+        return project
+
+    async def list_projects(self, org_id: str) -> list[ProjectRecord]:
+        """The org's projects, oldest first."""
+        query = select(projects).where(projects.c.org_id == org_id).order_by(projects.c.created_at)
+        async with self.db.engine.connect() as conn:
+            return [ProjectRecord(**row) for row in (await conn.execute(query)).mappings()]
+
+    async def create_user(self, org_id: str, email: str) -> UserRecord:
+        """A new user in `org_id`; LookupError if the org does not exist."""
+        user = UserRecord(new_id("user"), org_id, email, self.clock())
+        await self._insert_owned(users, asdict(user), f"org {org_id}")
+        return user
+
+    # -- API keys ----------------------------------------------------------------------
+
+    async def create_api_key(
+        self,
+        org_id: str,
+        *,
+        name: str,
+        project_id: str | None = None,
+        user_id: str | None = None,
+        scopes: Scopes = Scopes(),  # noqa: B008 (frozen, so sharing the default is safe)
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_concurrency: int | None = None,
+        expires_at: datetime | None = None,
+    ) -> tuple[str, ApiKeyRecord]:
+        """A new key: returns (secret, record). The secret exists only in this return value.
+
+        LookupError if the org, project or user does not exist or belongs to another org.
+        """
+        for table, owned_id in ((projects, project_id), (users, user_id)):
+            if owned_id is not None and await self._owner_of(table, owned_id) != org_id:
+                raise LookupError(f"{owned_id} is not in org {org_id}")
+        secret = new_secret()
+        row = {
+            "id": new_id("key"),
+            "org_id": org_id,
+            "project_id": project_id,
+            "user_id": user_id,
+            "name": name,
+            "prefix": visible_prefix(secret),
+            "secret_hash": hash_secret(secret),
+            "scopes": scopes.to_json(),
+            "rpm": rpm,
+            "tpm": tpm,
+            "max_concurrency": max_concurrency,
+            "expires_at": expires_at,
+            "revoked_at": None,
+            "created_at": self.clock(),
+        }
+        await self._insert_owned(api_keys, row, f"org {org_id}")
+        return secret, _api_key(row)
+
+    async def find_key(self, secret: str) -> KeyContext | None:
+        """The key whose secret is `secret` with its org's limits, by one indexed query.
+
+        Revoked and expired keys are returned too (see `KeyContext.is_active`), so that
+        the gateway can say why a key is refused.
+        """
+        query = (
+            select(
+                api_keys,
+                orgs.c.rpm.label("org_rpm"),
+                orgs.c.tpm.label("org_tpm"),
+                orgs.c.max_concurrency.label("org_max_concurrency"),
+                orgs.c.free_tier_daily_requests,
+            )
+            .join(orgs, orgs.c.id == api_keys.c.org_id)
+            .where(api_keys.c.secret_hash == hash_secret(secret))
+        )
+        async with self.db.engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        if row is None:
+            return None
+        return KeyContext(
+            key_id=row["id"],
+            key_name=row["name"],
+            prefix=row["prefix"],
+            org_id=row["org_id"],
+            project_id=row["project_id"],
+            user_id=row["user_id"],
+            scopes=Scopes.from_json(row["scopes"]),
+            key_limits=Limits(row["rpm"], row["tpm"], row["max_concurrency"]),
+            org_limits=Limits(row["org_rpm"], row["org_tpm"], row["org_max_concurrency"]),
+            expires_at=row["expires_at"],
+            revoked_at=row["revoked_at"],
+            free_tier_daily_requests=row["free_tier_daily_requests"],
+        )
+
+    async def list_keys(self, org_id: str | None = None) -> list[ApiKeyRecord]:
+        """Keys of `org_id` (or of every org), oldest first; revoked ones included."""
+        query = select(api_keys).order_by(api_keys.c.created_at)
+        if org_id is not None:
+            query = query.where(api_keys.c.org_id == org_id)
+        async with self.db.engine.connect() as conn:
+            return [_api_key(row) for row in (await conn.execute(query)).mappings()]
+
+    async def revoke_key(self, key_id: str) -> bool:
+        """Revoke a key now; False if it does not exist or was already revoked."""
+        query = (
+            update(api_keys)
+            .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+            .values(revoked_at=self.clock())
+        )
+        async with self.db.engine.begin() as conn:
+            return (await conn.execute(query)).rowcount == 1
+
+    async def set_key_limits(
+        self,
+        key_id: str,
+        *,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_concurrency: int | None = None,
+    ) -> bool:
+        """Replace all three of the key's limits (None: unlimited); False if no such key."""
+        query = (
+            update(api_keys)
+            .where(api_keys.c.id == key_id)
+            .values(rpm=rpm, tpm=tpm, max_concurrency=max_concurrency)
+        )
+        async with self.db.engine.begin() as conn:
+            return (await conn.execute(query)).rowcount == 1
+
+    # -- prices, balances, spend caps --------------------------------------------------
+
+    async def set_price(
+        self, model: str, *, input: int, cached_input: int, cache_write: int, output: int
+    ) -> None:
+        """Create or replace `model`'s prices, each in micros per million tokens."""
+        values = {
+            "input": input,
+            "cached_input": cached_input,
+            "cache_write": cache_write,
+            "output": output,
+        }
+        insert = insert_for(self.db.dialect, model_prices).values(model=model, **values)
+        query = insert.on_conflict_do_update(index_elements=["model"], set_=values)
+        async with self.db.engine.begin() as conn:
+            await conn.execute(query)
+
+    async def prices(self) -> dict[str, Prices]:
+        """Every model's prices, by model name (micros per million tokens)."""
+        async with self.db.engine.connect() as conn:
+            rows = (await conn.execute(select(model_prices))).mappings()
+            return {
+                row["model"]: Prices(
+                    row["input"], row["cached_input"], row["cache_write"], row["output"]
+                )
+                for row in rows
+            }
+
+    async def add_credit(self, org_id: str, micros: int) -> int:
+        """Add `micros` (negative: a debit) to the org's prepaid balance; the new balance.
+
+        Creates the balance row on first credit, which turns a postpaid org into a prepaid
+        one. LookupError if the org does not exist.
+        """
+        insert = insert_for(self.db.dialect, balances).values(org_id=org_id, balance_micros=micros)
+        query = insert.on_conflict_do_update(
+            index_elements=["org_id"],
+            set_={"balance_micros": balances.c.balance_micros + insert.excluded.balance_micros},
+        ).returning(balances.c.balance_micros)
+        try:
+            async with self.db.engine.begin() as conn:
+                return int((await conn.execute(query)).scalar_one())
+        except IntegrityError:
+            raise LookupError(f"org {org_id} does not exist") from None
+
+    async def balance(self, org_id: str) -> int | None:
+        """The org's prepaid balance in micros, or None: postpaid (no balance row)."""
+        query = select(balances.c.balance_micros).where(balances.c.org_id == org_id)
+        async with self.db.engine.connect() as conn:
+            value = (await conn.execute(query)).scalar_one_or_none()
+        return None if value is None else int(value)
+
+    async def set_spend_cap(
+        self, org_id: str, project_id: str | None, cap_micros: int | None
+    ) -> None:
+        """Set the monthly cap (micros, UTC calendar month) of an org (project_id None) or
+        of one of its projects; `cap_micros=None` removes it."""
+        same_scope = (
+            spend_caps.c.project_id.is_(None)
+            if project_id is None
+            else spend_caps.c.project_id == project_id
+        )
+        # Delete first: the transaction then starts with a write (SQLite takes the write
+        # lock at once) and NULL project ids need no special unique index.
+        async with self.db.engine.begin() as conn:
+            await conn.execute(spend_caps.delete().where(spend_caps.c.org_id == org_id, same_scope))
+            if cap_micros is not None:
+                await conn.execute(
+                    spend_caps.insert().values(
+                        id=new_id("cap"),
+                        org_id=org_id,
+                        project_id=project_id,
+                        cap_micros=cap_micros,
+                    )
+                )
+
+    async def spend_caps(self, org_id: str | None = None) -> list[SpendCap]:
+        """Every spend cap (of `org_id` only, if given)."""
+        query = select(spend_caps.c.org_id, spend_caps.c.project_id, spend_caps.c.cap_micros)
+        if org_id is not None:
+            query = query.where(spend_caps.c.org_id == org_id)
+        async with self.db.engine.connect() as conn:
+            return [
+                SpendCap(row.org_id, row.project_id, int(row.cap_micros))
+                for row in await conn.execute(query)
+            ]
+
+    # -- usage (reports.py) ------------------------------------------------------------
+
+    async def month_spend(self, org_id: str, project_id: str | None = None) -> int:
+        """Micros spent by the org (or one of its projects) this UTC calendar month."""
+        return await reports.month_spend(self.db.engine, self.clock(), org_id, project_id)
+
+    async def requests_today(self, org_id: str) -> int:
+        """The org's requests today (UTC) that count against a free tier."""
+        return await reports.requests_today(self.db.engine, self.clock(), org_id)
+
+    async def usage_report(
+        self,
+        group_by: GroupBy,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        org_id: str | None = None,
+    ) -> list[UsageRow]:
+        """Ledger totals per key, project, org, model or day, for since <= t < until."""
+        return await reports.usage_report(self.db.engine, group_by, since, until, org_id)
+
+    # -- idempotency (idempotency.py) --------------------------------------------------
+
+    async def idem_begin(
+        self,
+        org_id: str,
+        key: str,
+        body_hash: str,
+        ttl_s: float = idempotency.DEFAULT_TTL_S,
+        running_lease_s: float = idempotency.DEFAULT_RUNNING_LEASE_S,
+    ) -> tuple[IdemOutcome, IdempotencyRecord | None]:
+        """Claim an Idempotency-Key (see `idempotency.begin`)."""
+        return await idempotency.begin(
+            self.db.engine, self.clock(), org_id, key, body_hash, ttl_s, running_lease_s
+        )
+
+    async def idem_complete(
+        self, org_id: str, key: str, status: int, headers: dict[str, str], body: bytes
+    ) -> bool:
+        """Store the response of a claimed key for replay (see `idempotency.complete`)."""
+        return await idempotency.complete(self.db.engine, org_id, key, status, headers, body)
+
+    async def idem_release(self, org_id: str, key: str) -> bool:
+        """Drop the claim of a failed request so that a retry may run (see `.release`)."""
+        return await idempotency.release(self.db.engine, org_id, key)
+
+    # -- first start -------------------------------------------------------------------
+
+    async def ensure_default_org(self) -> str | None:
+        """On an empty database: org "default", project "default" and an admin key.
+
+        Returns the admin key's secret, the only time it is ever available; None when
+        some org already exists (or another process created the default one first).
+        """
+        async with self.db.engine.connect() as conn:
+            if (await conn.execute(select(func.count()).select_from(orgs))).scalar_one():
+                return None
+        now = self.clock()
+        secret = new_secret()
+        try:
+            async with self.db.engine.begin() as conn:
+                await conn.execute(
+                    orgs.insert().values(id=DEFAULT_ORG_ID, name="default", created_at=now)
+                )
+                await conn.execute(
+                    projects.insert().values(
+                        id=DEFAULT_PROJECT_ID,
+                        org_id=DEFAULT_ORG_ID,
+                        name="default",
+                        created_at=now,
+                    )
+                )
+                await conn.execute(
+                    api_keys.insert().values(
+                        id=new_id("key"),
+                        org_id=DEFAULT_ORG_ID,
+                        project_id=DEFAULT_PROJECT_ID,
+                        name="admin",
+                        prefix=visible_prefix(secret),
+                        secret_hash=hash_secret(secret),
+                        scopes=Scopes(admin=True).to_json(),
+                        created_at=now,
+                    )
+                )
+        except IntegrityError:
+            return None  # a concurrent first start won the race for org_default
+        return secret
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def _insert_owned(self, table: Any, row: dict[str, Any], owner: str) -> None:
+        # The foreign key is the existence check: no read-then-write race.
+        try:
+            async with self.db.engine.begin() as conn:
+                await conn.execute(table.insert().values(row))
+        except IntegrityError:
+            raise LookupError(f"{owner} does not exist") from None
+
+    async def _owner_of(self, table: Any, row_id: str) -> str | None:
+        async with self.db.engine.connect() as conn:
+            query = select(table.c.org_id).where(table.c.id == row_id)
+            return (await conn.execute(query)).scalar_one_or_none()
+
+
+def _org(row: Any) -> OrgRecord:
+    return OrgRecord(
+        id=row["id"],
+        name=row["name"],
+        limits=Limits(row["rpm"], row["tpm"], row["max_concurrency"]),
+        free_tier_daily_requests=row["free_tier_daily_requests"],
+        created_at=row["created_at"],
+    )
+
+
+def _api_key(row: Any) -> ApiKeyRecord:
+    return ApiKeyRecord(
+        id=row["id"],
+        org_id=row["org_id"],
+        project_id=row["project_id"],
+        user_id=row["user_id"],
+        name=row["name"],
+        prefix=row["prefix"],
+        scopes=Scopes.from_json(row["scopes"]),
+        limits=Limits(row["rpm"], row["tpm"], row["max_concurrency"]),
+        expires_at=row["expires_at"],
+        revoked_at=row["revoked_at"],
+        created_at=row["created_at"],
+    )

@@ -1,0 +1,191 @@
+"""The one schema (DESIGN §4), as SQLAlchemy Core tables shared by SQLite and PostgreSQL.
+
+Ids are short prefixed strings (`org_…`, `proj_…`, `key_…`); money columns are integer
+micros; timestamps are UTC. `migrations/versions/` must create exactly this schema
+(tests compare the two).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    TypeDecorator,
+)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """An aware UTC datetime in Python on every backend.
+
+    PostgreSQL keeps the zone (timestamptz); SQLite stores text without one, so values are
+    converted to UTC and made naive on the way in and marked UTC on the way out.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware UTC datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLite only autoincrements an `INTEGER PRIMARY KEY` (the rowid alias), not BIGINT.
+LedgerId = BigInteger().with_variant(Integer(), "sqlite")
+
+ID = 32  # length of id columns: "proj_" + 16 random chars fits with room to spare
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+def _limits() -> list[Column[Any]]:
+    """Rate-limit columns shared by orgs and keys; NULL means unlimited."""
+    return [
+        Column("rpm", Integer, nullable=True),  # requests per minute
+        Column("tpm", Integer, nullable=True),  # tokens per minute
+        Column("max_concurrency", Integer, nullable=True),  # requests in flight
+    ]
+
+
+orgs = Table(
+    "orgs",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("name", String(200), nullable=False),
+    *_limits(),
+    Column("free_tier_daily_requests", Integer, nullable=True),  # NULL: no free tier
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+projects = Table(
+    "projects",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("org_id", String(ID), ForeignKey("orgs.id"), nullable=False, index=True),
+    Column("name", String(200), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+users = Table(
+    "users",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("org_id", String(ID), ForeignKey("orgs.id"), nullable=False, index=True),
+    Column("email", String(320), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("org_id", String(ID), ForeignKey("orgs.id"), nullable=False, index=True),
+    Column("project_id", String(ID), ForeignKey("projects.id"), nullable=True),
+    Column("user_id", String(ID), ForeignKey("users.id"), nullable=True),
+    Column("name", String(200), nullable=False),
+    Column("prefix", String(16), nullable=False),  # the visible head, e.g. "sk-ty-AbCd"
+    # SHA-256 hex of the whole secret; the secret itself is never stored.
+    Column("secret_hash", String(64), nullable=False, unique=True),
+    Column("scopes", JSON, nullable=False),  # {"models": [...], "max_context_tokens", "admin"}
+    *_limits(),
+    Column("expires_at", UTCDateTime, nullable=True),
+    Column("revoked_at", UTCDateTime, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+model_prices = Table(
+    "model_prices",
+    metadata,
+    Column("model", String(200), primary_key=True),
+    # Each in micros per million tokens.
+    Column("input", BigInteger, nullable=False),
+    Column("cached_input", BigInteger, nullable=False),
+    Column("cache_write", BigInteger, nullable=False),
+    Column("output", BigInteger, nullable=False),
+)
+
+balances = Table(
+    "balances",
+    metadata,
+    # No row: the org is postpaid (unbounded). A row: prepaid, may go negative after the
+    # last request that was admitted while it was still positive.
+    Column("org_id", String(ID), ForeignKey("orgs.id"), primary_key=True),
+    Column("balance_micros", BigInteger, nullable=False),
+)
+
+spend_caps = Table(
+    "spend_caps",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("org_id", String(ID), ForeignKey("orgs.id"), nullable=False),
+    Column("project_id", String(ID), ForeignKey("projects.id"), nullable=True),  # NULL: org
+    Column("cap_micros", BigInteger, nullable=False),  # per calendar month, UTC
+    Index(None, "org_id", "project_id"),
+)
+
+usage_ledger = Table(
+    "usage_ledger",
+    metadata,
+    Column("id", LedgerId, primary_key=True, autoincrement=True),
+    # Unique so that replaying a journal after a crash never bills a request twice.
+    Column("request_id", String(64), nullable=False, unique=True),
+    Column("created_at", UTCDateTime, nullable=False, index=True),
+    Column("day", String(10), nullable=False),  # 'YYYY-MM-DD' (UTC) of created_at
+    Column("org_id", String(ID), nullable=False),
+    Column("project_id", String(ID), nullable=True),
+    Column("key_id", String(ID), nullable=True),
+    Column("model", String(200), nullable=False),
+    Column("endpoint", String(100), nullable=False),
+    Column("status", String(16), nullable=False),  # completed, stopped, aborted, failed
+    Column("prompt_tokens", Integer, nullable=False),  # all prompt tokens, cached included
+    Column("cached_tokens", Integer, nullable=False),
+    Column("cache_write_tokens", Integer, nullable=False),
+    Column("output_tokens", Integer, nullable=False),
+    Column("cost_micros", BigInteger, nullable=False),
+    Index(None, "org_id", "day"),
+)
+
+idempotency_records = Table(
+    "idempotency_records",
+    metadata,
+    Column("org_id", String(ID), nullable=False),
+    Column("key", String(255), nullable=False),
+    Column("body_hash", String(64), nullable=False),  # SHA-256 hex of the request body
+    Column("state", String(8), nullable=False),  # 'running' or 'done'
+    Column("status_code", Integer, nullable=True),
+    Column("headers", JSON, nullable=True),
+    Column("body", LargeBinary, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False, index=True),
+    # The primary key is what lets exactly one of two racing requests claim a key.
+    PrimaryKeyConstraint("org_id", "key"),
+)

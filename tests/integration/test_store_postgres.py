@@ -1,0 +1,94 @@
+"""The store and ledger tests again, on PostgreSQL (asyncpg) instead of SQLite.
+
+The module creates a database of its own, `tokenyard_test_<random>`, drops it at the
+end, and empties it before each test.
+Skipped when no PostgreSQL answers on 127.0.0.1:5432.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+
+# The backend-neutral tests: collected here too, where `database_url` is PostgreSQL's.
+from tests.unit.test_ledger import (  # noqa: F401
+    test_a_failed_flush_keeps_the_records_and_retries,
+    test_a_live_writers_journal_is_not_replayed_by_another_writer,
+    test_a_thousand_appends_all_land_and_balances_drop_by_exactly_their_sum,
+    test_close_with_the_database_down_leaves_the_records_in_the_journal,
+    test_kill_9_before_any_flush_loses_no_appended_record,
+    test_replaying_a_journal_twice_inserts_and_bills_nothing_twice,
+)
+from tests.unit.test_store import (  # noqa: F401
+    test_downgrade_base_drops_every_table_and_upgrade_restores_them,
+    test_first_start_creates_the_default_org_and_admin_key_once,
+    test_idempotency_new_running_replay_mismatch_and_release,
+    test_key_expires_at_its_expiry_time,
+    test_key_for_a_project_of_another_org_is_refused,
+    test_key_is_found_by_its_secret_and_refused_once_revoked,
+    test_limits_are_replaced_and_seen_by_find_key,
+    test_migrations_create_every_table_exactly_as_tables_py_declares,
+    test_month_spend_and_requests_today_count_only_their_period,
+    test_prices_balances_and_spend_caps,
+    test_scopes_round_trip_through_the_json_column,
+    test_secret_is_stored_only_as_its_sha256,
+    test_twenty_concurrent_begins_with_one_key_give_exactly_one_new,
+    test_usage_report_sums_equal_the_inserted_rows_for_every_grouping,
+)
+
+SERVER = "127.0.0.1:5432"
+ADMIN_USERS = ("postgres", "root")  # trust auth; whichever role exists
+
+
+async def _admin_dsn() -> str | None:
+    for user in ADMIN_USERS:
+        dsn = f"postgresql://{user}@{SERVER}/postgres"
+        try:
+            conn = await asyncpg.connect(dsn, timeout=3)
+        except (OSError, asyncpg.PostgresError, TimeoutError):
+            continue
+        await conn.close()
+        return dsn
+    return None
+
+
+async def _admin(dsn: str, statement: str) -> None:
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_dsn() -> str:
+    dsn = asyncio.run(_admin_dsn())
+    if dsn is None:
+        pytest.skip(f"PostgreSQL is not reachable on {SERVER} as {' or '.join(ADMIN_USERS)}")
+    return dsn
+
+
+@pytest.fixture(scope="module")
+def postgres_database(postgres_admin_dsn: str) -> Iterator[str]:
+    """A database of this module's own, as a `postgresql://` URL; dropped at the end."""
+    name = f"tokenyard_test_{secrets.token_hex(6)}"
+    asyncio.run(_admin(postgres_admin_dsn, f'CREATE DATABASE "{name}"'))
+    try:
+        yield postgres_admin_dsn.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        # FORCE: a test that failed midway may have left a connection open.
+        asyncio.run(_admin(postgres_admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def database_url(postgres_database: str) -> str:
+    """The module's database, emptied: each test starts from an unmigrated database.
+
+    Recreating the schema is much cheaper than CREATE/DROP DATABASE (which checkpoint).
+    """
+    asyncio.run(_admin(postgres_database, "DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    return postgres_database
