@@ -89,6 +89,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "serve":
+        from tokenyard.bench.serve import main as serve_main
+
+        return serve_main(args)
+    if args.bench_command == "gateway":
+        from tokenyard.bench.gateway import main as gateway_main
+
+        return gateway_main(args)
     if args.bench_command == "micro":
         from tokenyard.bench.micro import main as micro_main
 
@@ -176,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(offline)
     _add_engine_args(offline)
+    from tokenyard.bench import gateway as bench_gateway
+    from tokenyard.bench import serve as bench_serve
+
+    bench_serve.add_arguments(bench_sub.add_parser(
+        "serve", help="load-test any OpenAI- or Anthropic-compatible server"))
+    bench_gateway.add_arguments(bench_sub.add_parser(
+        "gateway", help="what tokenyard's HTTP process adds, in front of a mock replica"))
 
     _add_chat_parser(sub)
     return parser

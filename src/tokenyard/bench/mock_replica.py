@@ -1,0 +1,435 @@
+"""A mock engine replica: tokenyard's replica protocol on a timer instead of a model.
+
+It answers every route of `engine/protocol.py` the way `engine/server.py` does — info,
+health, stats, generate (NDJSON per-step deltas), stop, abort — but makes its tokens up:
+the first after `ttft_ms`, then one every `itl_ms`, `output_len` of them (capped by the
+request's max_tokens; all max_tokens with ignore_eos). The ids cycle through `MOCK_TOKENS`,
+ids of the embedded model's (SmolLM2) vocabulary that decode to an English sentence, so the
+HTTP process in front detokenizes readable text.
+
+For measuring a gateway against going direct, it also speaks OpenAI's
+``/v1/chat/completions`` (streamed or not) and ``/v1/models`` with the same timing.
+
+Failures are injected per request with probabilities: 429, 503 (overloaded, with
+retry-after), 500 before the stream begins, and an error line after the first token.
+``POST /mock/config`` changes timing and failure rates while it runs.
+
+    python -m tokenyard.bench.mock_replica --port 0 --itl-ms 1 --output-len 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from aiohttp import web
+
+from tokenyard.api.errors import APIError, render_openai
+from tokenyard.api.sse import SSE_DONE, SSE_HEADERS, openai_stream_error, sse_data
+from tokenyard.engine.outputs import EngineStats
+from tokenyard.engine.protocol import (
+    ABORT_PATH,
+    ENGINE_ERROR,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    INFO_PATH,
+    INVALID_REQUEST,
+    NDJSON,
+    OVERLOADED,
+    STATS_PATH,
+    STOP_PATH,
+    CoreDelta,
+    GenerateRequest,
+    ProtocolError,
+    ReplicaInfo,
+    decode_abort,
+    decode_stop,
+    dumps,
+    encode_delta,
+    encode_stream_error,
+    error_body,
+)
+from tokenyard.engine.sampling_params import SamplingParamsError
+
+#: (token id in SmolLM2's vocabulary, its text): " The quick brown fox jumps over the lazy
+#: dog, and the small cat sleeps in the warm sun." The tests check the ids decode so.
+MOCK_TOKENS: tuple[tuple[int, str], ...] = (
+    (378, " The"), (2365, " quick"), (6354, " brown"), (16438, " fox"), (27003, " jumps"),
+    (690, " over"), (260, " the"), (23790, " lazy"), (2767, " dog"), (28, ","),
+    (284, " and"), (260, " the"), (1165, " small"), (2644, " cat"), (2801, " sleep"),
+    (99, "s"), (281, " in"), (260, " the"), (3091, " warm"), (2388, " sun"), (30, "."),
+)
+MOCK_MODEL = "mock"
+#: Large enough that no tokenizer or prompt is refused for its size.
+MOCK_VOCAB_SIZE = 262_144
+MOCK_CONTEXT = 1_048_576
+CONFIG_PATH = "/mock/config"
+RATE_LIMITED = "rate_limited"
+LISTEN_BACKLOG = 4096
+
+
+@dataclass
+class MockConfig:
+    """Timing (ms), reply length (tokens) and injected failure probabilities (0..1)."""
+
+    output_len: int = 16
+    ttft_ms: float = 0.0
+    itl_ms: float = 1.0
+    inject_429: float = 0.0
+    inject_503: float = 0.0
+    inject_500: float = 0.0
+    inject_stream_error: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.output_len < 1 or self.ttft_ms < 0 or self.itl_ms < 0:
+            raise ValueError("output_len must be >= 1 and the latencies >= 0")
+        failures = (self.inject_429, self.inject_503, self.inject_500, self.inject_stream_error)
+        if any(not 0.0 <= p <= 1.0 for p in failures):
+            raise ValueError("injected failure probabilities must be in [0, 1]")
+        if self.inject_429 + self.inject_503 + self.inject_500 > 1.0:
+            raise ValueError("inject_429 + inject_503 + inject_500 must be <= 1")
+
+
+@dataclass
+class _Run:
+    """A request being generated; /stop or /abort sets `finish` (reason, stop_reason)."""
+
+    finish: tuple[str, str | None] | None = None
+
+
+class MockReplica:
+    """The mock's routes over one `MockConfig` (replaceable while serving)."""
+
+    def __init__(self, config: MockConfig, seed: int = 0) -> None:
+        self.config = config
+        self.rng = random.Random(seed)
+        self.running: dict[str, _Run] = {}
+        self.num_computed_tokens = 0
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application with the replica routes and the OpenAI ones."""
+        app = web.Application(client_max_size=16 * 2**20)
+        app.router.add_post(GENERATE_PATH, self.generate)
+        app.router.add_post(ABORT_PATH, self.abort)
+        app.router.add_post(STOP_PATH, self.stop)
+        app.router.add_get(STATS_PATH, self.stats)
+        app.router.add_get(INFO_PATH, self.info)
+        app.router.add_get(HEALTH_PATH, self.health)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post(CONFIG_PATH, self.set_config)
+        return app
+
+    # -- shared ------------------------------------------------------------------------------
+    def _length(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
+        """(tokens to emit, finish reason of the last one)."""
+        if max_tokens is not None and ignore_eos:
+            return max(1, max_tokens), "length"
+        n = self.config.output_len if max_tokens is None else min(self.config.output_len,
+                                                                  max_tokens)
+        n = max(1, n)
+        return n, "length" if max_tokens is not None and n >= max_tokens else "stop"
+
+    def _injected_status(self) -> int | None:
+        """The status of an injected failure for this request, or None."""
+        c, u = self.config, self.rng.random()
+        for status, p in ((429, c.inject_429), (503, c.inject_503), (500, c.inject_500)):
+            if u < p:
+                return status
+            u -= p
+        return None
+
+    def _fails_mid_stream(self) -> bool:
+        return self.rng.random() < self.config.inject_stream_error
+
+    async def _ticks(self, n: int, run: _Run) -> AsyncIterator[int]:
+        """Token positions 0..n-1 on the mock's clock (first after ttft_ms, then every
+        itl_ms, against absolute deadlines so write time does not add up); ends early
+        when `run` is stopped or aborted."""
+        start = time.perf_counter()
+        for i in range(n):
+            due = start + (self.config.ttft_ms + i * self.config.itl_ms) / 1000.0
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            if run.finish is not None:
+                return
+            yield i
+
+    # -- the replica protocol ----------------------------------------------------------------
+    async def generate(self, http: web.Request) -> web.StreamResponse:
+        """Stream one delta per token, as NDJSON lines; the last carries the finish reason."""
+        try:
+            wire = GenerateRequest.from_json(json.loads(await http.read()))
+        except (ProtocolError, SamplingParamsError) as exc:
+            return _json(error_body(str(exc), INVALID_REQUEST, exc.param), 400)
+        except ValueError as exc:
+            return _json(error_body(f"the body is not valid JSON: {exc}", INVALID_REQUEST), 400)
+        status = self._injected_status()
+        if status is not None:
+            return _replica_failure(status)
+        n, finish = self._length(wire.params.max_tokens, wire.params.ignore_eos)
+        fail_after = max(1, n // 2) if self._fails_mid_stream() else None
+        run = self.running[wire.request_id] = _Run()
+        prompt_len = len(wire.prompt_token_ids)
+        self.num_computed_tokens += prompt_len
+        response = web.StreamResponse(headers={"Content-Type": NDJSON})
+        try:
+            await response.prepare(http)
+            async for i in self._ticks(n, run):
+                if i == fail_after:
+                    break
+                last = i == n - 1 and fail_after is None
+                token = MOCK_TOKENS[i % len(MOCK_TOKENS)][0]
+                await response.write(encode_delta(CoreDelta(
+                    wire.request_id, [token], None, finish if last else None, None,
+                    prompt_len, 0,
+                )))
+                self.num_computed_tokens += 1
+            if fail_after is not None:
+                await response.write(encode_stream_error("injected failure", ENGINE_ERROR))
+            elif run.finish is not None:
+                reason, stop_reason = run.finish
+                await response.write(encode_delta(CoreDelta(
+                    wire.request_id, [], None, reason, stop_reason, prompt_len, 0)))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left
+        finally:
+            self.running.pop(wire.request_id, None)
+        return response
+
+    async def abort(self, http: web.Request) -> web.Response:
+        """End a request's stream with finish_reason "abort" (unknown ids are ignored)."""
+        try:
+            request_id = decode_abort(json.loads(await http.read()))
+        except (ProtocolError, ValueError) as exc:
+            return _json(error_body(str(exc), INVALID_REQUEST), 400)
+        run = self.running.get(request_id)
+        if run is not None and run.finish is None:
+            run.finish = ("abort", None)
+        return _json({"ok": True})
+
+    async def stop(self, http: web.Request) -> web.Response:
+        """End a request's stream as stopped by stop string `stop`."""
+        try:
+            request_id, stop = decode_stop(json.loads(await http.read()))
+        except (ProtocolError, ValueError) as exc:
+            return _json(error_body(str(exc), INVALID_REQUEST), 400)
+        run = self.running.get(request_id)
+        if run is not None and run.finish is None:
+            run.finish = ("stop", stop)
+        return _json({"ok": True})
+
+    async def stats(self, http: web.Request) -> web.Response:
+        """`ReplicaStats`: requests running; the mock has no queue nor KV cache."""
+        return _json(asdict(EngineStats(
+            num_running=len(self.running), num_waiting=0, kv_cache_usage=0.0,
+            num_kv_blocks=0, num_free_kv_blocks=0, prefix_cache_queries=0,
+            prefix_cache_hits=0, num_preemptions=0,
+            num_computed_tokens=self.num_computed_tokens,
+        )))
+
+    async def info(self, http: web.Request) -> web.Response:
+        """Model "mock", with a vocabulary and a context window no request outgrows."""
+        return _json(ReplicaInfo(
+            model=MOCK_MODEL, max_model_len=MOCK_CONTEXT, vocab_size=MOCK_VOCAB_SIZE,
+            eos_token_ids=[], block_size=16, num_kv_blocks=MOCK_CONTEXT // 16,
+        ).to_json())
+
+    async def health(self, http: web.Request) -> web.Response:
+        """Always ready."""
+        return _json({"status": "ok"})
+
+    # -- OpenAI-compatible -------------------------------------------------------------------
+    async def models(self, http: web.Request) -> web.Response:
+        """``GET /v1/models``: the one mock model."""
+        return _json({"object": "list", "data": [
+            {"id": MOCK_MODEL, "object": "model", "created": 0, "owned_by": "tokenyard"}]})
+
+    async def chat_completions(self, http: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions`` with the replica's timing; prompt tokens are
+        counted as whitespace-separated words."""
+        try:
+            body = json.loads(await http.read())
+            messages = body["messages"]
+            prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return _openai_error(APIError(400, f"invalid request: {exc!r}"))
+        status = self._injected_status()
+        if status is not None:
+            return _openai_error(APIError(status, "injected failure",
+                                          code=RATE_LIMITED if status == 429 else None))
+        n, finish = self._length(max_tokens, bool(body.get("ignore_eos")))
+        chat_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                 "total_tokens": prompt_tokens + n}
+        run = _Run()
+        if not body.get("stream"):
+            async for _ in self._ticks(n, run):
+                pass
+            text = "".join(MOCK_TOKENS[i % len(MOCK_TOKENS)][1] for i in range(n))
+            return _json({
+                "id": chat_id, "object": "chat.completion", "created": created,
+                "model": MOCK_MODEL, "usage": usage, "choices": [{
+                    "index": 0, "finish_reason": finish,
+                    "message": {"role": "assistant", "content": text}}],
+            })
+        fail_after = max(1, n // 2) if self._fails_mid_stream() else None
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(delta: dict[str, str], finish_reason: str | None = None) -> bytes:
+            return sse_data({
+                "id": chat_id, "object": "chat.completion.chunk", "created": created,
+                "model": MOCK_MODEL,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            })
+
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        with contextlib.suppress(ConnectionResetError):
+            await response.prepare(http)
+            await response.write(chunk({"role": "assistant", "content": ""}))
+            async for i in self._ticks(n, run):
+                if i == fail_after:
+                    break
+                await response.write(chunk({"content": MOCK_TOKENS[i % len(MOCK_TOKENS)][1]}))
+            if fail_after is not None:
+                await response.write(openai_stream_error(APIError(500, "injected failure")))
+                await response.write_eof()
+                return response
+            await response.write(chunk({}, finish))
+            if include_usage:
+                await response.write(sse_data({
+                    "id": chat_id, "object": "chat.completion.chunk", "created": created,
+                    "model": MOCK_MODEL, "choices": [], "usage": usage}))
+            await response.write(SSE_DONE)
+            await response.write_eof()
+        return response
+
+    # -- control -----------------------------------------------------------------------------
+    async def set_config(self, http: web.Request) -> web.Response:
+        """``POST /mock/config`` with some `MockConfig` fields: change them; answer all."""
+        try:
+            changes = json.loads(await http.read())
+            known = {f.name for f in fields(MockConfig)}
+            unknown = sorted(set(changes) - known)
+            if unknown:
+                raise ValueError(f"unknown setting {unknown[0]!r}")
+            self.config = dataclasses.replace(self.config, **changes)
+        except (ValueError, TypeError, AttributeError) as exc:
+            return _json(error_body(str(exc), INVALID_REQUEST), 400)
+        return _json(asdict(self.config))
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def _replica_failure(status: int) -> web.Response:
+    """An injected failure in the replica protocol's shape."""
+    if status == 503:
+        return _json(error_body("injected overload", OVERLOADED), 503, {"Retry-After": "1"})
+    code = RATE_LIMITED if status == 429 else ENGINE_ERROR
+    return _json(error_body("injected failure", code), status)
+
+
+def _openai_error(err: APIError) -> web.Response:
+    rendered = render_openai(err)
+    headers = {k: v for k, v in rendered.headers.items() if k != "content-type"}
+    return web.Response(body=rendered.body, status=rendered.status, headers=headers,
+                        content_type="application/json")
+
+
+async def run_mock(
+    config: MockConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    seed: int = 0,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT; `port` 0 binds a free port, `on_ready` gets the URL."""
+    runner = web.AppRunner(MockReplica(config, seed).make_app(), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        # A deep accept queue: under a burst of new connections, a full one drops SYNs and
+        # the client waits a 1 s retransmit, which would be charged to what is measured.
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if on_ready is not None:
+            on_ready(f"http://{host}:{bound}")
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The mock's command line."""
+    parser = argparse.ArgumentParser(prog="python -m tokenyard.bench.mock_replica",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001, help="0: any free port")
+    add_mock_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the injected failures")
+    return parser
+
+
+def add_mock_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `MockConfig` flags (shared with `tokenyard bench gateway`)."""
+    defaults = MockConfig()
+    parser.add_argument("--output-len", type=int, default=defaults.output_len,
+                        help="tokens per reply (the request's max_tokens caps it)")
+    parser.add_argument("--ttft-ms", type=float, default=defaults.ttft_ms,
+                        help="delay before the first token (ms)")
+    parser.add_argument("--itl-ms", type=float, default=defaults.itl_ms,
+                        help="delay between tokens (ms)")
+    for name in ("429", "503", "500"):
+        parser.add_argument(f"--inject-{name}", type=float, default=0.0, metavar="P",
+                            help=f"probability that a request fails with {name}")
+    parser.add_argument("--inject-stream-error", type=float, default=0.0, metavar="P",
+                        help="probability that a stream fails after its first token")
+
+
+def config_from_args(args: argparse.Namespace) -> MockConfig:
+    """`MockConfig` from the flags of `add_mock_arguments`."""
+    return MockConfig(
+        output_len=args.output_len, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
+        inject_429=args.inject_429, inject_503=args.inject_503, inject_500=args.inject_500,
+        inject_stream_error=args.inject_stream_error,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve the mock until SIGTERM; print ``... serving at URL`` once listening."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(url: str) -> None:
+        print(f"tokenyard mock replica serving at {url}", flush=True)
+
+    asyncio.run(run_mock(config, args.host, args.port, seed=args.seed, on_ready=ready))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
