@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tokenyard.cli_admin import add_admin_parser, run_admin
+
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded)")
@@ -143,14 +145,6 @@ def _add_serve_parser(sub: Any) -> None:
     _add_engine_args(serve)
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    """A parser with only `serve`: the full one imports the benchmark (and so torch), and
-    the HTTP process must never load torch."""
-    parser = argparse.ArgumentParser(prog="tokenyard", description=__doc__)
-    _add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,12 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
         "gateway", help="what tokenyard's HTTP process adds, in front of a mock replica"))
 
     _add_chat_parser(sub)
+    add_admin_parser(sub)
+    return parser
+
+
+#: Subcommands parsed without the full parser, which imports the benchmarks (and torch).
+_LIGHT_PARSERS = {"serve": _add_serve_parser, "chat": _add_chat_parser,
+                  "admin": add_admin_parser}
+
+
+def _light_parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenyard", description=__doc__)
+    _LIGHT_PARSERS[command](parser.add_subparsers(dest="command", required=True))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _serve_parser() if argv[:1] == ["serve"] else build_parser()
+    light = argv[0] if argv and argv[0] in _LIGHT_PARSERS else None
+    parser = _light_parser(light) if light else build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -211,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "admin":
+            return run_admin(args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError) as exc:

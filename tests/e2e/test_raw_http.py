@@ -21,7 +21,7 @@ def test_http_process_modules_never_import_torch() -> None:
     # The HTTP process must stay torch-free (DESIGN §2): torch belongs to the replica.
     code = (
         "import sys, tokenyard.api.app, tokenyard.api.serve, tokenyard.cli\n"
-        "tokenyard.cli._serve_parser().parse_args(['serve', '--port', '0'])\n"
+        "tokenyard.cli._light_parser('serve').parse_args(['serve', '--port', '0'])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from tokenyard.api import schemas_anthropic as sa
 from tokenyard.api import schemas_openai as so
+from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.convert import (
     AnthropicStream,
     ChatStream,
@@ -83,6 +84,8 @@ from tokenyard.engine.outputs import Completion, EngineCoreOutput, RequestOutput
 from tokenyard.engine.protocol import CoreDelta, ReplicaInfo
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.gateway import idempotency
+from tokenyard.gateway.admin import Admin
+from tokenyard.gateway.auth import require_admin
 from tokenyard.gateway.billing import Usage
 from tokenyard.gateway.pipeline import (
     ABORTED,
@@ -976,6 +979,15 @@ async def build_state(
     return AppState(client, tokenizer, info, now())
 
 
+def _admin_of(request: web.Request) -> Admin:
+    """The administrative operations, for an authenticated key with the admin scope."""
+    gateway = request.app[_STATE].gateway
+    if gateway is None:
+        raise not_found("Administration needs the gateway: this server runs with --no-auth.")
+    require_admin(request[_KEY])
+    return Admin(gateway.store)
+
+
 def make_app(state: AppState) -> web.Application:
     """The aiohttp application over `state`."""
     # aiohttp's own cap sits just above ours, so an oversized body is refused while
@@ -991,6 +1003,7 @@ def make_app(state: AppState) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/metrics", metrics)
+    add_admin_routes(app, _admin_of)
 
     async def close_client(app: web.Application) -> None:
         await app[_STATE].client.close()

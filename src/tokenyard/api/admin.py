@@ -1,0 +1,115 @@
+"""`/admin/v1/…`: the administrative operations over HTTP, for keys with the admin scope.
+
+    POST /admin/v1/orgs                      {name, balance?, rpm?, tpm?, max_concurrency?,
+                                              free_tier_daily_requests?}
+    GET  /admin/v1/orgs
+    POST /admin/v1/orgs/{org_id}/projects    {name}
+    POST /admin/v1/orgs/{org_id}/limits      {rpm?, tpm?, max_concurrency?,
+                                              free_tier_daily_requests?}
+    POST /admin/v1/orgs/{org_id}/credit      {amount}
+    POST /admin/v1/orgs/{org_id}/spend_cap   {cap (null: none), project_id?}
+    POST /admin/v1/keys                      {org_id, name?, project_id?, models?,
+                                              max_context_tokens?, admin?, rpm?, tpm?,
+                                              max_concurrency?, expires_at?} → the secret, once
+    GET  /admin/v1/keys?org_id=
+    POST /admin/v1/keys/{key_id}/revoke
+    POST /admin/v1/keys/{key_id}/limits      {rpm?, tpm?, max_concurrency?}
+    PUT  /admin/v1/prices/{model}            {input, cached_input, cache_write, output}
+    GET  /admin/v1/prices
+    GET  /admin/v1/usage?group_by=key|project|org|model|day&since=&until=&org_id=
+                        &format=json|csv
+
+Money is a decimal string ("12.50"); prices are per million tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from tokenyard.api.errors import APIError, invalid_request
+from tokenyard.gateway.admin import Admin, AdminError, to_csv
+
+#: Resolves a request to the Admin over its gateway's store, or raises (401/403/404).
+AdminOf = Callable[[web.Request], Admin]
+_ADMIN_OF: web.AppKey[AdminOf] = web.AppKey("admin_of")
+
+
+def _reply(value: Any, status: int = 200) -> web.Response:
+    return web.json_response({"data": value} if isinstance(value, list) else value,
+                             status=status)
+
+
+async def _args(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise invalid_request("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    return body
+
+
+Handler = Callable[[Admin, web.Request], Awaitable[Any]]
+
+
+def _route(handler: Handler, status: int = 200) -> Callable[[web.Request], Awaitable[Any]]:
+    async def run(request: web.Request) -> web.Response:
+        admin = request.app[_ADMIN_OF](request)
+        try:
+            result = await handler(admin, request)
+        except AdminError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+        return result if isinstance(result, web.Response) else _reply(result, status)
+
+    return run
+
+
+async def _usage(admin: Admin, request: web.Request) -> Any:
+    rows = await admin.usage(dict(request.query))
+    if request.query.get("format") == "csv":
+        return web.Response(text=to_csv(rows), content_type="text/csv")
+    return rows
+
+
+def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
+    """Register `/admin/v1/…` on `app`; `admin_of` authorizes each call."""
+    app[_ADMIN_OF] = admin_of
+    m = "org_id"
+    routes: list[tuple[str, str, Handler, int]] = [
+        ("POST", "/admin/v1/orgs", lambda a, r: _with_args(r, a.create_org), 201),
+        ("GET", "/admin/v1/orgs", lambda a, r: a.list_orgs(), 200),
+        ("POST", "/admin/v1/orgs/{org_id}/projects",
+         lambda a, r: _with_args(r, lambda x: a.create_project(r.match_info[m], x)), 201),
+        ("POST", "/admin/v1/orgs/{org_id}/limits",
+         lambda a, r: _with_args(r, lambda x: a.set_org_limits(r.match_info[m], x)), 200),
+        ("POST", "/admin/v1/orgs/{org_id}/credit",
+         lambda a, r: _with_args(r, lambda x: a.add_credit(r.match_info[m], x)), 200),
+        ("POST", "/admin/v1/orgs/{org_id}/spend_cap",
+         lambda a, r: _with_args(r, lambda x: a.set_spend_cap(r.match_info[m], x)), 200),
+        ("POST", "/admin/v1/keys", lambda a, r: _with_args(r, a.create_key), 201),
+        ("GET", "/admin/v1/keys", lambda a, r: a.list_keys(r.query.get("org_id")), 200),
+        ("POST", "/admin/v1/keys/{key_id}/revoke",
+         lambda a, r: a.revoke_key(r.match_info["key_id"]), 200),
+        ("POST", "/admin/v1/keys/{key_id}/limits",
+         lambda a, r: _with_args(r, lambda x: a.set_key_limits(r.match_info["key_id"], x)),
+         200),
+        ("PUT", "/admin/v1/prices/{model}",
+         lambda a, r: _with_args(r, lambda x: a.set_price(r.match_info["model"], x)), 200),
+        ("GET", "/admin/v1/prices", lambda a, r: a.list_prices(), 200),
+        ("GET", "/admin/v1/usage", _usage, 200),
+    ]
+    for method, path, handler, status in routes:
+        app.router.add_route(method, path, _route(handler, status))
+
+
+async def _with_args(
+    request: web.Request, operation: Callable[[dict[str, Any]], Awaitable[Any]]
+) -> Any:
+    return await operation(await _args(request))

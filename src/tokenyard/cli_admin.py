@@ -1,0 +1,159 @@
+"""`tokenyard admin …`: the administrative operations from a terminal, straight on the store
+(`TOKENYARD_DATABASE_URL`, else the SQLite file in the state directory).
+
+    tokenyard admin orgs create acme --balance 50 --rpm 600
+    tokenyard admin keys create --org org_… --name ci --models 'SmolLM2*' --tpm 100000
+    tokenyard admin keys revoke key_…
+    tokenyard admin prices set SmolLM2-135M-Instruct.Q4_1 --input 0.10 --output 0.40
+    tokenyard admin credit add org_… 25.00
+    tokenyard admin usage --group-by day --format csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tokenyard.gateway.admin import GROUPS, Admin, AdminError, Json, to_csv, to_table
+
+
+def _limit_args(parser: argparse.ArgumentParser, free_tier: bool = False) -> None:
+    parser.add_argument("--rpm", type=int, help="requests per minute")
+    parser.add_argument("--tpm", type=int, help="tokens per minute")
+    parser.add_argument("--max-concurrency", type=int, help="requests in flight")
+    if free_tier:
+        parser.add_argument("--free-tier", type=int, dest="free_tier_daily_requests",
+                            help="free requests per UTC day (orgs without prepaid credit)")
+
+
+def add_admin_parser(sub: Any) -> None:
+    """`admin` and its nouns and verbs."""
+    admin = sub.add_parser("admin", help="orgs, keys, limits, prices, credit, usage")
+    # --format is accepted after any verb too (default=SUPPRESS keeps the top-level one).
+    fmt = argparse.ArgumentParser(add_help=False)
+    fmt.add_argument("--format", choices=["table", "csv", "json"], default=argparse.SUPPRESS)
+    admin.add_argument("--format", choices=["table", "csv", "json"], default="table",
+                       help="output format")
+    nouns = admin.add_subparsers(dest="noun", required=True)
+
+    orgs = nouns.add_parser("orgs", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    create = orgs.add_parser("create", parents=[fmt], help="create an org")
+    create.add_argument("name")
+    create.add_argument("--balance", help="prepaid credit (decimal); none: postpaid")
+    _limit_args(create, free_tier=True)
+    orgs.add_parser("list", parents=[fmt])
+
+    projects = nouns.add_parser("projects", parents=[fmt]).add_subparsers(
+        dest="verb", required=True)
+    create = projects.add_parser("create", parents=[fmt])
+    create.add_argument("org_id")
+    create.add_argument("name")
+
+    keys = nouns.add_parser("keys", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    create = keys.add_parser("create", parents=[fmt],
+                             help="create a key (its secret is shown once)")
+    create.add_argument("--org", dest="org_id", required=True)
+    create.add_argument("--name", default="key")
+    create.add_argument("--project", dest="project_id")
+    create.add_argument("--models", help="comma-separated model globs (default: all)")
+    create.add_argument("--max-context", type=int, dest="max_context_tokens")
+    create.add_argument("--admin", action="store_true", help="may use /admin/v1")
+    create.add_argument("--expires-at", help="ISO 8601 time")
+    _limit_args(create)
+    listing = keys.add_parser("list", parents=[fmt])
+    listing.add_argument("--org", dest="org_id")
+    revoke = keys.add_parser("revoke", parents=[fmt])
+    revoke.add_argument("key_id")
+
+    limits = nouns.add_parser("limits", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    set_limits = limits.add_parser("set", parents=[fmt], help="set a key's or an org's limits")
+    who = set_limits.add_mutually_exclusive_group(required=True)
+    who.add_argument("--key", dest="key_id")
+    who.add_argument("--org", dest="org_id")
+    _limit_args(set_limits, free_tier=True)
+
+    prices = nouns.add_parser("prices", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    set_price = prices.add_parser("set", parents=[fmt], help="prices per million tokens")
+    set_price.add_argument("model")
+    for name in ("input", "cached-input", "cache-write", "output"):
+        set_price.add_argument(f"--{name}", default="0")
+    prices.add_parser("list", parents=[fmt])
+
+    credit = nouns.add_parser("credit", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    add = credit.add_parser("add", parents=[fmt])
+    add.add_argument("org_id")
+    add.add_argument("amount")
+
+    cap = nouns.add_parser("spend-cap", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    set_cap = cap.add_parser("set", parents=[fmt], help="monthly cap (decimal); 'none' removes it")
+    set_cap.add_argument("org_id")
+    set_cap.add_argument("cap")
+    set_cap.add_argument("--project", dest="project_id")
+
+    usage = nouns.add_parser("usage", parents=[fmt], help="usage report from the ledger")
+    usage.add_argument("--group-by", choices=GROUPS, default="model")
+    usage.add_argument("--since", help="ISO 8601 date or time (inclusive)")
+    usage.add_argument("--until", help="ISO 8601 date or time (exclusive)")
+    usage.add_argument("--org", dest="org_id")
+
+
+def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | list[Json]]]:
+    a = {k: v for k, v in vars(args).items() if v is not None}
+    noun, verb = args.noun, getattr(args, "verb", None)
+    table: dict[tuple[str, str | None], Callable[[Admin], Awaitable[Any]]] = {
+        ("orgs", "create"): lambda ad: ad.create_org(a),
+        ("orgs", "list"): lambda ad: ad.list_orgs(),
+        ("projects", "create"): lambda ad: ad.create_project(args.org_id, a),
+        ("keys", "create"): lambda ad: ad.create_key(a),
+        ("keys", "list"): lambda ad: ad.list_keys(args.org_id),
+        ("keys", "revoke"): lambda ad: ad.revoke_key(args.key_id),
+        ("limits", "set"): lambda ad: (ad.set_key_limits(args.key_id, a) if args.key_id
+                                       else ad.set_org_limits(args.org_id, a)),
+        ("prices", "set"): lambda ad: ad.set_price(args.model, a),
+        ("prices", "list"): lambda ad: ad.list_prices(),
+        ("credit", "add"): lambda ad: ad.add_credit(args.org_id, a),
+        ("spend-cap", "set"): lambda ad: ad.set_spend_cap(
+            args.org_id, {**a, "cap": None if args.cap.lower() == "none" else args.cap}),
+        ("usage", None): lambda ad: ad.usage(a),
+    }
+    return table[(noun, verb)]
+
+
+def _print(result: Json | list[Json], fmt: str) -> None:
+    rows = result if isinstance(result, list) else [result]
+    if fmt == "json":
+        print(json.dumps(result, indent=2))
+    elif fmt == "csv":
+        sys.stdout.write(to_csv(rows))
+    else:
+        print(to_table(rows))
+
+
+async def _run(args: argparse.Namespace) -> Json | list[Json]:
+    from tokenyard.store.db import Database
+    from tokenyard.store.repo import Store
+
+    db = await Database.open()
+    try:
+        return await _operation(args)(Admin(Store(db)))
+    finally:
+        await db.close()
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    """Entry point of `tokenyard admin`."""
+    # argparse spells them with dashes; the operations take the API's names.
+    for dashed, name in (("cached_input", "cached_input"), ("cache_write", "cache_write")):
+        if hasattr(args, dashed):
+            setattr(args, name, getattr(args, dashed))
+    try:
+        result = asyncio.run(_run(args))
+    except AdminError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _print(result, args.format)
+    return 0

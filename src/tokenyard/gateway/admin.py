@@ -1,0 +1,256 @@
+"""Administration: orgs, projects, keys, limits, prices, credit, spend caps, usage reports.
+
+One set of operations behind both `tokenyard admin …` (which opens the store itself) and
+`/admin/v1/…` (admin-scoped keys). Each takes plain JSON-like arguments, validates them
+(`AdminError` names the field at fault) and returns JSON-ready dicts; money goes in and
+out as decimal strings ("12.50") and is stored in integer micro-units.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import Any, cast, get_args
+
+from tokenyard.store.money import format_money, parse_money
+from tokenyard.store.records import ApiKeyRecord, GroupBy, OrgRecord, Scopes, UsageRow
+from tokenyard.store.repo import Store
+
+Json = dict[str, Any]
+GROUPS: tuple[str, ...] = get_args(GroupBy)
+
+
+class AdminError(ValueError):
+    """A bad administrative request: `field` names the argument at fault."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def _opt_int(args: Mapping[str, Any], name: str) -> int | None:
+    value = args.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise AdminError(name, f"{name} must be a whole number")
+    try:
+        number = int(value)
+    except ValueError:
+        raise AdminError(name, f"{name} must be a whole number") from None
+    if number < 0:
+        raise AdminError(name, f"{name} must be >= 0")
+    return number
+
+
+def _str(args: Mapping[str, Any], name: str, required: bool = True) -> str | None:
+    value = args.get(name)
+    if value is None or value == "":
+        if required:
+            raise AdminError(name, f"{name} is required")
+        return None
+    if not isinstance(value, str):
+        raise AdminError(name, f"{name} must be a string")
+    return value
+
+
+def _money(args: Mapping[str, Any], name: str, required: bool = False) -> int | None:
+    value = args.get(name)
+    if value is None:
+        if required:
+            raise AdminError(name, f"{name} is required")
+        return None
+    try:
+        return parse_money(str(value))
+    except ValueError as exc:
+        raise AdminError(name, f"{name}: {exc}") from None
+
+
+def _time(args: Mapping[str, Any], name: str) -> datetime | None:
+    value = _str(args, name, required=False)
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise AdminError(name, f"{name} must be an ISO 8601 date or time") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _models(args: Mapping[str, Any]) -> tuple[str, ...]:
+    value = args.get("models")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [m for m in value.split(",") if m]
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        raise AdminError("models", "models must be a list of model names or globs")
+    return tuple(value)
+
+
+def _limits(args: Mapping[str, Any]) -> dict[str, int | None]:
+    return {name: _opt_int(args, name) for name in ("rpm", "tpm", "max_concurrency")}
+
+
+# ---------------------------------------------------------------------------- views
+
+
+def _time_text(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def org_json(org: OrgRecord, balance: int | None = None) -> Json:
+    return {
+        "id": org.id, "name": org.name, **asdict(org.limits),
+        "free_tier_daily_requests": org.free_tier_daily_requests,
+        "balance": format_money(balance) if balance is not None else None,
+        "created_at": _time_text(org.created_at),
+    }
+
+
+def key_json(key: ApiKeyRecord) -> Json:
+    return {
+        "id": key.id, "org_id": key.org_id, "project_id": key.project_id, "name": key.name,
+        "prefix": key.prefix, "scopes": key.scopes.to_json(), **asdict(key.limits),
+        "expires_at": _time_text(key.expires_at), "revoked_at": _time_text(key.revoked_at),
+        "created_at": _time_text(key.created_at),
+    }
+
+
+def usage_json(row: UsageRow) -> Json:
+    return {**asdict(row), "cost": format_money(row.cost_micros)}
+
+
+# ---------------------------------------------------------------------------- operations
+
+
+class Admin:
+    """The administrative operations over one `Store`."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def create_org(self, args: Mapping[str, Any]) -> Json:
+        org = await self.store.create_org(
+            cast(str, _str(args, "name")), balance_micros=_money(args, "balance"),
+            free_tier_daily_requests=_opt_int(args, "free_tier_daily_requests"),
+            **_limits(args),
+        )
+        return org_json(org, await self.store.balance(org.id))
+
+    async def list_orgs(self) -> list[Json]:
+        return [org_json(org, await self.store.balance(org.id))
+                for org in await self.store.list_orgs()]
+
+    async def create_project(self, org_id: str, args: Mapping[str, Any]) -> Json:
+        await self._org(org_id)
+        project = await self.store.create_project(org_id, cast(str, _str(args, "name")))
+        return {"id": project.id, "org_id": project.org_id, "name": project.name}
+
+    async def create_key(self, args: Mapping[str, Any]) -> Json:
+        """A new key; the response is the only place its secret ever appears."""
+        org_id = cast(str, _str(args, "org_id"))
+        await self._org(org_id)
+        scopes = Scopes(models=_models(args),
+                        max_context_tokens=_opt_int(args, "max_context_tokens"),
+                        admin=bool(args.get("admin", False)))
+        try:
+            secret, key = await self.store.create_api_key(
+                org_id, name=_str(args, "name", required=False) or "key",
+                project_id=_str(args, "project_id", required=False), scopes=scopes,
+                expires_at=_time(args, "expires_at"), rpm=_opt_int(args, "rpm"),
+                tpm=_opt_int(args, "tpm"), max_concurrency=_opt_int(args, "max_concurrency"),
+            )
+        except ValueError as exc:  # e.g. a project of another org
+            raise AdminError("project_id", str(exc)) from None
+        return {**key_json(key), "secret": secret}
+
+    async def list_keys(self, org_id: str | None = None) -> list[Json]:
+        return [key_json(key) for key in await self.store.list_keys(org_id)]
+
+    async def revoke_key(self, key_id: str) -> Json:
+        if not await self.store.revoke_key(key_id):
+            raise AdminError("key_id", f"no active key {key_id}")
+        return {"id": key_id, "revoked": True}
+
+    async def set_key_limits(self, key_id: str, args: Mapping[str, Any]) -> Json:
+        if not await self.store.set_key_limits(key_id, **_limits(args)):
+            raise AdminError("key_id", f"no key {key_id}")
+        return {"id": key_id, **_limits(args)}
+
+    async def set_org_limits(self, org_id: str, args: Mapping[str, Any]) -> Json:
+        limits = {**_limits(args),
+                  "free_tier_daily_requests": _opt_int(args, "free_tier_daily_requests")}
+        if not await self.store.set_org_limits(org_id, **limits):
+            raise AdminError("org_id", f"no org {org_id}")
+        return {"id": org_id, **limits}
+
+    async def set_price(self, model: str, args: Mapping[str, Any]) -> Json:
+        """Prices per million tokens, as decimal strings."""
+        names = ("input", "cached_input", "cache_write", "output")
+        micros = {name: _money(args, name) or 0 for name in names}
+        await self.store.set_price(model, **micros)
+        return {"model": model, **{n: format_money(v) for n, v in micros.items()}}
+
+    async def list_prices(self) -> list[Json]:
+        return [{"model": model, **{k: format_money(v) for k, v in asdict(p).items()}}
+                for model, p in sorted((await self.store.prices()).items())]
+
+    async def add_credit(self, org_id: str, args: Mapping[str, Any]) -> Json:
+        await self._org(org_id)
+        balance = await self.store.add_credit(org_id, cast(int, _money(args, "amount", True)))
+        return {"org_id": org_id, "balance": format_money(balance)}
+
+    async def set_spend_cap(self, org_id: str, args: Mapping[str, Any]) -> Json:
+        await self._org(org_id)
+        cap = _money(args, "cap")
+        project = _str(args, "project_id", required=False)
+        await self.store.set_spend_cap(org_id, project, cap)
+        return {"org_id": org_id, "project_id": project,
+                "cap": format_money(cap) if cap is not None else None}
+
+    async def usage(self, args: Mapping[str, Any]) -> list[Json]:
+        group_by = _str(args, "group_by", required=False) or "model"
+        if group_by not in GROUPS:
+            raise AdminError("group_by", f"group_by must be one of {', '.join(GROUPS)}")
+        rows = await self.store.usage_report(
+            cast(GroupBy, group_by), since=_time(args, "since"), until=_time(args, "until"),
+            org_id=_str(args, "org_id", required=False),
+        )
+        return [usage_json(row) for row in rows]
+
+    async def _org(self, org_id: str) -> None:
+        if await self.store.get_org(org_id) is None:
+            raise AdminError("org_id", f"no org {org_id}")
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def to_csv(rows: Sequence[Json]) -> str:
+    """Rows as CSV with a header line (nested values as their JSON-ish text)."""
+    if not rows:
+        return ""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def to_table(rows: Sequence[Json]) -> str:
+    """Rows as an aligned text table."""
+    if not rows:
+        return "(none)"
+    columns = list(rows[0])
+    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,90 @@
+"""`/admin/v1` on a running `tokenyard serve`: an admin key makes an org and a key; the new
+key works through the OpenAI SDK, may not administer, and its usage shows in the report."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.e2e.conftest import Server
+
+
+async def _call(server: Server, method: str, path: str, key: str | None = None,
+                body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key or server.api_key}"}
+    async with aiohttp.ClientSession(headers=headers) as session, session.request(
+        method, server.base_url + path, json=body
+    ) as r:
+        if r.content_type == "application/json":
+            return r.status, await r.json()
+        return r.status, await r.text()
+
+
+def call(server: Server, method: str, path: str, key: str | None = None,
+         body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    return asyncio.run(_call(server, method, path, key, body))
+
+
+def test_an_admin_key_creates_an_org_and_a_key_that_serves_and_is_billed(
+    server: Server,
+) -> None:
+    status, org = call(server, "POST", "/admin/v1/orgs", body={"name": "acme", "rpm": 100})
+    assert status == 201 and org["rpm"] == 100
+    status, project = call(server, "POST", f"/admin/v1/orgs/{org['id']}/projects",
+                           body={"name": "web"})
+    assert status == 201
+    status, key = call(server, "POST", "/admin/v1/keys", body={
+        "org_id": org["id"], "project_id": project["id"], "name": "app"})
+    assert status == 201 and key["secret"].startswith("sk-ty-")
+    status, _ = call(server, "PUT", f"/admin/v1/prices/{server.model}",
+                     body={"input": "1", "output": "2"})
+    assert status == 200
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key["secret"],
+                           max_retries=0)
+    reply = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert reply.usage is not None
+
+    # The new key is not an admin.
+    status, err = call(server, "GET", "/admin/v1/orgs", key=key["secret"])
+    assert status == 403 and "admin" in err["error"]["message"]
+
+    # The ledger row lands off the request path; the report sums it.
+    deadline, rows = time.monotonic() + 10, []
+    while time.monotonic() < deadline:
+        status, body = call(server, "GET", f"/admin/v1/usage?group_by=project&org_id={org['id']}")
+        rows = body["data"]
+        if rows:
+            break
+        time.sleep(0.2)
+    assert rows == [{
+        "group": project["id"], "requests": 1,
+        "prompt_tokens": reply.usage.prompt_tokens, "cached_tokens": 0,
+        "cache_write_tokens": 0, "output_tokens": reply.usage.completion_tokens,
+        # $1 per million input tokens, $2 per million output tokens, in micro-units.
+        "cost_micros": reply.usage.prompt_tokens + 2 * reply.usage.completion_tokens,
+        "cost": rows[0]["cost"],
+    }]
+    status, csv_text = call(server, "GET", "/admin/v1/usage?group_by=model&format=csv")
+    assert status == 200 and csv_text.startswith("group,requests,")
+
+    status, _ = call(server, "POST", f"/admin/v1/keys/{key['id']}/revoke")
+    assert status == 200
+    time.sleep(1.1)  # key lookups are cached for at most 1 s
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_admin_arguments_are_validated_in_the_openai_error_shape(server: Server) -> None:
+    status, err = call(server, "POST", "/admin/v1/orgs", body={"name": "x", "rpm": "many"})
+    assert status == 400 and err["error"]["param"] == "rpm"
+    status, err = call(server, "POST", "/admin/v1/keys", body={"org_id": "org_nope"})
+    assert status == 400 and err["error"]["param"] == "org_id"
+    status, err = call(server, "GET", "/admin/v1/orgs", key="sk-ty-wrong")
+    assert status == 401 and err["error"]["code"] == "invalid_api_key"

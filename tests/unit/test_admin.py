@@ -1,0 +1,134 @@
+"""Administration: the operations behind `tokenyard admin` and `/admin/v1`, on SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from tokenyard.gateway.admin import Admin, AdminError, to_csv, to_table
+from tokenyard.store import Database, LedgerWriter, Store, UsageRecord
+
+T = TypeVar("T")
+
+
+def run(tmp_path: Path, scenario: Callable[[Admin, Store], Awaitable[T]],
+        name: str = "admin.db") -> T:
+    async def main() -> T:
+        db = await Database.open(f"sqlite+aiosqlite:///{tmp_path / name}")
+        try:
+            store = Store(db)
+            return await scenario(Admin(store), store)
+        finally:
+            await db.close()
+
+    return asyncio.run(main())
+
+
+def test_org_key_limits_prices_credit_round_trip(tmp_path: Path) -> None:
+    async def scenario(admin: Admin, store: Store) -> None:
+        org = await admin.create_org({"name": "acme", "balance": "5", "rpm": 60})
+        assert org["balance"] == "5.000000" and org["rpm"] == 60
+        key = await admin.create_key({"org_id": org["id"], "name": "ci", "models": "Smol*,x",
+                                      "tpm": 1000, "max_context_tokens": 512})
+        found = await store.find_key(key["secret"])
+        assert found is not None and found.org_id == org["id"]
+        assert found.scopes.models == ("Smol*", "x") and found.scopes.max_context_tokens == 512
+        assert found.key_limits.tpm == 1000 and found.org_limits.rpm == 60
+        assert all("secret" not in k for k in await admin.list_keys(org["id"]))
+        await admin.set_key_limits(key["id"], {"rpm": 7})
+        assert (await store.find_key(key["secret"])).key_limits.rpm == 7  # type: ignore[union-attr]
+        price = await admin.set_price("m", {"input": "0.10", "output": "0.4"})
+        assert price["output"] == "0.400000"
+        assert (await store.prices())["m"].output == 400_000
+        assert (await admin.add_credit(org["id"], {"amount": "2.5"}))["balance"] == "7.500000"
+        await admin.revoke_key(key["id"])
+        assert (await store.find_key(key["secret"])).revoked_at is not None  # type: ignore[union-attr]
+
+    run(tmp_path, scenario)
+
+
+def test_bad_arguments_name_the_field(tmp_path: Path) -> None:
+    async def scenario(admin: Admin, store: Store) -> list[str | None]:
+        fields = []
+        for call in (admin.create_org({}), admin.create_org({"name": "x", "rpm": "lots"}),
+                     admin.create_org({"name": "x", "balance": "1.2345678"}),
+                     admin.create_key({"org_id": "org_missing"}),
+                     admin.usage({"group_by": "colour"}), admin.revoke_key("key_none")):
+            try:
+                await call
+            except AdminError as exc:
+                fields.append(exc.field)
+        return fields
+
+    assert run(tmp_path, scenario) == ["name", "rpm", "balance", "org_id", "group_by", "key_id"]
+
+
+def test_usage_report_sums_the_ledger_by_each_dimension(tmp_path: Path) -> None:
+    async def scenario(admin: Admin, store: Store) -> dict[str, list[dict[str, object]]]:
+        org = await admin.create_org({"name": "acme"})
+        writer = LedgerWriter(store.db, tmp_path / "journal")
+        await writer.start()
+        for i in range(6):
+            writer.append(UsageRecord(
+                request_id=f"r{i}", org_id=org["id"], model="a" if i % 2 else "b",
+                endpoint="/v1/chat/completions", status="completed", prompt_tokens=10,
+                cached_tokens=i, output_tokens=5, cost_micros=100 + i,
+            ))
+        await writer.close()
+        return {g: await admin.usage({"group_by": g}) for g in ("model", "org", "day")}
+
+    reports = run(tmp_path, scenario)
+    by_model = {r["group"]: r for r in reports["model"]}
+    assert by_model["a"]["requests"] == 3 and by_model["a"]["cost_micros"] == 101 + 103 + 105
+    assert by_model["b"]["cached_tokens"] == 0 + 2 + 4
+    assert reports["org"][0]["requests"] == 6 and reports["org"][0]["cost"] == "0.000615"
+    assert len(reports["day"]) == 1 and reports["day"][0]["output_tokens"] == 30
+
+
+def test_table_and_csv_output() -> None:
+    rows = [{"model": "a", "requests": 3}, {"model": "bb", "requests": None}]
+    assert to_csv(rows) == "model,requests\na,3\nbb,\n"
+    assert to_table(rows).splitlines() == ["model  requests", "a      3", "bb"]
+    assert to_table([]) == "(none)"
+
+
+def test_cli_creates_a_key_whose_secret_authenticates(tmp_path: Path) -> None:
+    env = {**os.environ, "TOKENYARD_STATE_DIR": str(tmp_path)}
+    env.pop("TOKENYARD_DATABASE_URL", None)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tokenyard.cli", "admin", *args],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    org = json.loads(cli("orgs", "create", "acme", "--rpm", "5", "--format", "json").stdout)
+    made = cli("--format", "json", "keys", "create", "--org", org["id"], "--models", "m*")
+    secret = json.loads(made.stdout)["secret"]
+    listed = cli("keys", "list", "--format", "csv").stdout
+    assert secret not in listed and secret[:10] in listed
+    bad = cli("keys", "revoke", "key_nope")
+    assert bad.returncode == 2 and "no active key" in bad.stderr
+
+    async def check(admin: Admin, store: Store) -> None:
+        key = await store.find_key(secret)
+        assert key is not None and key.org_limits.rpm == 5 and key.scopes.models == ("m*",)
+
+    run(tmp_path, check, "tokenyard.db")  # the file the CLI used
+
+
+def test_credit_amount_must_be_money(tmp_path: Path) -> None:
+    async def scenario(admin: Admin, store: Store) -> None:
+        org = await admin.create_org({"name": "x"})
+        with pytest.raises(AdminError):
+            await admin.add_credit(org["id"], {"amount": "abc"})
+        with pytest.raises(AdminError):
+            await admin.add_credit(org["id"], {})
+
+    run(tmp_path, scenario)
