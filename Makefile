@@ -29,7 +29,7 @@ unit: venv
 test: lint unit
 
 bench: venv
-	$(VENV)/bin/tokenyard bench offline --write docs/benchmarks.md
+	$(VENV)/bin/tokenyard bench suite --write docs/benchmarks.md
 
 serve: venv
 	$(VENV)/bin/tokenyard serve

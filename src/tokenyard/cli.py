@@ -95,6 +95,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.serve import main as serve_main
 
         return serve_main(args)
+    if args.bench_command == "suite":
+        from tokenyard.bench.suite import main as suite_main
+
+        return suite_main(args)
     if args.bench_command == "gateway":
         from tokenyard.bench.gateway import main as gateway_main
 
@@ -110,11 +114,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from tokenyard.chat import main as chat_main
+    from tokenyard.config import default_api_key
 
     return chat_main(
         args.base_url,
         model=args.model,
-        api_key=args.api_key,
+        api_key=args.api_key or default_api_key(),
         system=args.system,
         temperature=args.temperature,
         max_tokens=args.max_tokens,
@@ -126,7 +131,8 @@ def _add_chat_parser(sub: Any) -> None:
     chat.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                       help="the server's OpenAI-compatible base URL")
     chat.add_argument("--model", help="model name (default: the first the server lists)")
-    chat.add_argument("--api-key", help="sent as a bearer token")
+    chat.add_argument("--api-key", help="sent as a bearer token (default: $TOKENYARD_API_KEY, "
+                      "else the development key in ./.tokenyard/dev-key)")
     chat.add_argument("--system", help="system message")
     chat.add_argument("--temperature", type=float)
     chat.add_argument("--max-tokens", type=int)
@@ -185,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="load-test any OpenAI- or Anthropic-compatible server"))
     bench_gateway.add_arguments(bench_sub.add_parser(
         "gateway", help="what tokenyard's HTTP process adds, in front of a mock replica"))
+    from tokenyard.bench import suite as bench_suite
+
+    bench_suite.add_arguments(bench_sub.add_parser(
+        "suite", help="the standard benchmarks; rewrites docs/benchmarks.md (make bench)"))
 
     _add_chat_parser(sub)
     add_admin_parser(sub)

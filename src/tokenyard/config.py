@@ -91,3 +91,19 @@ def redis_url() -> str | None:
     """TOKENYARD_REDIS_URL (shared limits across gateway processes), else None: in-process."""
     env = os.environ.get("TOKENYARD_REDIS_URL", "").strip()
     return env or None
+
+
+#: The development key's file in the state directory.
+DEV_KEY_FILE = "dev-key"
+
+
+def default_api_key() -> str | None:
+    """`$TOKENYARD_API_KEY`, else the development key `tokenyard serve` keeps in the state
+    directory (so `tokenyard chat` works beside `make serve` with no flags)."""
+    env = os.environ.get("TOKENYARD_API_KEY", "").strip()
+    if env:
+        return env
+    try:
+        return (state_dir() / DEV_KEY_FILE).read_text().strip() or None
+    except OSError:
+        return None

@@ -140,9 +140,10 @@ def start_mock(config: MockConfig, seed: int = 0) -> Child:
     ], _MOCK_READY)
 
 
-def start_tokenyard(replica_url: str, auth: bool = True) -> tuple[Child, str | None]:
-    """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model), and
-    the API key its banner shows (None with `auth` off).
+def start_tokenyard(replica_url: str | None, auth: bool = True) -> tuple[Child, str | None]:
+    """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model; with
+    `replica_url` None it starts its own replica of the embedded model), and the API key
+    its banner shows (None with `auth` off).
 
     It gets a state directory of its own (its SQLite store, ledger journal and development
     key, removed when it stops) and neither TOKENYARD_DATABASE_URL nor TOKENYARD_REDIS_URL:
@@ -152,8 +153,9 @@ def start_tokenyard(replica_url: str, auth: bool = True) -> tuple[Child, str | N
     env = {k: v for k, v in os.environ.items()
            if k not in ("TOKENYARD_DATABASE_URL", "TOKENYARD_REDIS_URL")}
     env["TOKENYARD_STATE_DIR"] = str(scratch)
-    cmd = [sys.executable, "-m", "tokenyard.cli", "serve", "--replica-url", replica_url,
-           "--port", "0", "--drain-timeout", "2", *([] if auth else ["--no-auth"])]
+    replica = ["--replica-url", replica_url] if replica_url else []
+    cmd = [sys.executable, "-m", "tokenyard.cli", "serve", *replica, "--port", "0",
+           "--drain-timeout", "2", *([] if auth else ["--no-auth"])]
     try:
         child = start_child(cmd, _TOKENYARD_READY, _TOKENYARD_URL, env)
     except BaseException:

@@ -1,0 +1,133 @@
+"""`tokenyard bench suite` (what `make bench` runs): the standard benchmarks in one go, and
+docs/benchmarks.md rewritten from their output.
+
+1. the engine alone (`bench offline`, which writes the page's head and engine table);
+2. serving the embedded model through `tokenyard serve` with the gateway on
+   (`bench serve`: a concurrency sweep, multi-turn conversations that share prefixes,
+   long prompts), with latency CDFs, throughput against concurrency and the stage
+   waterfall under docs/img/;
+3. the gateway's overhead in front of a mock replica (`bench gateway`).
+
+Each section names the machine, the versions and the exact command. The hand-written
+"## Profile" part of the page is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from tokenyard.bench.gateway import start_tokenyard
+
+PROFILE_MARKER = "\n## Profile"
+SERVE_RUNS: list[tuple[str, list[str]]] = [
+    ("Concurrency sweep: 256-token prompts, 64 output tokens",
+     ["--concurrency", "1,4,16", "--requests", "16", "--input-len", "256",
+      "--output-len", "64", "--ignore-eos", "--slo-ttft", "2000", "--slo-itl", "250"]),
+    ("Multi-turn conversations sharing prefixes (prefix cache)",
+     ["--workload", "multiturn", "--concurrency", "4", "--requests", "16",
+      "--output-len", "32", "--ignore-eos"]),
+    ("Long prompts (about 1,000 tokens)",
+     ["--workload", "long", "--concurrency", "1", "--requests", "3", "--output-len", "16",
+      "--ignore-eos"]),
+]
+GATEWAY_ARGS = ["--rates", "100,300,500", "--duration", "5"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--write", type=Path, default=Path("docs/benchmarks.md"),
+                        help="the markdown page to rewrite")
+    parser.add_argument("--img-dir", type=Path, default=Path("docs/img"),
+                        help="where the plots go")
+    parser.add_argument("--skip-offline", action="store_true",
+                        help="keep the page's engine section; run serving and gateway only")
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tokenyard.cli", *args]
+
+
+def _shown(cmd: list[str]) -> str:
+    """The command as a person would type it (`tokenyard …`)."""
+    return "tokenyard " + " ".join(cmd[3:])
+
+
+def _run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{_shown(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout.strip()
+
+
+def _machine() -> str:
+    cpu = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"aiohttp {version('aiohttp')}, tokenyard {version('tokenyard')}; 1-minute load "
+            f"average {os.getloadavg()[0]:.2f} before the section ran")
+
+
+def _section(title: str, runs: list[tuple[str, list[str], str]], intro: str) -> str:
+    lines = [f"## {title}", "", intro, "", f"- machine: {_machine()}",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
+    for name, cmd, output in runs:
+        lines += [f"### {name}", "", f"`{_shown(cmd)}`", "", output, ""]
+    return "\n".join(lines)
+
+
+def serving_section(img_dir: Path) -> str:
+    """bench serve against `tokenyard serve` (embedded model, gateway on)."""
+    child, key = start_tokenyard(None, auth=True)
+    runs = []
+    try:
+        for i, (name, extra) in enumerate(SERVE_RUNS):
+            cmd = _cli("bench", "serve", "--base-url", child.url + "/v1", "--quiet",
+                       *extra, *(["--plot-dir", str(img_dir)] if i == 0 else []))
+            out = _run([*cmd, "--api-key", key] if key else cmd)
+            runs.append((name, cmd, out))
+    finally:
+        child.stop()
+    plots = "\n".join(f"![{p.stem}](img/{p.name})" for p in sorted(img_dir.glob("*.png")))
+    intro = ("The embedded model behind `tokenyard serve` with its gateway on (API key, "
+             "limits, ledger), streamed OpenAI chat requests. The API key is left out of "
+             "the commands.")
+    return _section("Serving the embedded model (`tokenyard bench serve`)", runs, intro) + (
+        f"\n{plots}\n" if plots else "")
+
+
+def gateway_section() -> str:
+    """bench gateway: a mock replica direct vs through tokenyard."""
+    cmd = _cli("bench", "gateway", *GATEWAY_ARGS, "--quiet")
+    intro = ("What tokenyard's HTTP process (gateway on) adds in front of a mock replica "
+             "that answers at once: the same open-loop load direct to the mock and through "
+             "tokenyard, at each rate. Goal (gateway issue): ≤ 1 ms p50, ≤ 3 ms p99 at "
+             "500 requests/s.")
+    return _section("Gateway overhead (`tokenyard bench gateway`)",
+                    [("Mock replica, direct vs through tokenyard", cmd, _run(cmd))], intro)
+
+
+def main(args: argparse.Namespace) -> int:
+    page: Path = args.write
+    if not args.skip_offline:
+        _run(_cli("bench", "offline", "--write", str(page)))
+    text = page.read_text() if page.exists() else "# Benchmarks\n"
+    head, _, profile = text.partition(PROFILE_MARKER)
+    engine = head.split("\n## Serving the embedded model", 1)[0].rstrip() + "\n"
+    args.img_dir.mkdir(parents=True, exist_ok=True)
+    sections = [serving_section(args.img_dir), gateway_section()]
+    page.write_text(engine + "\n" + "\n".join(sections)
+                    + (PROFILE_MARKER + profile if profile else ""))
+    print(f"wrote {page}")
+    return 0
