@@ -393,6 +393,12 @@ class Generation:
     def num_cached_tokens(self) -> int:
         return self.last.num_cached_tokens if self.last is not None else 0
 
+    @property
+    def backlog(self) -> bool:
+        """Whether more replica deltas have already arrived, so the next output is ready
+        without waiting (a stream holds its write and sends both steps in one)."""
+        return not self._queue.empty()
+
 
 async def _finished_completions(gen: Generation) -> list[Completion]:
     """Run a generation to its end, accumulating each choice."""
@@ -570,6 +576,15 @@ def _stream_failure(request: web.Request, exc: Exception) -> APIError:
     return internal_error()
 
 
+async def _send(response: web.StreamResponse, pending: list[bytes]) -> None:
+    """Write the events in `pending` in one write (one syscall, one HTTP chunk) and
+    empty it; nothing when it is empty."""
+    if pending:
+        data = b"".join(pending)
+        pending.clear()
+        await response.write(data)
+
+
 async def _sse_response(request: web.Request) -> web.StreamResponse:
     cls = _RecordingStreamResponse if request.get(_RECORDING) else web.StreamResponse
     response = cls(headers=SSE_HEADERS)
@@ -689,25 +704,28 @@ async def _chat_response(
     stream = ChatStream(new_chat_id(), state.model, now(), SYSTEM_FINGERPRINT, token_bytes)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     response = await _sse_response(request)
-    for chunk in stream.role_chunks(params.n):
-        await response.write(sse_data(chunk))
+    # The role chunks go out with the first step's (already received) output.
+    pending = [sse_data(chunk) for chunk in stream.role_chunks(params.n)]
     try:
         async for out in gen:
             chunks: list[Any] = list(stream.output_chunks(out))
             if out.finished and not include_usage and chunks:
                 chunks[-1] = _with_timings(chunks[-1], timeline)
-            for chunk in chunks:
-                await response.write(sse_data(chunk))
+            pending.extend(sse_data(chunk) for chunk in chunks)
+            if not out.finished and not gen.backlog:
+                await _send(response, pending)
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client is gone: nothing to tell it
     except Exception as exc:
-        await response.write(openai_stream_error(_stream_failure(request, exc)))
+        pending.append(openai_stream_error(_stream_failure(request, exc)))
+        await _send(response, pending)
         return response
     if include_usage and gen.last is not None:
         usage = stream.usage_chunk(gen.last.num_prompt_tokens, gen.last.num_output_tokens,
                                    gen.last.num_cached_tokens)
-        await response.write(sse_data(_with_timings(usage, timeline)))
-    await response.write(SSE_DONE)
+        pending.append(sse_data(_with_timings(usage, timeline)))
+    pending.append(SSE_DONE)
+    await _send(response, pending)
     return response
 
 
@@ -764,9 +782,8 @@ async def _completions_response(
                               SYSTEM_FINGERPRINT, token_bytes)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     response = await _sse_response(request)
-    for i, text in enumerate(echo or []):
-        for chunk in stream.echo_chunks(i, text):
-            await response.write(sse_data(chunk))
+    pending = [sse_data(chunk) for i, text in enumerate(echo or [])
+               for chunk in stream.echo_chunks(i, text)]
     unfinished = len(gens)
     try:
         # Every prompt streams at once; choice indexes tell them apart.
@@ -775,19 +792,22 @@ async def _completions_response(
             unfinished -= out.finished
             if not unfinished and not include_usage and chunks:
                 chunks[-1] = _with_timings(chunks[-1], timeline)
-            for chunk in chunks:
-                await response.write(sse_data(chunk))
+            pending.extend(sse_data(chunk) for chunk in chunks)
+            if unfinished and not any(gen.backlog for gen in gens):
+                await _send(response, pending)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:
-        await response.write(openai_stream_error(_stream_failure(request, exc)))
+        pending.append(openai_stream_error(_stream_failure(request, exc)))
+        await _send(response, pending)
         return response
     if include_usage:
         output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
         usage = stream.usage_chunk(prompt_tokens, output_tokens,
                                    sum(g.num_cached_tokens for g in gens))
-        await response.write(sse_data(_with_timings(usage, timeline)))
-    await response.write(SSE_DONE)
+        pending.append(sse_data(_with_timings(usage, timeline)))
+    pending.append(SSE_DONE)
+    await _send(response, pending)
     return response
 
 
@@ -838,24 +858,26 @@ async def _messages_response(
     response = await _sse_response(request)
     # The first delta is already in: the cached-token count is known for message_start.
     started = False
+    pending: list[bytes] = []
     try:
         async for out in gen:
             if not started:
                 started = True
-                for event in stream.start_events(out.num_prompt_tokens,
-                                                 out.num_cached_tokens):
-                    await response.write(anthropic_event(event))
+                pending.extend(anthropic_event(event) for event in stream.start_events(
+                    out.num_prompt_tokens, out.num_cached_tokens))
             for event in stream.output_events(out):
                 if isinstance(event, MessageStopEvent):
-                    await response.write(sse_event(event.type,
-                                                   _with_timings(event, timeline)))
+                    pending.append(sse_event(event.type, _with_timings(event, timeline)))
                 else:
-                    await response.write(anthropic_event(event))
+                    pending.append(anthropic_event(event))
+            if not out.finished and not gen.backlog:
+                await _send(response, pending)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:
-        await response.write(anthropic_stream_error(_stream_failure(request, exc),
-                                                    request[_REQUEST_ID]))
+        pending.append(anthropic_stream_error(_stream_failure(request, exc),
+                                              request[_REQUEST_ID]))
+    await _send(response, pending)
     return response
 
 

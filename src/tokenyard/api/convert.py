@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import codecs
 import math
+import os
+import random
 import re
 import secrets
 import string
@@ -82,6 +84,9 @@ TokenBytes = Callable[[int], bytes]
 MIN_LOGPROB = -9999.0
 
 _ID_ALPHABET = string.ascii_letters + string.digits
+_ID_RANDOM = random.Random(secrets.randbits(128))
+# A forked worker must not draw the same ids as its parent.
+os.register_at_fork(after_in_child=lambda: _ID_RANDOM.seed(secrets.randbits(128)))
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
@@ -90,7 +95,9 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 def random_id(prefix: str, length: int = 24) -> str:
     """`prefix` + `length` random base-62 characters."""
-    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(length))
+    # Response ids name a response, they guard nothing: a seeded PRNG draws all characters
+    # in one call, where secrets.choice read the OS once per character.
+    return prefix + "".join(_ID_RANDOM.choices(_ID_ALPHABET, k=length))
 
 
 def new_chat_id() -> str:

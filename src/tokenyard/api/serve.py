@@ -37,6 +37,9 @@ REPLICA_START_TIMEOUT_S = 600.0
 #: After the replica has drained, how long open HTTP responses may take to finish.
 HTTP_SHUTDOWN_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
+#: Connections the kernel queues before accept (aiohttp's default, 128, overflows in bursts
+#: at ~1,000 requests/s and each dropped client waits a second to retry; capped by somaxconn).
+LISTEN_BACKLOG = 1024
 #: The development key's file in the state directory.
 DEV_KEY_FILE = "dev-key"
 
@@ -146,7 +149,7 @@ async def run(
         runner = web.AppRunner(make_app(state), handler_cancellation=True,
                                shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host

@@ -3,12 +3,15 @@
 Keys are looked up by the SHA-256 of the secret (the store never holds secrets). A lookup
 is cached for at most `ttl_s` (1 s by default), unknown keys included, so a revocation
 takes effect within a second and a flood of bad keys costs one query per key per second.
-Concurrent misses for one key share a single query.
+Concurrent misses for one key share a single query. A known key in use is looked up again
+in the background during the second half of its entry's life, so requests keep hitting the
+cache instead of all waiting on the query (slow when the event loop is busy) each second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
@@ -16,6 +19,11 @@ from datetime import UTC, datetime
 
 from tokenyard.api.errors import APIError, authentication_failed, permission_denied
 from tokenyard.store.records import KeyContext
+
+logger = logging.getLogger("tokenyard.gateway")
+
+#: The part of a cached entry's life, at its end, in which a hit refreshes it ahead.
+REFRESH_AHEAD = 0.5
 
 #: How the key arrives: OpenAI's bearer token, or Anthropic's header.
 AUTHORIZATION = "authorization"
@@ -52,15 +60,39 @@ class Authenticator:
         self._now = now
         self._cache: OrderedDict[str, tuple[float, KeyContext | None]] = OrderedDict()
         self._inflight: dict[str, asyncio.Future[KeyContext | None]] = {}
+        self._refreshing: dict[str, asyncio.Task[KeyContext | None]] = {}
 
     async def lookup(self, secret: str) -> KeyContext | None:
         """The key's context (revoked and expired keys included), at most `ttl_s` old."""
         hit = self._cache.get(secret)
-        if hit is not None and hit[0] > self._clock():
-            return hit[1]
+        if hit is not None:
+            expires, found = hit
+            left = expires - self._clock()
+            if left > 0:
+                if (found is not None and left < self._ttl * REFRESH_AHEAD
+                        and secret not in self._refreshing and secret not in self._inflight):
+                    self._refresh(secret)
+                return found
         pending = self._inflight.get(secret)
         if pending is not None:
             return await asyncio.shield(pending)
+        return await self._query(secret)
+
+    def _refresh(self, secret: str) -> None:
+        """Query `secret` again in a task of its own; a failure is logged and the entry
+        simply expires (the next request then queries in the foreground)."""
+        task = asyncio.get_running_loop().create_task(self._query(secret))
+        self._refreshing[secret] = task
+
+        def done(task: asyncio.Task[KeyContext | None]) -> None:
+            self._refreshing.pop(secret, None)
+            if not task.cancelled() and task.exception() is not None:
+                logger.warning("refreshing an API key failed: %r", task.exception())
+
+        task.add_done_callback(done)
+
+    async def _query(self, secret: str) -> KeyContext | None:
+        """`find_key(secret)`, shared by concurrent callers, and cached."""
         future: asyncio.Future[KeyContext | None] = asyncio.get_running_loop().create_future()
         self._inflight[secret] = future
         try:

@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,6 @@ from tokenyard.store.tables import balances, usage_ledger
 log = logging.getLogger(__name__)
 
 STATUSES = frozenset({"completed", "stopped", "aborted", "failed"})
-ROWS_PER_STATEMENT = 1000  # keeps one INSERT under both backends' bound-parameter limits
 RETRY_MIN_S = 0.05
 RETRY_MAX_S = 5.0
 
@@ -63,7 +62,8 @@ class UsageRecord:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (created_at as ISO 8601 text)."""
-        value = asdict(self)
+        # Fields are flat scalars: a shallow dict, not asdict's recursive deep copy.
+        value = {name: getattr(self, name) for name in _FIELDS}
         value["created_at"] = self.created_at.isoformat() if self.created_at else None
         return value
 
@@ -79,10 +79,27 @@ class UsageRecord:
     def row(self) -> dict[str, Any]:
         """The `usage_ledger` row: adds `day`, the UTC date of created_at."""
         created = self.created_at or utcnow()
-        return {**asdict(self), "created_at": created, "day": created.date().isoformat()}
+        value = {name: getattr(self, name) for name in _FIELDS}
+        value["created_at"] = created
+        value["day"] = created.date().isoformat()
+        return value
 
 
 _FIELDS = tuple(field.name for field in fields(UsageRecord))
+_INSERTS: dict[str, Any] = {}
+
+
+def _insert_usage(dialect: str) -> Any:
+    """INSERT … ON CONFLICT (request_id) DO NOTHING RETURNING request_id, built once per
+    dialect so that SQLAlchemy's compiled cache keeps hitting."""
+    query = _INSERTS.get(dialect)
+    if query is None:
+        query = _INSERTS[dialect] = (
+            insert_for(dialect, usage_ledger)
+            .on_conflict_do_nothing(index_elements=["request_id"])
+            .returning(usage_ledger.c.request_id)
+        )
+    return query
 
 
 async def commit_usage(conn: AsyncConnection, records: list[UsageRecord]) -> int:
@@ -90,15 +107,14 @@ async def commit_usage(conn: AsyncConnection, records: list[UsageRecord]) -> int
     by the cost of the rows that were new. Returns how many were new."""
     unique = list({record.request_id: record for record in reversed(records)}.values())
     inserted: set[str] = set()
-    for start in range(0, len(unique), ROWS_PER_STATEMENT):
-        chunk = unique[start : start + ROWS_PER_STATEMENT]
-        query = (
-            insert_for(conn.dialect.name, usage_ledger)
-            .values([record.row() for record in chunk])
-            .on_conflict_do_nothing(index_elements=["request_id"])
-            .returning(usage_ledger.c.request_id)
+    if unique:
+        # One statement per dialect, executed with many parameter sets: SQLAlchemy compiles
+        # it once and batches the rows itself ("insertmanyvalues", RETURNING included),
+        # where a fresh multi-row VALUES statement was compiled again on every flush.
+        result = await conn.execute(
+            _insert_usage(conn.dialect.name), [record.row() for record in unique]
         )
-        inserted.update((await conn.execute(query)).scalars())
+        inserted.update(result.scalars())
     debits: dict[str, int] = defaultdict(int)
     for record in unique:
         if record.request_id in inserted:

