@@ -595,23 +595,34 @@ async def _sse_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _admit(
-    request: web.Request, model: str, prompt_tokens: int, max_tokens: int
+    request: web.Request, model: str, prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
 ) -> None:
-    """The gateway's stages 4–6 for a request (no-op without a gateway): scopes, limits
-    (reserving prompt + max_tokens), billing pre-check. The ticket waits in the request
-    for `_finish`."""
+    """The gateway's stages 4–6 for a request of `prompts`, each with its fitted `params`
+    (no-op without a gateway): scopes (the longest sequence's context), limits (reserving
+    every prompt token and every token the n completions may generate), billing
+    pre-check. The ticket waits in the request for `_finish`."""
     gateway = request.app[_STATE].gateway
     if gateway is None:
         return
     request[_TICKET] = await gateway.admit(
         request[_KEY], model=model, endpoint=request.path,
-        request_id=f"req_{uuid.uuid4().hex}", prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens, timeline=request[_TIMELINE], anthropic=_is_anthropic(request),
+        request_id=f"req_{uuid.uuid4().hex}",
+        prompt_tokens=sum(len(p) for p in prompts),
+        max_tokens=sum((p.max_tokens or 0) * p.n for p in params),
+        context_tokens=max(len(p) + (fp.max_tokens or 0)
+                           for p, fp in zip(prompts, params, strict=True)),
+        timeline=request[_TIMELINE], anthropic=_is_anthropic(request),
     )
 
 
 def _finish(request: web.Request, gens: Sequence[Generation]) -> None:
-    """Settle the request's ticket with what its generations really used."""
+    """Settle the request's ticket with what its generations really used, once.
+
+    Streams call it before their last bytes go out (non-streamed bodies are sent after
+    the handler's `finally` has called it), so a response the client saw complete always
+    has its ledger row in the journal, even if the gateway is killed right after.
+    """
     gateway, ticket = request.app[_STATE].gateway, request.get(_TICKET)
     if gateway is None or ticket is None:
         return
@@ -679,7 +690,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     timeline.mark("tokenized")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     params = state.fit(len(prompt), params, param)
-    await _admit(request, req.model, len(prompt), _max_total(params))
+    await _admit(request, req.model, [prompt], [params])
     gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
     try:
         return await _chat_response(request, req, gen)
@@ -725,13 +736,9 @@ async def _chat_response(
                                    gen.last.num_cached_tokens)
         pending.append(sse_data(_with_timings(usage, timeline)))
     pending.append(SSE_DONE)
+    _finish(request, [gen])  # metered before the last byte: see _finish
     await _send(response, pending)
     return response
-
-
-def _max_total(params: SamplingParams) -> int:
-    """The most tokens a request's n completions can generate together."""
-    return (params.max_tokens or 0) * params.n
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -747,7 +754,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fitted = [state.fit(len(p), params, "max_tokens") for p in ids]
     echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
     base_id = request[_REQUEST_ID]
-    await _admit(request, req.model, sum(len(p) for p in ids), sum(map(_max_total, fitted)))
+    await _admit(request, req.model, ids, fitted)
     gens = [
         Generation(state, f"{base_id}-{i}", p, fp, timeline)
         for i, (p, fp) in enumerate(zip(ids, fitted, strict=True))
@@ -807,6 +814,7 @@ async def _completions_response(
                                    sum(g.num_cached_tokens for g in gens))
         pending.append(sse_data(_with_timings(usage, timeline)))
     pending.append(SSE_DONE)
+    _finish(request, gens)  # metered before the last byte: see _finish
     await _send(response, pending)
     return response
 
@@ -832,7 +840,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     prompt = state.encode_rendered(text)
     timeline.mark("tokenized")
     params = state.fit(len(prompt), params, "max_tokens")
-    await _admit(request, req.model, len(prompt), _max_total(params))
+    await _admit(request, req.model, [prompt], [params])
     gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
     try:
         return await _messages_response(request, req, gen)
@@ -877,6 +885,7 @@ async def _messages_response(
     except Exception as exc:
         pending.append(anthropic_stream_error(_stream_failure(request, exc),
                                               request[_REQUEST_ID]))
+    _finish(request, [gen])  # metered before the last byte: see _finish
     await _send(response, pending)
     return response
 

@@ -112,12 +112,16 @@ class Gateway:
         max_tokens: int,
         timeline: Timeline,
         anthropic: bool = False,
+        context_tokens: int | None = None,
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
         from the token buckets) and the billing pre-check. `anthropic`: refusals carry
-        Anthropic's rate-limit headers rather than OpenAI's."""
-        authorize(key, model, prompt_tokens + max_tokens)
+        Anthropic's rate-limit headers rather than OpenAI's. `context_tokens`: the longest
+        single sequence (prompt + its max_tokens), which the key's context scope caps;
+        default prompt + max_tokens."""
+        authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
+                  else context_tokens)
         timeline.mark("authorized")
         try:
             admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens)
