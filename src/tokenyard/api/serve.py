@@ -24,7 +24,13 @@ from aiohttp import web
 
 from tokenyard.api.app import build_state, make_app
 from tokenyard.balancer.replica_client import ReplicaError
-from tokenyard.config import database_url, default_cache_dir, redis_url, state_dir
+from tokenyard.config import (
+    DEV_KEY_FILE,
+    database_url,
+    default_cache_dir,
+    redis_url,
+    state_dir,
+)
 from tokenyard.gateway.limits import make_limiter
 from tokenyard.gateway.pipeline import Gateway
 
@@ -40,8 +46,7 @@ _PR_SET_PDEATHSIG = 1
 #: Connections the kernel queues before accept (aiohttp's default, 128, overflows in bursts
 #: at ~1,000 requests/s and each dropped client waits a second to retry; capped by somaxconn).
 LISTEN_BACKLOG = 1024
-#: The development key's file in the state directory.
-DEV_KEY_FILE = "dev-key"
+
 
 
 def _die_with_parent() -> None:
