@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from tokenyard.api.errors import APIError
+from tokenyard.api.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
 from tokenyard.gateway.billing import Billing, Usage
 from tokenyard.gateway.limits import Admission, Limiter, RateLimited, RateLimitState, Subject
@@ -97,7 +97,12 @@ class Gateway:
         await self.store.db.close()
 
     async def authenticate(self, headers: Mapping[str, str], timeline: Timeline) -> KeyContext:
-        key = await self.auth.authenticate(headers)
+        try:
+            key = await self.auth.authenticate(headers)
+        except APIError:
+            raise
+        except Exception as exc:  # the store is down: the client may retry, not a 500
+            raise _unavailable("key store", exc) from None
         timeline.mark("authenticated")
         return key
 
@@ -127,6 +132,8 @@ class Gateway:
             admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens)
         except RateLimited as refusal:
             raise rate_limit_error(refusal, anthropic) from None
+        except Exception as exc:  # Redis is down
+            raise _unavailable("rate limiter", exc) from None
         timeline.mark("limited")
         ticket = Ticket(key, admission, model, endpoint, request_id, Prices())
         try:
@@ -159,6 +166,12 @@ class Gateway:
             await self.limiter.settle(admission, used)
         except Exception:
             logger.exception("settling a rate-limit reservation failed")
+
+
+def _unavailable(what: str, exc: Exception) -> APIError:
+    """503 (529 on Anthropic routes) with retry-after, for a backing service that failed."""
+    logger.warning("the gateway's %s failed: %r", what, exc)
+    return overloaded(1.0, f"The gateway's {what} is unavailable; retry after a short wait.")
 
 
 # ---------------------------------------------------------------------------- headers
