@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tokenyard.bench.host import cpu_model
 from tokenyard.engine.frontend import Frontend
 from tokenyard.engine.llm import LLM
 from tokenyard.engine.sampling_params import SamplingParams
@@ -189,14 +190,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> list[Figure]
 def machine() -> str:
     import os
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     load = os.getloadavg()[0]
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), Python {platform.python_version()}; "

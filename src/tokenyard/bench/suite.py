@@ -24,6 +24,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from tokenyard.bench.gateway import start_tokenyard
+from tokenyard.bench.host import cpu_model
 
 PROFILE_MARKER = "\n## Profile"
 SERVE_RUNS: list[tuple[str, list[str]]] = [
@@ -66,15 +67,7 @@ def _run(cmd: list[str]) -> str:
 
 
 def _machine() -> str:
-    cpu = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+    return (f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"aiohttp {version('aiohttp')}, tokenyard {version('tokenyard')}; 1-minute load "
             f"average {os.getloadavg()[0]:.2f} before the section ran")
 
