@@ -9,11 +9,19 @@ from pathlib import Path
 import pytest
 
 from tokenyard.api.errors import APIError
-from tokenyard.gateway.billing import Billing
+from tokenyard.gateway.billing import FLUSH_WAIT_S, Billing
 from tokenyard.gateway.limits import InProcessLimiter
 from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.redis_limits import RedisLimiter
-from tokenyard.store import Database, LedgerWriter, Limits, Store
+from tokenyard.store import (
+    Database,
+    KeyContext,
+    LedgerWriter,
+    Limits,
+    Scopes,
+    Store,
+    UsageRecord,
+)
 from tokenyard.telemetry.timeline import Timeline
 
 
@@ -58,3 +66,27 @@ def test_a_broken_store_fails_authentication_with_503(tmp_path: Path) -> None:
 
     err = asyncio.run(scenario())
     assert err.status == 503 and "key store" in err.message
+
+
+def test_a_billing_precheck_does_not_hang_on_a_database_that_is_down(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        db = await Database.open(f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}", upgrade=False)
+        store = Store(db)
+        ledger = LedgerWriter(db, tmp_path / "journal", flush_interval=0.01)
+        await ledger.start()
+        # A settled row the broken database cannot take: a flush would wait for ever.
+        ledger.append(UsageRecord(request_id="r1", org_id="org_x", model="m",
+                                  endpoint="/v1/chat/completions", status="completed",
+                                  prompt_tokens=3, output_tokens=2))
+        key = KeyContext(key_id="key_x", key_name="k", prefix="sk-ty-x", org_id="org_x",
+                         project_id=None, user_id=None, scopes=Scopes(), key_limits=Limits(),
+                         org_limits=Limits(), expires_at=None, revoked_at=None,
+                         free_tier_daily_requests=None)
+        try:
+            # Unbounded, the refresh would wait on the flush for ever (wait_for raises).
+            await asyncio.wait_for(Billing(store, ledger).precheck(key), 5 * FLUSH_WAIT_S)
+        finally:
+            await ledger.close(timeout=0.1)
+            await db.close()
+
+    asyncio.run(scenario())

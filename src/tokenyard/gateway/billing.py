@@ -25,6 +25,8 @@ from tokenyard.store.records import KeyContext
 from tokenyard.store.repo import Store
 
 logger = logging.getLogger("tokenyard.gateway.billing")
+#: How long a refresh waits for the ledger to commit what this process settled.
+FLUSH_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,10 @@ class Billing:
     async def _refresh(self, org_id: str, view: _OrgView) -> None:
         started_seq = self._seq
         try:
-            # Rows settled before this read began must be in the database when it reads.
-            await self.ledger.flush()
+            # Rows settled before this read began must be in the database when it reads;
+            # bounded, so a database that is down cannot hold a request (the read below
+            # then fails and the last figures stay).
+            await asyncio.wait_for(self.ledger.flush(), FLUSH_WAIT_S)
             balance = await self.store.balance(org_id)
             month = await self.store.month_spend(org_id)
             caps = {cap.project_id: cap.cap_micros
