@@ -684,16 +684,33 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     timeline.mark("parsed")
     _check_model(state, req.model)
     messages, params = chat_request_to_engine(req, state.info.vocab_size)
-    text = state.template(messages, add_generation_prompt=True)
-    timeline.mark("templated")
-    prompt = state.encode_rendered(text)
-    timeline.mark("tokenized")
+    prompt = _encode(request, state.template(messages, add_generation_prompt=True))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     params = state.fit(len(prompt), params, param)
-    await _admit(request, req.model, [prompt], [params])
-    gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
+    return await _generate(request, req.model, prompt, params,
+                           lambda gen: _chat_response(request, req, gen))
+
+
+def _encode(request: web.Request, text: str) -> list[int]:
+    """Tokens of the templated prompt `text` (the template stage ends as this is called)."""
+    timeline = request[_TIMELINE]
+    timeline.mark("templated")
+    prompt = request.app[_STATE].encode_rendered(text)
+    timeline.mark("tokenized")
+    return prompt
+
+
+async def _generate(
+    request: web.Request, model: str, prompt: list[int], params: SamplingParams,
+    respond: Callable[[Generation], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """Admit a one-prompt request, answer it with `respond`, then settle it whatever
+    happened (client gone, engine failure, refusal)."""
+    await _admit(request, model, [prompt], [params])
+    gen = Generation(request.app[_STATE], request[_REQUEST_ID], prompt, params,
+                     request[_TIMELINE])
     try:
-        return await _chat_response(request, req, gen)
+        return await respond(gen)
     finally:
         await gen.close()
         _finish(request, [gen])
@@ -835,18 +852,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     timeline.mark("parsed")
     _check_model(state, req.model)
     template_messages, params = anthropic_request_to_engine(req)
-    text = state.template_with_prefill(template_messages)
-    timeline.mark("templated")
-    prompt = state.encode_rendered(text)
-    timeline.mark("tokenized")
+    prompt = _encode(request, state.template_with_prefill(template_messages))
     params = state.fit(len(prompt), params, "max_tokens")
-    await _admit(request, req.model, [prompt], [params])
-    gen = Generation(state, request[_REQUEST_ID], prompt, params, timeline)
-    try:
-        return await _messages_response(request, req, gen)
-    finally:
-        await gen.close()
-        _finish(request, [gen])
+    return await _generate(request, req.model, prompt, params,
+                           lambda gen: _messages_response(request, req, gen))
 
 
 async def _messages_response(
@@ -896,10 +905,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = parse_body(sa.CountTokensRequest, await _body(request), MAX_BODY_BYTES)
     timeline.mark("parsed")
     _check_model(state, req.model)
-    text = state.template_with_prefill(anthropic_messages(req))
-    timeline.mark("templated")
-    prompt = state.encode_rendered(text)
-    timeline.mark("tokenized")
+    prompt = _encode(request, state.template_with_prefill(anthropic_messages(req)))
     return _json(sa.CountTokensResponse(input_tokens=len(prompt)))
 
 
