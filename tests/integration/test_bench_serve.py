@@ -92,6 +92,13 @@ def test_bench_serve_reports_every_request_it_sent(
     assert plots == {"latency_cdf.png", "stage_waterfall.png"}
 
 
+def test_a_list_of_rates_runs_one_open_loop_level_each(stack: Stack, tmp_path: Path) -> None:
+    doc = _bench_serve(tmp_path, stack, "--requests", "4", "--input-len", "10",
+                       "--output-len", "4", "--rate", "20,40")
+    assert [level["rate"] for level in doc["levels"]] == [20.0, 40.0]
+    assert all(level["report"]["completed"] == 4 for level in doc["levels"])
+
+
 def test_completion_prompts_are_as_many_tokens_as_words(stack: Stack, tmp_path: Path) -> None:
     doc = _bench_serve(tmp_path, stack, "--api", "openai-completions",
                        "--requests", "4", "--input-len", "40", "--output-len", "4",

@@ -39,7 +39,7 @@ from tokenyard.bench.mock_replica import (
     add_mock_arguments,
     config_from_args,
 )
-from tokenyard.bench.serve import cpu_pct
+from tokenyard.bench.serve import cpu_pct, float_list
 from tokenyard.bench.stats import Distribution, Report, difference, summarize
 from tokenyard.bench.workloads import LengthDist, synthetic
 
@@ -288,7 +288,7 @@ async def warm_up(targets: Sequence[Target], workload: tuple[int, int]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tokenyard bench gateway`."""
-    parser.add_argument("--rates", type=_float_list, default=[100.0, 500.0, 1000.0],
+    parser.add_argument("--rates", type=float_list, default=[100.0, 500.0, 1000.0],
                         help="open-loop request rates to run, requests/s (100,500,1000)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per run")
     parser.add_argument("--modes", type=_modes, default=[True, False],
@@ -304,16 +304,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     add_mock_arguments(parser)
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 100,500, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError("rates must be > 0")
-    return values
 
 
 def _modes(text: str) -> list[bool]:

@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask for whole answers (TTFT is then the whole latency)")
     target.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     load = parser.add_argument_group("load")
-    load.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests/s")
+    load.add_argument("--rate", type=float_list,
+                      help="open loop: Poisson arrivals, requests/s; a list (1,5,10) runs "
+                           "each level")
     load.add_argument("--concurrency", type=_int_list,
                       help="closed loop: requests in flight; a list (1,2,4) runs each level")
     load.add_argument("--requests", type=int,
@@ -76,14 +78,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _int_list(text: str) -> list[int]:
+def _positive_list(text: str, kind: type[float] | type[int], what: str) -> list[Any]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
+        raise argparse.ArgumentTypeError(f"expected {what} like 1,2,4, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{what} must be > 0")
     return values
+
+
+def _int_list(text: str) -> list[int]:
+    return _positive_list(text, int, "concurrency levels")
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type: a comma-separated list of positive numbers ("100,500")."""
+    return _positive_list(text, float, "rates")
 
 
 @dataclass(frozen=True)
@@ -128,9 +139,7 @@ def levels_of(args: argparse.Namespace) -> list[Level]:
     if args.rate is not None and args.concurrency is not None:
         raise ValueError("give --rate (open loop) or --concurrency (closed loop), not both")
     if args.rate is not None:
-        if args.rate <= 0:
-            raise ValueError("--rate must be > 0")
-        return [Level(rate=args.rate)]
+        return [Level(rate=rate) for rate in args.rate]
     return [Level(concurrency=c) for c in args.concurrency or [1]]
 
 
