@@ -126,6 +126,9 @@ def test_the_mock_speaks_the_replica_protocol(stack: Stack) -> None:
             short = [d async for d in client.generate("a", [1, 2], SamplingParams(max_tokens=3))]
             assert [d.new_token_ids[0] for d in short] == [t for t, _ in MOCK_TOKENS[:3]]
             assert [d.finish_reason for d in short] == [None, None, "length"]
+            # Queue and prefill times ride on the first delta only, as from the engine.
+            assert (short[0].queue_time, short[0].prefill_time) == (0.0, 0.0)
+            assert all(d.prefill_time is None for d in short[1:])
             endless = SamplingParams(max_tokens=100_000, ignore_eos=True)
             finishes = []
             async for delta in client.generate("b", [1], endless):

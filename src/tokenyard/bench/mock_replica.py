@@ -190,9 +190,13 @@ class MockReplica:
                     break
                 last = i == n - 1 and fail_after is None
                 token = MOCK_TOKENS[i % len(MOCK_TOKENS)][0]
+                # Like the engine, the first delta says how long it queued (never, here)
+                # and prefilled (the configured time to first token).
+                first = i == 0
                 await response.write(encode_delta(CoreDelta(
                     wire.request_id, [token], None, finish if last else None, None,
-                    prompt_len, 0,
+                    prompt_len, 0, queue_time=0.0 if first else None,
+                    prefill_time=self.config.ttft_ms / 1000.0 if first else None,
                 )))
                 self.num_computed_tokens += 1
             if fail_after is not None:
