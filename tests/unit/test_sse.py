@@ -17,7 +17,6 @@ from tokenyard.api.sse import (
     anthropic_stream_error,
     openai_stream_error,
     parse_sse,
-    sse_comment,
     sse_data,
     sse_event,
     to_json,
@@ -35,7 +34,6 @@ def test_encoders_are_compact_and_utf8() -> None:
     assert sse_data(Piece(text="x y")) == b'data: {"type":"content_block_delta","text":"x y"}\n\n'
     assert anthropic_event(Piece(text="z")).startswith(b"event: content_block_delta\ndata: ")
     assert SSE_DONE == b"data: [DONE]\n\n"
-    assert sse_comment("a\nb") == b": a\n: b\n\n"
     assert to_json(Piece(text="\n")) == b'{"type":"content_block_delta","text":"\\n"}'
     with pytest.raises(ValueError):
         sse_event("bad\nname", {})

@@ -1047,8 +1047,3 @@ def make_app(state: AppState) -> web.Application:
 
     app.on_cleanup.append(close_client)
     return app
-
-
-def state_of(app: web.Application) -> AppState:
-    """The app's state (serve.py flips `admitting` on shutdown)."""
-    return app[_STATE]

@@ -55,12 +55,6 @@ def anthropic_event(model: BaseModel) -> bytes:
     return sse_event(str(getattr(model, "type")), model)  # noqa: B009
 
 
-def sse_comment(text: str) -> bytes:
-    """``: text\\n\\n``: a comment line every client ignores (keep-alives, timings)."""
-    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    return b"".join(b": " + line.encode("utf-8") + b"\n" for line in lines) + b"\n"
-
-
 def openai_stream_error(err: APIError) -> bytes:
     """An error after an OpenAI stream began: ``data: {"error": {...}}`` (the SDK raises it)."""
     return sse_data(openai_error_body(err))

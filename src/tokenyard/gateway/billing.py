@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 from tokenyard.api.errors import APIError, insufficient_quota
 from tokenyard.store.ledger import LedgerWriter, UsageRecord
@@ -51,7 +50,6 @@ class _OrgView:
     project_spend: dict[str, int] = field(default_factory=dict)
     caps: dict[str | None, int] = field(default_factory=dict)  # project (None: org) → cap
     requests_today: int = 0
-    day: str = ""
     read_at: float = float("-inf")
     # Settled here since the read began: (sequence, project, cost). Dropped once a read
     # that started after them (and after the ledger flushed them) lands.
@@ -153,8 +151,7 @@ class Billing:
             view.refreshing = None
         view.balance, view.month_spend, view.caps = balance, month, caps
         view.project_spend = project_spend
-        day = datetime.now(UTC).date().isoformat()
-        view.requests_today, view.day = today, day
+        view.requests_today = today
         view.local = [entry for entry in view.local if entry[0] > started_seq]
         view.read_at = self._clock()
 

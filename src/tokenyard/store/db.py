@@ -9,8 +9,6 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
-    AsyncSession,
-    async_sessionmaker,
     create_async_engine,
 )
 
@@ -37,13 +35,11 @@ def normalize_url(url: str) -> str:
 
 
 class Database:
-    """An open database: the AsyncEngine and a session factory bound to it."""
+    """An open database: the AsyncEngine every query of the store runs on (SQLAlchemy
+    Core, no ORM sessions)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.sessions: async_sessionmaker[AsyncSession] = async_sessionmaker(
-            engine, expire_on_commit=False
-        )
 
     @property
     def dialect(self) -> str:
