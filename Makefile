@@ -22,6 +22,7 @@ venv: $(STAMP)
 lint: venv
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 unit: venv
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -107,3 +108,23 @@ def default_api_key() -> str | None:
         return (state_dir() / DEV_KEY_FILE).read_text().strip() or None
     except OSError:
         return None
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (`generate`, `engine`, `serve`, `bench offline`)."""
+    parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded)")
+    parser.add_argument("--weights", choices=["float32", "int8"], help="CPU weight format")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    parser.add_argument("--max-num-seqs", type=int, help="running requests at once")
+    parser.add_argument("--max-waiting-requests", type=int,
+                        help="waiting-queue bound; past it requests are shed (503)")
+    parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags that were given, as `EngineConfig` keyword arguments."""
+    names = ["model", "weights", "device", "kv_cache_gib", "max_num_batched_tokens",
+             "max_num_seqs", "max_waiting_requests", "num_threads"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

@@ -20,8 +20,8 @@ from tests.e2e.conftest import Server
 def test_http_process_modules_never_import_torch() -> None:
     # The HTTP process must stay torch-free (DESIGN §2): torch belongs to the replica.
     code = (
-        "import sys, tokenyard.api.app, tokenyard.api.serve, tokenyard.cli\n"
-        "tokenyard.cli._light_parser('serve').parse_args(['serve', '--port', '0'])\n"
+        "import sys, tokenyard.api.app, tokenyard.cli.serve, tokenyard.cli\n"
+        "tokenyard.cli.main._light_parser('serve').parse_args(['serve', '--port', '0'])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -342,7 +342,7 @@ def test_streamed_completions_of_several_prompts_run_and_arrive_together(
 
 
 def _fake_replica(mode: str) -> web.Application:
-    from tokenyard.engine.protocol import dumps, encode_stream_error, error_body
+    from tokenyard.wire.protocol import dumps, encode_stream_error, error_body
 
     async def info(request: web.Request) -> web.Response:
         return web.json_response({

@@ -21,7 +21,7 @@ from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.bench.gateway import Child, start_mock, start_tokenyard
 from tokenyard.bench.mock_replica import CONFIG_PATH, MOCK_TOKENS, MockConfig
 from tokenyard.cli import main as cli_main
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 OUTPUT_LEN = 6
 

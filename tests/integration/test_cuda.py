@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenyard.engine.llm import LLM
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.cuda,

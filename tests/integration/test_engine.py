@@ -13,7 +13,7 @@ import torch
 from tokenyard.bench.reference import greedy_continuation
 from tokenyard.engine.async_llm import AsyncLLM
 from tokenyard.engine.llm import LLM
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

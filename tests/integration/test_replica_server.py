@@ -28,8 +28,8 @@ from tokenyard.balancer.replica_client import (
     ReplicaRequestError,
 )
 from tokenyard.engine.llm import LLM
-from tokenyard.engine.protocol import CoreDelta, ReplicaStats
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.protocol import CoreDelta, ReplicaStats
+from tokenyard.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +129,8 @@ async def wait_idle(client: ReplicaClient, within: float) -> ReplicaStats:
 
 def test_http_side_modules_never_import_torch() -> None:
     code = (
-        "import sys, tokenyard.engine.protocol, tokenyard.balancer.replica_client\n"
-        "import tokenyard.engine.output_processor, tokenyard.api.convert\n"
+        "import sys, tokenyard.wire.protocol, tokenyard.balancer.replica_client\n"
+        "import tokenyard.text.output_processor, tokenyard.api.convert\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -35,18 +35,7 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from pydantic import TypeAdapter
 
 from tokenyard.api import convert
-from tokenyard.api.errors import (
-    APIError,
-    anthropic_error_type,
-    body_too_large,
-    context_length_exceeded,
-    model_not_found,
-    overloaded,
-    parse_body,
-    rate_limited,
-    render_anthropic,
-    render_openai,
-)
+from tokenyard.api.errors import anthropic_error_type, parse_body, render_anthropic, render_openai
 from tokenyard.api.schemas_anthropic import CountTokensRequest, MessagesRequest
 from tokenyard.api.schemas_openai import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.sse import (
@@ -57,7 +46,15 @@ from tokenyard.api.sse import (
     parse_sse,
     sse_data,
 )
-from tokenyard.engine.outputs import Completion, CompletionDelta, Logprob
+from tokenyard.errors import (
+    APIError,
+    body_too_large,
+    context_length_exceeded,
+    model_not_found,
+    overloaded,
+    rate_limited,
+)
+from tokenyard.wire.outputs import Completion, CompletionDelta, Logprob
 
 USER = [{"role": "user", "content": "Hi"}]
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tokenyard.chat import ChatError, ChatSession, RetryPolicy, run_repl
+from tokenyard.cli.chat import ChatError, ChatSession, RetryPolicy, run_repl
 
 Action = str  # "stream", "stall", "429", "503", "400", "drop"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenyard.api.errors import APIError
+from tokenyard.errors import APIError
 from tokenyard.gateway.billing import FLUSH_WAIT_S, Billing
 from tokenyard.gateway.limits import InProcessLimiter
 from tokenyard.gateway.pipeline import Gateway

@@ -1,6 +1,6 @@
 from tokenyard.engine.kv_cache import BlockPool, KVCacheManager, hash_prompt_blocks
 from tokenyard.engine.request import Request
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:

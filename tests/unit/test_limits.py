@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tokenyard.cli.serve import make_limiter
 from tokenyard.gateway.limits import (
     Admission,
     InProcessLimiter,
@@ -14,7 +15,6 @@ from tokenyard.gateway.limits import (
     RateLimited,
     RateLimitState,
     Subject,
-    make_limiter,
 )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tokenyard.engine.outputs import EngineStats
 from tokenyard.telemetry.metrics import (
     Counter,
     Gauge,
@@ -14,6 +13,7 @@ from tokenyard.telemetry.metrics import (
     render,
 )
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.wire.outputs import EngineStats
 
 
 def test_exposition_text_is_exact_for_a_small_registry() -> None:

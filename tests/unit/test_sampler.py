@@ -16,7 +16,7 @@ from tokenyard.engine.sampler import (
     _top_candidates,
     make_generator,
 )
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 SAMPLER = Sampler()
 

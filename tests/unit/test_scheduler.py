@@ -2,8 +2,8 @@ import pytest
 
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.request import Request, RequestStatus
-from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from tokenyard.wire.sampling_params import SamplingParams
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0) -> Request:

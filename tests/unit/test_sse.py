@@ -8,7 +8,6 @@ import random
 import pytest
 from pydantic import BaseModel
 
-from tokenyard.api.errors import APIError
 from tokenyard.api.sse import (
     SSE_DONE,
     SSEEvent,
@@ -21,6 +20,7 @@ from tokenyard.api.sse import (
     sse_event,
     to_json,
 )
+from tokenyard.errors import APIError
 
 
 class Piece(BaseModel):

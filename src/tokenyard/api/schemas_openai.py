@@ -17,12 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from tokenyard.api.errors import (
-    INVALID_VALUE,
-    UNSUPPORTED_PARAMETER,
-    UNSUPPORTED_VALUE,
-    schema_error,
-)
+from tokenyard.api.errors import schema_error
+from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
 
 #: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
 MAX_N = 128

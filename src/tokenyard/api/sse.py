@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenyard.api.errors import APIError, anthropic_error_body, openai_error_body
+from tokenyard.api.errors import anthropic_error_body, openai_error_body
+from tokenyard.errors import APIError
 
 #: The OpenAI stream's terminator.
 SSE_DONE = b"data: [DONE]\n\n"

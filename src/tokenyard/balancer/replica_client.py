@@ -1,6 +1,6 @@
 """The HTTP side's client of one engine replica (`tokenyard engine`).
 
-Speaks the wire format of `tokenyard.engine.protocol` over one pooled aiohttp session.
+Speaks the wire format of `tokenyard.wire.protocol` over one pooled aiohttp session.
 Imports nothing that loads torch: the gateway process uses it.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from tokenyard.engine.protocol import (
+from tokenyard.wire.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
     HEALTH_PATH,
@@ -30,7 +30,7 @@ from tokenyard.engine.protocol import (
     stats_from_json,
     stop_body,
 )
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 

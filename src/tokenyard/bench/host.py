@@ -1,8 +1,9 @@
-"""What machine a benchmark ran on (torch-free, for every report's header)."""
+"""What machine a benchmark ran on, and the figure a benchmark reports (torch-free)."""
 
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -15,3 +16,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@dataclass
+class Figure:
+    """One benchmark figure: what was measured, its value and unit, the goal it is held to."""
+
+    name: str
+    value: float
+    unit: str
+    goal: str = ""
+    note: str = ""

@@ -35,10 +35,11 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.errors import APIError, render_openai
+from tokenyard.api.errors import render_openai
 from tokenyard.api.sse import SSE_DONE, SSE_HEADERS, openai_stream_error, sse_data
-from tokenyard.engine.outputs import EngineStats
-from tokenyard.engine.protocol import (
+from tokenyard.errors import APIError
+from tokenyard.wire.outputs import EngineStats
+from tokenyard.wire.protocol import (
     ABORT_PATH,
     ENGINE_ERROR,
     GENERATE_PATH,
@@ -60,7 +61,7 @@ from tokenyard.engine.protocol import (
     encode_stream_error,
     error_body,
 )
-from tokenyard.engine.sampling_params import SamplingParamsError
+from tokenyard.wire.sampling_params import SamplingParamsError
 
 #: (token id in SmolLM2's vocabulary, its text): " The quick brown fox jumps over the lazy
 #: dog, and the small cat sleeps in the warm sun." The tests check the ids decode so.

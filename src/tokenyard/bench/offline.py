@@ -17,25 +17,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenyard.bench.host import cpu_model
+from tokenyard.bench.host import Figure, cpu_model
+from tokenyard.config import engine_kwargs
 from tokenyard.engine.frontend import Frontend
 from tokenyard.engine.llm import LLM
-from tokenyard.engine.sampling_params import SamplingParams
-
-
-@dataclass
-class Figure:
-    name: str
-    value: float
-    unit: str
-    goal: str = ""
-    note: str = ""
+from tokenyard.wire.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -220,10 +212,7 @@ def render_markdown(figures: list[Figure], command: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tokenyard.cli import _engine_kwargs
-
-    engine_kwargs = _engine_kwargs(args)
-    figures = run(args, engine_kwargs)
+    figures = run(args, engine_kwargs(args))
     command = "tokenyard " + " ".join(sys.argv[1:])
     for f in figures:
         print(f"{f.name}: {f.value:.4g} {f.unit}  (goal {f.goal or '-'}) {f.note}")

@@ -81,7 +81,7 @@ def transformers_figures(
     args: argparse.Namespace,
 ) -> list[Any]:
     """transformers float32 on the same weights: one sequence, a batch of 16, a long prompt."""
-    from tokenyard.bench.offline import Figure
+    from tokenyard.bench.host import Figure
     from tokenyard.engine.models.loader import load_model
 
     loaded = load_model(llm.frontend.config.model, llm.frontend.config.cache_dir,

@@ -16,10 +16,10 @@ from tokenyard.config import EngineConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.core import EngineStats
 from tokenyard.engine.frontend import Prompt, make_request, prompt_token_ids
-from tokenyard.engine.output_processor import OutputProcessor, child_params
-from tokenyard.engine.outputs import RequestOutput
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.text.output_processor import OutputProcessor, child_params
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.outputs import RequestOutput
+from tokenyard.wire.sampling_params import SamplingParams
 
 
 class AsyncLLM:

@@ -8,10 +8,10 @@ from tokenyard.config import EngineConfig
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.llama import LlamaForCausalLM
-from tokenyard.engine.outputs import EngineCoreOutput, EngineStats
 from tokenyard.engine.request import Request
 from tokenyard.engine.runner import ModelRunner
 from tokenyard.engine.scheduler import Scheduler
+from tokenyard.wire.outputs import EngineCoreOutput, EngineStats
 
 
 def resolve_device(name: str) -> torch.device:

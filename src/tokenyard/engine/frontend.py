@@ -17,15 +17,15 @@ from tokenyard.config import EngineConfig
 from tokenyard.engine.core import EngineCore, resolve_device
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.loader import build_model, load_model
-from tokenyard.engine.output_processor import OutputProcessor, child_params
-from tokenyard.engine.outputs import RequestOutput
 from tokenyard.engine.request import Request
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.text.output_processor import OutputProcessor, child_params
 
 # The prompt helpers live in a torch-free module (the HTTP process uses them); re-exported
 # here for the engine's callers.
 from tokenyard.text.prompts import Conversation, Prompt, prompt_token_ids, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.outputs import RequestOutput
+from tokenyard.wire.sampling_params import SamplingParams
 
 __all__ = [
     "BuiltCore", "Conversation", "Frontend", "Prompt", "build_core", "is_single_prompt",

@@ -8,9 +8,9 @@ from typing import Any
 
 from tokenyard.config import EngineConfig
 from tokenyard.engine.frontend import Frontend, Prompt, is_single_prompt
-from tokenyard.engine.outputs import Completion, GenerationResult
-from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.outputs import Completion, GenerationResult
+from tokenyard.wire.sampling_params import SamplingParams
 
 
 class LLM:

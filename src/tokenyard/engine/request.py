@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

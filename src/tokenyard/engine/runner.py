@@ -10,11 +10,11 @@ import torch
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.llama import LlamaForCausalLM
-from tokenyard.engine.outputs import TokenLogprobs
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
 from tokenyard.engine.request import Request
 from tokenyard.engine.sampler import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.scheduler import SchedulerOutput
+from tokenyard.wire.outputs import TokenLogprobs
 
 
 @dataclass

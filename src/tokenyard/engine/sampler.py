@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (as vLLM does), to avoid dividing by ~0.
 GREEDY_TEMPERATURE_EPS = 1e-5

@@ -28,7 +28,8 @@ from aiohttp import web
 from tokenyard.config import EngineConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
-from tokenyard.engine.protocol import (
+from tokenyard.engine.scheduler import QueueFullError
+from tokenyard.wire.protocol import (
     ABORT_PATH,
     CONTEXT_LENGTH_EXCEEDED,
     DRAINING,
@@ -50,8 +51,7 @@ from tokenyard.engine.protocol import (
     encode_stream_error,
     error_body,
 )
-from tokenyard.engine.sampling_params import SamplingParamsError
-from tokenyard.engine.scheduler import QueueFullError
+from tokenyard.wire.sampling_params import SamplingParamsError
 
 # A 128k-token prompt is about 1 MiB of JSON; aiohttp's default body cap is 1 MiB.
 MAX_BODY_BYTES = 16 * 2**20

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 
-from tokenyard.api.errors import APIError, authentication_failed, permission_denied
+from tokenyard.errors import APIError, authentication_failed, permission_denied
 from tokenyard.store.records import KeyContext
 
 logger = logging.getLogger("tokenyard.gateway")

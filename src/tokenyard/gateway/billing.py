@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenyard.api.errors import APIError, insufficient_quota
+from tokenyard.errors import APIError, insufficient_quota
 from tokenyard.store.ledger import LedgerWriter, UsageRecord
 from tokenyard.store.money import Prices, cost_micros, format_money
 from tokenyard.store.records import KeyContext

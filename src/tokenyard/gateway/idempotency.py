@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tokenyard.api.errors import APIError, invalid_request
+from tokenyard.errors import APIError, invalid_request
 from tokenyard.store.records import IdempotencyRecord
 from tokenyard.store.repo import Store
 

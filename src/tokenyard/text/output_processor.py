@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tokenyard.engine.outputs import CompletionDelta, EngineCoreOutput, Logprob, RequestOutput
-from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.text.detokenizer import IncrementalDetokenizer
 from tokenyard.text.stop import StopStringMatcher
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.outputs import CompletionDelta, EngineCoreOutput, Logprob, RequestOutput
+from tokenyard.wire.sampling_params import SamplingParams
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

@@ -31,7 +31,7 @@ from tokenyard.config import (
     redis_url,
     state_dir,
 )
-from tokenyard.gateway.limits import make_limiter
+from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.pipeline import Gateway
 
 logger = logging.getLogger("tokenyard.serve")
@@ -47,6 +47,15 @@ _PR_SET_PDEATHSIG = 1
 #: at ~1,000 requests/s and each dropped client waits a second to retry; capped by somaxconn).
 LISTEN_BACKLOG = 1024
 
+
+
+def make_limiter(redis_url: str | None) -> Limiter:
+    """A limiter shared through Redis when a URL is given (scale-out), else in process."""
+    if redis_url is None:
+        return InProcessLimiter()
+    from tokenyard.gateway.redis_limits import RedisLimiter  # only scale-out needs redis
+
+    return RedisLimiter(redis_url)
 
 
 def _die_with_parent() -> None:

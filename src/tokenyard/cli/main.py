@@ -8,30 +8,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tokenyard.cli_admin import add_admin_parser, run_admin
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded)")
-    parser.add_argument("--weights", choices=["float32", "int8"], help="CPU weight format")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
-    parser.add_argument("--max-num-seqs", type=int, help="running requests at once")
-    parser.add_argument("--max-waiting-requests", type=int,
-                        help="waiting-queue bound; past it requests are shed (503)")
-    parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["model", "weights", "device", "kv_cache_gib", "max_num_batched_tokens",
-             "max_num_seqs", "max_waiting_requests", "num_threads"]
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+from tokenyard.cli.admin import add_admin_parser, run_admin
+from tokenyard.config import add_engine_args, engine_kwargs
 
 
 async def _generate(args: argparse.Namespace) -> int:
     from tokenyard.engine.async_llm import AsyncLLM
-    from tokenyard.engine.sampling_params import SamplingParams, SamplingParamsError
+    from tokenyard.wire.sampling_params import SamplingParams, SamplingParamsError
 
     try:
         params = SamplingParams(
@@ -45,7 +28,7 @@ async def _generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as exc:
         print(f"error: {exc.param}: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncLLM(show_progress=True, **_engine_kwargs(args))
+    engine = AsyncLLM(show_progress=True, **engine_kwargs(args))
     prompt: object = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -68,17 +51,17 @@ def _engine(args: argparse.Namespace) -> int:
     from tokenyard.engine.server import serve_engine
 
     return serve_engine(
-        args.host, args.port, drain_timeout=args.drain_timeout, **_engine_kwargs(args)
+        args.host, args.port, drain_timeout=args.drain_timeout, **engine_kwargs(args)
     )
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenyard.api.serve import serve
+    from tokenyard.cli.serve import serve
 
     # The replica child gets the same engine flags back, spelled as its parser wants them.
     flags = {"num_threads": "--threads"}
     engine_args: list[str] = []
-    for name, value in _engine_kwargs(args).items():
+    for name, value in engine_kwargs(args).items():
         engine_args += [flags.get(name, "--" + name.replace("_", "-")), str(value)]
     try:
         return serve(
@@ -113,7 +96,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from tokenyard.chat import main as chat_main
+    from tokenyard.cli.chat import main as chat_main
     from tokenyard.config import default_api_key
 
     return chat_main(
@@ -148,7 +131,7 @@ def _add_serve_parser(sub: Any) -> None:
                        help="on SIGTERM, seconds to let in-flight requests finish")
     serve.add_argument("--no-auth", dest="auth", action="store_false",
                        help="no API keys, limits, billing or ledger: anyone may call")
-    _add_engine_args(serve)
+    add_engine_args(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,14 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    _add_engine_args(gen)
+    add_engine_args(gen)
 
     engine = sub.add_parser("engine", help="run an engine replica: token ids over HTTP")
     engine.add_argument("--host", default="127.0.0.1", help="address to bind")
     engine.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
     engine.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish")
-    _add_engine_args(engine)
+    add_engine_args(engine)
 
     _add_serve_parser(sub)
 
@@ -183,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenyard.bench.offline import add_arguments
 
     add_arguments(offline)
-    _add_engine_args(offline)
+    add_engine_args(offline)
     from tokenyard.bench import gateway as bench_gateway
     from tokenyard.bench import serve as bench_serve
 

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
-from tokenyard.engine.outputs import EngineStats
-from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.wire.outputs import EngineStats
+from tokenyard.wire.sampling_params import SamplingParams
 
 GENERATE_PATH = "/v1/engine/generate"
 ABORT_PATH = "/v1/engine/abort"

@@ -1,0 +1,264 @@
+"""One API request's generation on a replica: its n completions sent as n core requests,
+merged back into `RequestOutput`s with detokenization and stop strings applied here.
+
+The replica never sees stop strings or `n`: it gets single completions by token ids, and
+a stop string matched here is sent back to it as a stop. Closing a generation closes its
+replica streams, which is what makes the replica abort them and free their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import replace
+from typing import cast
+
+from tokenyard.balancer.replica_client import (
+    ReplicaClient,
+    ReplicaConnectionError,
+    ReplicaError,
+    ReplicaOverloaded,
+    ReplicaRequestError,
+    ReplicaStreamError,
+)
+from tokenyard.errors import APIError, internal_error, overloaded
+from tokenyard.telemetry.metrics import TokenyardMetrics
+from tokenyard.telemetry.timeline import Timeline
+from tokenyard.text.output_processor import OutputProcessor, child_params
+from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.outputs import Completion, EngineCoreOutput, RequestOutput
+from tokenyard.wire.protocol import CoreDelta
+from tokenyard.wire.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenyard.balancer")
+
+
+def replica_error(exc: ReplicaError) -> APIError:
+    """A replica failure as the API error the client sees."""
+    if isinstance(exc, ReplicaOverloaded):
+        return overloaded(exc.retry_after if exc.retry_after is not None else 1.0,
+                          exc.message or None)
+    if isinstance(exc, ReplicaRequestError):
+        status = exc.status if 400 <= exc.status < 500 else 500
+        return APIError(status, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, ReplicaStreamError):
+        return APIError(500, f"The engine failed: {exc.message}", code=exc.code)
+    if isinstance(exc, ReplicaConnectionError):
+        logger.warning("replica unreachable: %s", exc)
+        return overloaded(1.0, "The engine is unavailable; retry after a short wait.")
+    return internal_error()
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+class Generation:
+    """One API request's n core requests on the replica, merged into RequestOutputs.
+
+    `start` sends every core request and waits for each one's first delta, so refusals
+    (400, 503) surface before any response byte is written. Iterating yields the
+    OutputProcessor's per-step outputs. `close` ends every replica stream still open —
+    closing a stream is what makes the replica abort that request and free its blocks.
+    """
+
+    def __init__(
+        self,
+        replica: ReplicaClient,
+        tokenizer: Tokenizer,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        timeline: Timeline | None = None,
+        metrics: TokenyardMetrics | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """`cache_salt`: the tenant's prefix-cache salt (blocks are shared only within
+        one salt); `priority`: the scheduler's class, lower first."""
+        self.replica = replica
+        self.metrics = metrics
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.timeline = timeline if timeline is not None else Timeline()
+        # The replica's id must be unique even when clients reuse an x-request-id; the
+        # client's id stays as a prefix so replica logs can be matched to it.
+        self.request_id = f"{request_id[:64]}.{uuid.uuid4().hex[:12]}"
+        self.prompt = prompt
+        self.params = params
+        self.processor = OutputProcessor(tokenizer)
+        self._queue: asyncio.Queue[CoreDelta | BaseException | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        #: Each completion's finish reason once it has one ("abort" is set by close()).
+        self.finish_reasons: list[str | None] = [None] * params.n
+        #: The stop string (str) or stop token (int) that ended each completion, if any.
+        self.stop_reasons: list[int | str | None] = [None] * params.n
+        #: The last RequestOutput: prompt, cached and output token counts.
+        self.last: RequestOutput | None = None
+        self.failed = False
+        self._observed = False
+
+    async def start(self) -> None:
+        ids = self.processor.add_request(self.request_id, self.prompt, self.params)
+        # The replica gets single completions without stop strings: fan-out and stop
+        # matching happen here, on text the replica never sees.
+        wire = replace(self.params, n=1, stop=[])
+        # generate() is an async generator; its annotation is the narrower AsyncIterator.
+        streams = [
+            cast(AsyncGenerator[CoreDelta, None],
+                 self.replica.generate(cid, self.prompt, child_params(wire, i),
+                                     cache_salt=self.cache_salt, priority=self.priority))
+            for i, cid in enumerate(ids)
+        ]
+        self.timeline.mark("queued")
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        failed = [r for r in firsts if isinstance(r, BaseException)]
+        if failed:
+            self.failed = True
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    await s.aclose()
+            error = failed[0]
+            if isinstance(error, ReplicaError):
+                raise replica_error(error) from None
+            raise error
+        self._stamp_first_token(cast(list[CoreDelta], firsts))
+        for stream, first in zip(streams, firsts, strict=True):
+            self._tasks.append(asyncio.create_task(self._pump(stream, cast(CoreDelta, first))))
+
+    def _stamp_first_token(self, firsts: list[CoreDelta]) -> None:
+        """first_token now; "admitted" (end of the queue stage) from the replica's own
+        prefill time, so Server-Timing can tell queueing from prefill."""
+        timeline = self.timeline
+        first = timeline.mark("first_token")
+        prefill = max((d.prefill_time or 0.0 for d in firsts), default=0.0)
+        queued = timeline.events["queued"]
+        timeline.mark("admitted", max(queued, first - int(prefill * 1e9)))
+
+    async def _pump(self, stream: AsyncGenerator[CoreDelta, None], first: CoreDelta) -> None:
+        try:
+            await self._queue.put(first)
+            if first.finish_reason is None:
+                async for delta in stream:
+                    await self._queue.put(delta)
+        except Exception as exc:  # delivered to the consumer, which turns it into an error
+            await self._queue.put(exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        timeline, metrics = self.timeline, self.metrics
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.failed = True
+                raise replica_error(item) if isinstance(item, ReplicaError) else item
+            if item is None:
+                continue
+            began = time.perf_counter_ns()
+            outputs, stopped = self.processor.process([cast(EngineCoreOutput, item)])
+            timeline.add("detokenize", time.perf_counter_ns() - began)
+            if item.new_token_ids and metrics is not None:
+                metrics.observe_inter_token(
+                    timeline.mark_token(len(item.new_token_ids), began)
+                )
+            for core_id, stop in stopped:
+                # The replica ends that completion; its stream then finishes on its own.
+                task = asyncio.create_task(self._stop(core_id, stop))
+                self._side_tasks.add(task)
+                task.add_done_callback(self._side_tasks.discard)
+            for out in outputs:
+                self.last = out
+                for delta in out.deltas:
+                    if delta.finish_reason is not None:
+                        self.finish_reasons[delta.index] = delta.finish_reason
+                        self.stop_reasons[delta.index] = delta.stop_reason
+                if out.finished:
+                    timeline.mark("done")
+                yield out
+                if out.finished:
+                    return
+
+    async def _stop(self, core_id: str, stop: str) -> None:
+        try:
+            await self.replica.stop(core_id, stop)
+        except ReplicaError as exc:
+            logger.info("stop %s failed (%s); aborting it", core_id, exc)
+            with contextlib.suppress(ReplicaError):
+                await self.replica.abort(core_id)
+
+    async def close(self) -> None:
+        """Cancel the pumps (each open replica stream is closed, so the replica aborts it),
+        then record the request in the metrics once."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._observed:
+            return
+        self._observed = True
+        reasons = [reason or "abort" for reason in self.finish_reasons]
+        self.finish_reasons = list(reasons)
+        if self.failed or self.last is None or self.metrics is None:
+            return
+        self.metrics.observe_request(
+            self.timeline, self.last.num_prompt_tokens, self.last.num_output_tokens, reasons
+        )
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.last.num_cached_tokens if self.last is not None else 0
+
+    @property
+    def backlog(self) -> bool:
+        """Whether more replica deltas have already arrived, so the next output is ready
+        without waiting (a stream holds its write and sends both steps in one)."""
+        return not self._queue.empty()
+
+
+async def finished_completions(gen: Generation) -> list[Completion]:
+    """Run a generation to its end, accumulating each choice."""
+    completions = [Completion(index=i) for i in range(gen.params.n)]
+    try:
+        async for out in gen:
+            for delta in out.deltas:
+                completions[delta.index].add(delta)
+    finally:
+        await gen.close()
+    return completions
+
+
+async def merged(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several generations as they arrive, tagged with their position."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as exc:  # delivered to the consumer, which raises it
+            await queue.put(exc)
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
