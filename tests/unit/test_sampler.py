@@ -9,13 +9,8 @@ from typing import cast
 import pytest
 import torch
 
-from tokenyard.engine.sampler import (
-    Sampler,
-    SamplingBatch,
-    _argmax,
-    _top_candidates,
-    make_generator,
-)
+from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
+from tokenyard.engine.sample.filters import argmax, top_candidates
 from tokenyard.wire.sampling_params import SamplingParams
 
 SAMPLER = Sampler()
@@ -76,8 +71,8 @@ def test_blocked_argmax_matches_torch_including_ties() -> None:
     logits[1] = torch.randint(0, 3, (64 * 50,), generator=gen).float()  # ties everywhere
     logits[2, [100, 3000, 65]] = 20.0  # tie across blocks: lowest id wins
     logits[3, [70, 71]] = 20.0  # tie inside a block
-    assert torch.equal(_argmax(logits), logits.argmax(dim=-1))
-    assert _argmax(logits)[2:4].tolist() == [65, 70]
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    assert argmax(logits)[2:4].tolist() == [65, 70]
     tokens = sample(logits, [SamplingParams(temperature=0.0)] * 5)
     assert tokens == logits.argmax(dim=-1).tolist()
 
@@ -193,7 +188,7 @@ def test_block_preselected_candidates_equal_topk() -> None:
     logits = torch.randn(6, 64 * 300, generator=gen)
     logits[1] = torch.randint(0, 4, (64 * 300,), generator=gen).float()  # massive ties
     logits[2, :64] = 9.0  # all of the best values in one block
-    values, ids = _top_candidates(logits, 64)
+    values, ids = top_candidates(logits, 64)
     want = logits.topk(64, dim=-1).values
     assert torch.equal(values, want)
     assert torch.equal(logits.gather(1, ids), values)

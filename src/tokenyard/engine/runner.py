@@ -12,7 +12,7 @@ from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.llama import LlamaForCausalLM
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
 from tokenyard.engine.request import Request
-from tokenyard.engine.sampler import Sampler, SamplingBatch, make_generator
+from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.scheduler import SchedulerOutput
 from tokenyard.wire.outputs import TokenLogprobs
 
