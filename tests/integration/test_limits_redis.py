@@ -1,5 +1,6 @@
 """Stage 5 at scale-out: `RedisLimiter` against a real Redis, within one process and shared
-by separate gateway processes. Skipped when Redis is unreachable."""
+by separate gateway processes, on TOKENYARD_REDIS_URL (default redis://127.0.0.1:6379/0).
+Skipped when that Redis is unreachable; failed instead when CI is set."""
 
 from __future__ import annotations
 
@@ -16,22 +17,15 @@ from typing import Any
 import pytest
 import redis
 
-from tokenyard import config
+from tests.conftest import REDIS_URL
 from tokenyard.gateway.limits import Admission, Limits, RateLimited, Subject
 from tokenyard.gateway.redis_limits import RedisLimiter
 
-REDIS_URL = config.redis_url() or "redis://127.0.0.1:6379/0"
-
 
 @pytest.fixture
-def prefix() -> Iterator[str]:
+def prefix(redis_url: str) -> Iterator[str]:
     """A fresh key prefix for this test; its keys are deleted afterwards."""
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
-    try:
-        client.ping()
-    except redis.exceptions.RedisError as error:
-        client.close()
-        pytest.skip(f"Redis is unreachable at {REDIS_URL}: {error}")
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=5)
     name = f"test-limits-{uuid.uuid4().hex[:12]}:"
     yield name
     keys = list(client.scan_iter(match="{" + name + "}*"))

@@ -1,18 +1,22 @@
 """The store and ledger tests again, on PostgreSQL (asyncpg) instead of SQLite.
 
 The module creates a database of its own, `tokenyard_test_<random>`, drops it at the
-end, and empties it before each test.
-Skipped when no PostgreSQL answers on 127.0.0.1:5432.
+end, and empties it before each test. The server is TOKENYARD_TEST_POSTGRES (host:port,
+default 127.0.0.1:5432), with trust auth for `postgres` or `root`. Skipped when no
+PostgreSQL answers there; failed instead when CI is set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from collections.abc import Iterator
 
 import asyncpg
 import pytest
+
+from tests.conftest import require_service
 
 # The backend-neutral tests: collected here too, where `database_url` is PostgreSQL's.
 from tests.unit.test_ledger import (  # noqa: F401
@@ -40,7 +44,7 @@ from tests.unit.test_store import (  # noqa: F401
     test_usage_report_sums_equal_the_inserted_rows_for_every_grouping,
 )
 
-SERVER = "127.0.0.1:5432"
+SERVER = os.environ.get("TOKENYARD_TEST_POSTGRES", "").strip() or "127.0.0.1:5432"
 ADMIN_USERS = ("postgres", "root")  # trust auth; whichever role exists
 
 
@@ -67,8 +71,9 @@ async def _admin(dsn: str, statement: str) -> None:
 @pytest.fixture(scope="session")
 def postgres_admin_dsn() -> str:
     dsn = asyncio.run(_admin_dsn())
-    if dsn is None:
-        pytest.skip(f"PostgreSQL is not reachable on {SERVER} as {' or '.join(ADMIN_USERS)}")
+    require_service("PostgreSQL", dsn is not None,
+                    f"it is unreachable on {SERVER} as {' or '.join(ADMIN_USERS)}")
+    assert dsn is not None
     return dsn
 
 
