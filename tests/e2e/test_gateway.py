@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow
 T = TypeVar("T")
 
 #: Deliberately odd prices (micros per million tokens), so that rounding shows.
-PRICES = Prices(input=2_500_001, cached_input=1_250_003, cache_write=0, output=10_000_007)
+PRICES = Prices(input=2_500_001, cached_input=1_250_003, output=10_000_007)
 HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
 REDIS_PREFIX = "{tokenyard:rl:}"  # RedisLimiter's default prefix, as a hash tag
 
@@ -151,7 +151,7 @@ def gw() -> Iterator[Gw]:
             # Before any request: the gateway reads prices on its first admission.
             _with_store(state, lambda store: store.set_price(
                 server.model, input=PRICES.input, cached_input=PRICES.cached_input,
-                cache_write=PRICES.cache_write, output=PRICES.output))
+                output=PRICES.output))
             yield Gw(server, state)
     finally:
         shutil.rmtree(state, ignore_errors=True)
@@ -159,7 +159,12 @@ def gw() -> Iterator[Gw]:
 
 def _prompt_tokens(gw: Gw, messages: Any = HELLO) -> int:
     """The templated prompt's length on the chat route (asked with the dev key)."""
-    usage = gw.chat(gw.server.api_key or "", messages=messages).parse().usage
+    return _prompt_tokens_of(gw, gw.server.api_key or "", messages)
+
+
+def _prompt_tokens_of(gw: Gw, key: str, messages: Any = HELLO) -> int:
+    """The templated prompt's length on the chat route, asked with `key`."""
+    usage = gw.chat(key, messages=messages).parse().usage
     assert usage is not None
     return int(usage.prompt_tokens)
 
@@ -351,11 +356,13 @@ def test_rpm_limit_on_the_messages_route_uses_anthropic_headers(gw: Gw) -> None:
 
 def test_a_finished_request_charges_its_real_usage_not_its_reservation(gw: Gw) -> None:
     tpm = 10_000
-    # A long prompt, cached first (dev key) so the requests below are fast: the refill
-    # over their time must stay well below the first request's real usage.
+    # A long prompt, cached first so the requests below are fast: the refill over their
+    # time must stay well below the first request's real usage. The prefix cache is per
+    # org, so another key of the same org (without limits) warms it.
     long_prompt = [{"role": "user", "content": "Reply with one word. " + "lorem ipsum " * 300}]
-    _prompt_tokens(gw, long_prompt)
-    secret, _, _ = gw.new_key(tpm=tpm)
+    secret, _, org_id = gw.new_key(tpm=tpm)
+    warm, _ = _with_store(gw.state_dir, lambda store: store.create_api_key(org_id, name="warm"))
+    _prompt_tokens_of(gw, warm, long_prompt)
     max_tokens1, max_tokens2 = 2000, 1
     began = time.monotonic()
     # Stop strings end the reply within a few tokens: far below max_tokens.
@@ -365,6 +372,7 @@ def test_a_finished_request_charges_its_real_usage_not_its_reservation(gw: Gw) -
     elapsed = time.monotonic() - began
     usage1, usage2 = first.parse().usage, second.parse().usage
     assert usage1.completion_tokens < 50, "the first reply was meant to stop early"
+    assert usage1.prompt_tokens_details.cached_tokens > 0, "the warm-up was meant to hit"
     reserved1 = usage1.prompt_tokens + max_tokens1
     # The first request's reservation, right after it was taken from a full bucket.
     assert int(first.headers["x-ratelimit-remaining-tokens"]) == tpm - reserved1

@@ -14,7 +14,8 @@ from typing import TypeVar
 import pytest
 
 from tokenyard.gateway.admin import Admin, AdminError, to_csv, to_table
-from tokenyard.store import Database, LedgerWriter, Store, UsageRecord
+from tokenyard.gateway.billing import Billing
+from tokenyard.store import Database, LedgerWriter, Prices, Store, UsageRecord
 
 T = TypeVar("T")
 
@@ -46,7 +47,9 @@ def test_org_key_limits_prices_credit_round_trip(tmp_path: Path) -> None:
         await admin.set_key_limits(key["id"], {"rpm": 7})
         assert (await store.find_key(key["secret"])).key_limits.rpm == 7  # type: ignore[union-attr]
         price = await admin.set_price("m", {"input": "0.10", "output": "0.4"})
-        assert price["output"] == "0.400000"
+        assert price == {"model": "m", "input": "0.100000", "cached_input": "0.000000",
+                         "output": "0.400000"}  # no cache-write price: nothing charges it
+        assert await admin.list_prices() == [price]
         assert (await store.prices())["m"].output == 400_000
         assert (await admin.add_credit(org["id"], {"amount": "2.5"}))["balance"] == "7.500000"
         await admin.revoke_key(key["id"])
@@ -55,12 +58,69 @@ def test_org_key_limits_prices_credit_round_trip(tmp_path: Path) -> None:
     run(tmp_path, scenario)
 
 
+def test_a_price_set_through_the_gateway_s_store_bills_its_next_request(
+    tmp_path: Path,
+) -> None:
+    async def scenario(admin: Admin, store: Store) -> tuple[Prices, Prices]:
+        # A refresh interval that cannot pass during the test: only the change is seen.
+        billing = Billing(store, LedgerWriter(store.db, tmp_path / "journal"),
+                          prices_refresh_s=3600)
+        before = await billing.prices("m")
+        await admin.set_price("m", {"input": "1", "output": "2"})
+        return before, await billing.prices("m")
+
+    before, after = run(tmp_path, scenario)
+    assert before == Prices() and after == Prices(input=1_000_000, output=2_000_000)
+
+
+def test_priority_classes_by_name_for_orgs_and_keys(tmp_path: Path) -> None:
+    async def scenario(admin: Admin, store: Store) -> None:
+        org = await admin.create_org({"name": "acme", "priority": "low"})
+        assert org["priority"] == "low"
+        plain = await admin.create_key({"org_id": org["id"]})
+        urgent = await admin.create_key({"org_id": org["id"], "priority": "high"})
+        assert (plain["priority"], urgent["priority"]) == ("org", "high")
+
+        async def priority(key: dict[str, str]) -> int:
+            found = await store.find_key(key["secret"])
+            assert found is not None
+            return found.priority
+
+        assert (await priority(plain), await priority(urgent)) == (1, -1)
+        assert await admin.set_org_priority(org["id"], {"priority": "normal"}) == {
+            "id": org["id"], "priority": "normal"}
+        assert await priority(plain) == 0
+        assert (await admin.set_key_priority(urgent["id"], {"priority": "org"}))[
+            "priority"] == "org"
+        assert await priority(urgent) == 0
+        await admin.set_key_priority(plain["id"], {"priority": "LOW"})
+        assert await priority(plain) == 1
+        assert [k["priority"] for k in await admin.list_keys(org["id"])] == ["low", "org"]
+        assert (await admin.create_org({"name": "b"}))["priority"] == "normal"
+        for bad in (admin.create_org({"name": "c", "priority": "urgent"}),
+                    admin.set_org_priority(org["id"], {"priority": "org"}),
+                    admin.set_key_priority(plain["id"], {}),
+                    admin.create_key({"org_id": org["id"], "priority": -1})):
+            with pytest.raises(AdminError) as refused:
+                await bad
+            assert refused.value.field == "priority"
+        with pytest.raises(AdminError) as missing:
+            await admin.set_key_priority("key_none", {"priority": "high"})
+        assert missing.value.field == "key_id"
+
+    run(tmp_path, scenario)
+
+
 def test_bad_arguments_name_the_field(tmp_path: Path) -> None:
     async def scenario(admin: Admin, store: Store) -> list[str | None]:
+        org, other = await store.create_org("org"), await store.create_org("other")
+        their_project = await store.create_project(other.id, "p")
         fields = []
         for call in (admin.create_org({}), admin.create_org({"name": "x", "rpm": "lots"}),
                      admin.create_org({"name": "x", "balance": "1.2345678"}),
                      admin.create_key({"org_id": "org_missing"}),
+                     admin.create_key({"org_id": org.id, "rpm": "lots"}),
+                     admin.create_key({"org_id": org.id, "project_id": their_project.id}),
                      admin.usage({"group_by": "colour"}), admin.revoke_key("key_none")):
             try:
                 await call
@@ -68,7 +128,8 @@ def test_bad_arguments_name_the_field(tmp_path: Path) -> None:
                 fields.append(exc.field)
         return fields
 
-    assert run(tmp_path, scenario) == ["name", "rpm", "balance", "org_id", "group_by", "key_id"]
+    assert run(tmp_path, scenario) == ["name", "rpm", "balance", "org_id", "rpm", "project_id",
+                                       "group_by", "key_id"]
 
 
 def test_usage_report_sums_the_ledger_by_each_dimension(tmp_path: Path) -> None:
@@ -111,6 +172,10 @@ def test_cli_creates_a_key_whose_secret_authenticates(tmp_path: Path) -> None:
     org = json.loads(cli("orgs", "create", "acme", "--rpm", "5", "--format", "json").stdout)
     made = cli("--format", "json", "keys", "create", "--org", org["id"], "--models", "m*")
     secret = json.loads(made.stdout)["secret"]
+    key_id = json.loads(made.stdout)["id"]
+    assert cli("priority", "set", "--org", org["id"], "low").returncode == 0
+    assert cli("priority", "set", "--key", key_id, "high").returncode == 0
+    assert "--cache-write" not in cli("prices", "set", "--help").stdout
     listed = cli("keys", "list", "--format", "csv").stdout
     assert secret not in listed and secret[:10] in listed
     bad = cli("keys", "revoke", "key_nope")
@@ -119,6 +184,7 @@ def test_cli_creates_a_key_whose_secret_authenticates(tmp_path: Path) -> None:
     async def check(admin: Admin, store: Store) -> None:
         key = await store.find_key(secret)
         assert key is not None and key.org_limits.rpm == 5 and key.scopes.models == ("m*",)
+        assert key.priority == -1 and (await store.get_org(org["id"])).priority == 1  # type: ignore[union-attr]
 
     run(tmp_path, check, "tokenyard.db")  # the file the CLI used
 

@@ -31,7 +31,10 @@ from tokenyard.store import (
     normalize_url,
     parse_money,
 )
+from tokenyard.store.keys import hash_secret
 from tokenyard.store.ledger import commit_usage
+from tokenyard.store.records import Limits
+from tokenyard.store.repo import DEFAULT_ORG_LIMITS
 from tokenyard.store.tables import metadata
 
 T = TypeVar("T")
@@ -105,6 +108,52 @@ def test_downgrade_base_drops_every_table_and_upgrade_restores_them(database_url
     after_down, after_up = run(database_url, scenario)
     assert after_down <= {"alembic_version"}
     assert after_up == set(metadata.tables) | {"alembic_version"}
+
+
+def test_0002_keeps_rows_gives_them_normal_priority_and_drops_the_cache_write_price(
+    database_url: str,
+) -> None:
+    """A database made by 0001, with rows in it, upgraded to head and back."""
+    secret = "sk-ty-" + "m" * 43
+
+    async def main() -> None:
+        db = await Database.open(database_url, upgrade=False)
+        try:
+            await migrate.upgrade(db.engine, "0001")
+            now = datetime(2025, 1, 1, tzinfo=UTC)
+            async with db.engine.begin() as conn:
+                for statement, values in (
+                    ("INSERT INTO orgs (id, name, created_at) VALUES ('org_a', 'a', :t)", {}),
+                    ("INSERT INTO api_keys (id, org_id, name, prefix, secret_hash, scopes, "
+                     "created_at) VALUES ('key_a', 'org_a', 'k', 'sk-ty-mmmm', :h, '{}', :t)",
+                     {"h": hash_secret(secret)}),
+                    ("INSERT INTO model_prices VALUES ('m', 1, 2, 3, 4)", {}),
+                    ("INSERT INTO usage_ledger (request_id, created_at, day, org_id, model, "
+                     "endpoint, status, prompt_tokens, cached_tokens, cache_write_tokens, "
+                     "output_tokens, cost_micros) VALUES ('r1', :t, '2025-01-01', 'org_a', 'm', "
+                     "'/v1/chat/completions', 'completed', 10, 2, 0, 5, 77)", {}),
+                ):
+                    await conn.execute(text(statement), {"t": now, **values})
+            await migrate.upgrade(db.engine)
+            store = Store(db)
+            found = await store.find_key(secret)
+            assert found is not None and found.priority == 0
+            assert (await store.list_keys())[0].priority is None  # follows its org
+            assert (await store.get_org("org_a")).priority == 0  # type: ignore[union-attr]
+            assert await store.prices() == {"m": Prices(input=1, cached_input=2, output=4)}
+            [row] = await store.usage_report("org")
+            assert (row.prompt_tokens, row.cached_tokens, row.output_tokens,
+                    row.cost_micros) == (10, 2, 5, 77)
+            await migrate.downgrade(db.engine, "0001")
+            async with db.engine.connect() as conn:
+                price = (await conn.execute(text(
+                    "SELECT input, cached_input, cache_write, output FROM model_prices"
+                ))).one()
+            assert tuple(price) == (1, 2, 0, 4)  # the column is back, at zero
+        finally:
+            await db.close()
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize(
@@ -271,6 +320,32 @@ def test_limits_are_replaced_and_seen_by_find_key(database_url: str) -> None:
     run(database_url, scenario)
 
 
+def test_a_key_s_priority_is_its_own_else_its_org_s(database_url: str) -> None:
+    async def scenario(store: Store) -> None:
+        org = await store.create_org("acme", priority=1)
+        follows, key = await store.create_api_key(org.id, name="follows")
+        own, _ = await store.create_api_key(org.id, name="own", priority=-1)
+        assert key.priority is None
+
+        async def priorities() -> tuple[int, int]:
+            a, b = await store.find_key(follows), await store.find_key(own)
+            assert a is not None and b is not None
+            return a.priority, b.priority
+
+        assert await priorities() == (1, -1)
+        assert await store.set_org_priority(org.id, 0)
+        assert await priorities() == (0, -1)
+        assert await store.set_key_priority(key.id, 1)
+        assert await priorities() == (1, -1)
+        assert await store.set_key_priority(key.id, None)  # back to the org's
+        assert await priorities() == (0, -1)
+        assert not await store.set_key_priority("key_missing", 0)
+        assert not await store.set_org_priority("org_missing", 0)
+        assert (await store.get_org(org.id)).priority == 0  # type: ignore[union-attr]
+
+    run(database_url, scenario)
+
+
 def test_first_start_creates_the_default_org_and_admin_key_once(database_url: str) -> None:
     async def scenario(store: Store) -> None:
         secret = await store.ensure_default_org()
@@ -278,6 +353,11 @@ def test_first_start_creates_the_default_org_and_admin_key_once(database_url: st
         assert await store.ensure_default_org() is None
         found = await store.find_key(secret)
         assert found is not None and found.scopes.admin and found.project_id is not None
+        # Generous limits, but limits: the limiter runs from the first request.
+        assert found.org_limits == DEFAULT_ORG_LIMITS
+        assert None not in (DEFAULT_ORG_LIMITS.rpm, DEFAULT_ORG_LIMITS.tpm,
+                            DEFAULT_ORG_LIMITS.max_concurrency)
+        assert found.key_limits == Limits() and found.priority == 0
         assert [org.name for org in await store.list_orgs()] == ["default"]
         assert [p.name for p in await store.list_projects(found.org_id)] == ["default"]
 
@@ -286,39 +366,39 @@ def test_first_start_creates_the_default_org_and_admin_key_once(database_url: st
 
 # -- money -----------------------------------------------------------------------------
 
-PRICES = Prices(input=150_000, cached_input=75_000, cache_write=187_500, output=600_000)
+PRICES = Prices(input=150_000, cached_input=75_000, output=600_000)
 
 
 @pytest.mark.parametrize(
     ("prices", "counts", "expected"),
     [
-        (PRICES, (0, 0, 0, 0), 0),
-        (PRICES, (1_000_000, 0, 0, 0), 150_000),  # exactly the per-million price
-        (PRICES, (1000, 0, 0, 0), 150),
-        (PRICES, (1, 0, 0, 0), 0),  # 0.15 micro rounds down
-        (PRICES, (0, 0, 0, 1), 1),  # 0.6 micro rounds up
-        (Prices(input=500_000), (1, 0, 0, 0), 1),  # exactly 0.5 rounds half up
-        (Prices(input=1_500_000), (1, 0, 0, 0), 2),  # 1.5 -> 2
-        (Prices(input=499_999), (1, 0, 0, 0), 0),
-        # Summed before rounding: four 0.4-micro parts are 1.6 -> 2, not 4 x 0 = 0.
-        (Prices(400_000, 400_000, 400_000, 400_000), (1, 1, 1, 1), 2),
+        (PRICES, (0, 0, 0), 0),
+        (PRICES, (1_000_000, 0, 0), 150_000),  # exactly the per-million price
+        (PRICES, (1000, 0, 0), 150),
+        (PRICES, (1, 0, 0), 0),  # 0.15 micro rounds down
+        (PRICES, (0, 0, 1), 1),  # 0.6 micro rounds up
+        (Prices(input=500_000), (1, 0, 0), 1),  # exactly 0.5 rounds half up
+        (Prices(input=1_500_000), (1, 0, 0), 2),  # 1.5 -> 2
+        (Prices(input=499_999), (1, 0, 0), 0),
+        # Summed before rounding: three 0.6-micro parts are 1.8 -> 2, not 3 x 1 = 3.
+        (Prices(600_000, 600_000, 600_000), (1, 1, 1), 2),
         (
             PRICES,
-            (1234, 5678, 91, 2345),
-            (1234 * 150_000 + 5678 * 75_000 + 91 * 187_500 + 2345 * 600_000 + 500_000) // 1_000_000,
+            (1234, 5678, 2345),
+            (1234 * 150_000 + 5678 * 75_000 + 2345 * 600_000 + 500_000) // 1_000_000,
         ),
-        (Prices(output=60_000_000), (0, 0, 0, 10**9), 60_000_000_000),  # no float drift
+        (Prices(output=60_000_000), (0, 0, 10**9), 60_000_000_000),  # no float drift
     ],
 )
 def test_cost_is_exact_integer_arithmetic_rounded_half_up_once(
-    prices: Prices, counts: tuple[int, int, int, int], expected: int
+    prices: Prices, counts: tuple[int, int, int], expected: int
 ) -> None:
     assert cost_micros(prices, *counts) == expected
 
 
 def test_cost_rejects_negative_token_counts() -> None:
     with pytest.raises(ValueError):
-        cost_micros(PRICES, -1, 0, 0, 0)
+        cost_micros(PRICES, -1, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -339,9 +419,11 @@ def test_money_refuses_amounts_it_cannot_hold_exactly(bad: str) -> None:
 
 def test_prices_balances_and_spend_caps(database_url: str) -> None:
     async def scenario(store: Store) -> None:
-        await store.set_price("m", input=1, cached_input=2, cache_write=3, output=4)
-        await store.set_price("m", input=10, cached_input=20, cache_write=30, output=40)
-        assert await store.prices() == {"m": Prices(10, 20, 30, 40)}
+        version = store.prices_version
+        await store.set_price("m", input=1, cached_input=2, output=4)
+        await store.set_price("m", input=10, cached_input=20, output=40)
+        assert await store.prices() == {"m": Prices(10, 20, 40)}
+        assert store.prices_version == version + 2  # what billing's price cache watches
 
         prepaid = await store.create_org("prepaid", balance_micros=5_000_000)
         postpaid = await store.create_org("postpaid")
@@ -440,7 +522,6 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
                     model=rng.choice(["a", "b", "c"]),
                     prompt_tokens=rng.randrange(5000),
                     cached_tokens=rng.randrange(100),
-                    cache_write_tokens=rng.randrange(50),
                     output_tokens=rng.randrange(900),
                 )
             )
@@ -448,7 +529,7 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
 
         attribute = {"key": "key_id", "project": "project_id", "org": "org_id", "model": "model"}
         for group_by in ("key", "project", "org", "model", "day"):
-            expected: dict[Any, list[int]] = defaultdict(lambda: [0] * 6)
+            expected: dict[Any, list[int]] = defaultdict(lambda: [0] * 5)
             for r in records:
                 assert r.created_at is not None
                 group = (
@@ -462,7 +543,6 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
                         1,
                         r.prompt_tokens,
                         r.cached_tokens,
-                        r.cache_write_tokens,
                         r.output_tokens,
                         r.cost_micros,
                     )
@@ -474,7 +554,6 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
                     row.requests,
                     row.prompt_tokens,
                     row.cached_tokens,
-                    row.cache_write_tokens,
                     row.output_tokens,
                     row.cost_micros,
                 ]

@@ -1,25 +1,30 @@
 """`/admin/v1/…`: the administrative operations over HTTP, for keys with the admin scope.
 
     POST /admin/v1/orgs                      {name, balance?, rpm?, tpm?, max_concurrency?,
-                                              free_tier_daily_requests?}
+                                              free_tier_daily_requests?, priority?}
     GET  /admin/v1/orgs
     POST /admin/v1/orgs/{org_id}/projects    {name}
     POST /admin/v1/orgs/{org_id}/limits      {rpm?, tpm?, max_concurrency?,
                                               free_tier_daily_requests?}
+    POST /admin/v1/orgs/{org_id}/priority    {priority: high|normal|low}
     POST /admin/v1/orgs/{org_id}/credit      {amount}
     POST /admin/v1/orgs/{org_id}/spend_cap   {cap (null: none), project_id?}
     POST /admin/v1/keys                      {org_id, name?, project_id?, models?,
                                               max_context_tokens?, admin?, rpm?, tpm?,
-                                              max_concurrency?, expires_at?} → the secret, once
+                                              max_concurrency?, expires_at?, priority?}
+                                              → the secret, once
     GET  /admin/v1/keys?org_id=
     POST /admin/v1/keys/{key_id}/revoke
     POST /admin/v1/keys/{key_id}/limits      {rpm?, tpm?, max_concurrency?}
-    PUT  /admin/v1/prices/{model}            {input, cached_input, cache_write, output}
+    POST /admin/v1/keys/{key_id}/priority    {priority: high|normal|low|org (null: org)}
+    PUT  /admin/v1/prices/{model}            {input, cached_input, output}
     GET  /admin/v1/prices
     GET  /admin/v1/usage?group_by=key|project|org|model|day&since=&until=&org_id=
                         &format=json|csv
 
-Money is a decimal string ("12.50"); prices are per million tokens.
+Money is a decimal string ("12.50"); prices are per million tokens. A priority class
+orders the requests of a key or an org in the engine's scheduler: high before normal (the
+default) before low; a key without its own follows its org's.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
          lambda a, r: _with_args(r, lambda x: a.create_project(r.match_info[m], x)), 201),
         ("POST", "/admin/v1/orgs/{org_id}/limits",
          lambda a, r: _with_args(r, lambda x: a.set_org_limits(r.match_info[m], x)), 200),
+        ("POST", "/admin/v1/orgs/{org_id}/priority",
+         lambda a, r: _with_args(r, lambda x: a.set_org_priority(r.match_info[m], x)), 200),
         ("POST", "/admin/v1/orgs/{org_id}/credit",
          lambda a, r: _with_args(r, lambda x: a.add_credit(r.match_info[m], x)), 200),
         ("POST", "/admin/v1/orgs/{org_id}/spend_cap",
@@ -99,6 +106,9 @@ def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
          lambda a, r: a.revoke_key(r.match_info["key_id"]), 200),
         ("POST", "/admin/v1/keys/{key_id}/limits",
          lambda a, r: _with_args(r, lambda x: a.set_key_limits(r.match_info["key_id"], x)),
+         200),
+        ("POST", "/admin/v1/keys/{key_id}/priority",
+         lambda a, r: _with_args(r, lambda x: a.set_key_priority(r.match_info["key_id"], x)),
          200),
         ("PUT", "/admin/v1/prices/{model}",
          lambda a, r: _with_args(r, lambda x: a.set_price(r.match_info["model"], x)), 200),

@@ -4,6 +4,7 @@
     tokenyard admin orgs create acme --balance 50 --rpm 600
     tokenyard admin keys create --org org_… --name ci --models 'SmolLM2*' --tpm 100000
     tokenyard admin keys revoke key_…
+    tokenyard admin priority set --key key_… high      (high | normal | low | org)
     tokenyard admin prices set SmolLM2-135M-Instruct.Q4_1 --input 0.10 --output 0.40
     tokenyard admin credit add org_… 25.00
     tokenyard admin usage --group-by day --format csv
@@ -19,6 +20,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tokenyard.gateway.admin import GROUPS, Admin, AdminError, Json, to_csv, to_table
+from tokenyard.store.records import PRIORITY_CLASSES
+
+#: A key's priority class may also be "org": it follows its org's.
+_KEY_PRIORITIES = [*PRIORITY_CLASSES, "org"]
 
 
 def _limit_args(parser: argparse.ArgumentParser, free_tier: bool = False) -> None:
@@ -44,6 +49,8 @@ def add_admin_parser(sub: Any) -> None:
     create = orgs.add_parser("create", parents=[fmt], help="create an org")
     create.add_argument("name")
     create.add_argument("--balance", help="prepaid credit (decimal); none: postpaid")
+    create.add_argument("--priority", choices=list(PRIORITY_CLASSES),
+                        help="the scheduler class of its requests (default normal)")
     _limit_args(create, free_tier=True)
     orgs.add_parser("list", parents=[fmt])
 
@@ -63,6 +70,8 @@ def add_admin_parser(sub: Any) -> None:
     create.add_argument("--max-context", type=int, dest="max_context_tokens")
     create.add_argument("--admin", action="store_true", help="may use /admin/v1")
     create.add_argument("--expires-at", help="ISO 8601 time")
+    create.add_argument("--priority", choices=_KEY_PRIORITIES,
+                        help="the scheduler class of its requests (default: its org's)")
     _limit_args(create)
     listing = keys.add_parser("list", parents=[fmt])
     listing.add_argument("--org", dest="org_id")
@@ -76,10 +85,20 @@ def add_admin_parser(sub: Any) -> None:
     who.add_argument("--org", dest="org_id")
     _limit_args(set_limits, free_tier=True)
 
+    priority = nouns.add_parser("priority", parents=[fmt]).add_subparsers(
+        dest="verb", required=True)
+    set_priority = priority.add_parser(
+        "set", parents=[fmt], help="a key's or an org's priority class (high runs first)")
+    who = set_priority.add_mutually_exclusive_group(required=True)
+    who.add_argument("--key", dest="key_id")
+    who.add_argument("--org", dest="org_id")
+    set_priority.add_argument("priority", choices=_KEY_PRIORITIES,
+                              help="'org' (keys only): follow the org's class")
+
     prices = nouns.add_parser("prices", parents=[fmt]).add_subparsers(dest="verb", required=True)
     set_price = prices.add_parser("set", parents=[fmt], help="prices per million tokens")
     set_price.add_argument("model")
-    for name in ("input", "cached-input", "cache-write", "output"):
+    for name in ("input", "cached-input", "output"):
         set_price.add_argument(f"--{name}", default="0")
     prices.add_parser("list", parents=[fmt])
 
@@ -113,6 +132,8 @@ def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | l
         ("keys", "revoke"): lambda ad: ad.revoke_key(args.key_id),
         ("limits", "set"): lambda ad: (ad.set_key_limits(args.key_id, a) if args.key_id
                                        else ad.set_org_limits(args.org_id, a)),
+        ("priority", "set"): lambda ad: (ad.set_key_priority(args.key_id, a) if args.key_id
+                                         else ad.set_org_priority(args.org_id, a)),
         ("prices", "set"): lambda ad: ad.set_price(args.model, a),
         ("prices", "list"): lambda ad: ad.list_prices(),
         ("credit", "add"): lambda ad: ad.add_credit(args.org_id, a),
@@ -146,10 +167,6 @@ async def _run(args: argparse.Namespace) -> Json | list[Json]:
 
 def run_admin(args: argparse.Namespace) -> int:
     """Entry point of `tokenyard admin`."""
-    # argparse spells them with dashes; the operations take the API's names.
-    for dashed, name in (("cached_input", "cached_input"), ("cache_write", "cache_write")):
-        if hasattr(args, dashed):
-            setattr(args, name, getattr(args, dashed))
     try:
         result = asyncio.run(_run(args))
     except AdminError as exc:

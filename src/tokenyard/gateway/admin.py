@@ -3,7 +3,9 @@
 One set of operations behind both `tokenyard admin …` (which opens the store itself) and
 `/admin/v1/…` (admin-scoped keys). Each takes plain JSON-like arguments, validates them
 (`AdminError` names the field at fault) and returns JSON-ready dicts; money goes in and
-out as decimal strings ("12.50") and is stored in integer micro-units.
+out as decimal strings ("12.50") and is stored in integer micro-units. Priority classes go
+in and out by name: "high", "normal" (the default) or "low" (`PRIORITY_CLASSES`); a key's
+may also be "org" (or null): it follows its org's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from datetime import UTC, datetime
 from typing import Any, cast, get_args
 
 from tokenyard.store.money import format_money, parse_money
-from tokenyard.store.records import ApiKeyRecord, GroupBy, OrgRecord, Scopes, UsageRow
+from tokenyard.store.records import (
+    PRIORITY_CLASSES,
+    ApiKeyRecord,
+    GroupBy,
+    OrgRecord,
+    Scopes,
+    UsageRow,
+    priority_name,
+)
 from tokenyard.store.repo import Store
 
 Json = dict[str, Any]
@@ -98,6 +108,21 @@ def _limits(args: Mapping[str, Any]) -> dict[str, int | None]:
     return {name: _opt_int(args, name) for name in ("rpm", "tpm", "max_concurrency")}
 
 
+#: The names that make a key follow its org's priority class.
+FOLLOW_ORG = ("org", None)
+
+
+def _priority(args: Mapping[str, Any], *, follow_org: bool) -> int | None:
+    """A priority class by name; with `follow_org`, "org" or null give None (the org's)."""
+    value = args.get("priority")
+    if follow_org and value in FOLLOW_ORG:
+        return None
+    if isinstance(value, str) and value.lower() in PRIORITY_CLASSES:
+        return PRIORITY_CLASSES[value.lower()]
+    names = ", ".join(PRIORITY_CLASSES) + (" or org" if follow_org else "")
+    raise AdminError("priority", f"priority must be one of {names}")
+
+
 # ---------------------------------------------------------------------------- views
 
 
@@ -109,6 +134,7 @@ def org_json(org: OrgRecord, balance: int | None = None) -> Json:
     return {
         "id": org.id, "name": org.name, **asdict(org.limits),
         "free_tier_daily_requests": org.free_tier_daily_requests,
+        "priority": priority_name(org.priority),
         "balance": format_money(balance) if balance is not None else None,
         "created_at": _time_text(org.created_at),
     }
@@ -118,6 +144,7 @@ def key_json(key: ApiKeyRecord) -> Json:
     return {
         "id": key.id, "org_id": key.org_id, "project_id": key.project_id, "name": key.name,
         "prefix": key.prefix, "scopes": key.scopes.to_json(), **asdict(key.limits),
+        "priority": priority_name(key.priority) or "org",
         "expires_at": _time_text(key.expires_at), "revoked_at": _time_text(key.revoked_at),
         "created_at": _time_text(key.created_at),
     }
@@ -137,10 +164,13 @@ class Admin:
         self.store = store
 
     async def create_org(self, args: Mapping[str, Any]) -> Json:
+        limits = _limits(args)
+        priority = _priority({"priority": args.get("priority") or "normal"}, follow_org=False)
         org = await self.store.create_org(
             cast(str, _str(args, "name")), balance_micros=_money(args, "balance"),
             free_tier_daily_requests=_opt_int(args, "free_tier_daily_requests"),
-            **_limits(args),
+            rpm=limits["rpm"], tpm=limits["tpm"], max_concurrency=limits["max_concurrency"],
+            priority=cast(int, priority),
         )
         return org_json(org, await self.store.balance(org.id))
 
@@ -160,14 +190,19 @@ class Admin:
         scopes = Scopes(models=_models(args),
                         max_context_tokens=_opt_int(args, "max_context_tokens"),
                         admin=bool(args.get("admin", False)))
+        # Every argument is checked before the store is called: only its LookupError is
+        # about the project.
+        name = _str(args, "name", required=False) or "key"
+        project_id = _str(args, "project_id", required=False)
+        expires_at, priority, limits = (_time(args, "expires_at"),
+                                        _priority(args, follow_org=True), _limits(args))
         try:
             secret, key = await self.store.create_api_key(
-                org_id, name=_str(args, "name", required=False) or "key",
-                project_id=_str(args, "project_id", required=False), scopes=scopes,
-                expires_at=_time(args, "expires_at"), rpm=_opt_int(args, "rpm"),
-                tpm=_opt_int(args, "tpm"), max_concurrency=_opt_int(args, "max_concurrency"),
+                org_id, name=name, project_id=project_id, scopes=scopes,
+                expires_at=expires_at, rpm=limits["rpm"], tpm=limits["tpm"],
+                max_concurrency=limits["max_concurrency"], priority=priority,
             )
-        except ValueError as exc:  # e.g. a project of another org
+        except LookupError as exc:  # a project of another org, or none
             raise AdminError("project_id", str(exc)) from None
         return {**key_json(key), "secret": secret}
 
@@ -191,9 +226,25 @@ class Admin:
             raise AdminError("org_id", f"no org {org_id}")
         return {"id": org_id, **limits}
 
+    async def set_key_priority(self, key_id: str, args: Mapping[str, Any]) -> Json:
+        """The key's priority class; "org" (or null) makes it follow its org's."""
+        if "priority" not in args:
+            raise AdminError("priority", "priority is required (\"org\": the org's)")
+        priority = _priority(args, follow_org=True)
+        if not await self.store.set_key_priority(key_id, priority):
+            raise AdminError("key_id", f"no key {key_id}")
+        return {"id": key_id, "priority": priority_name(priority) or "org"}
+
+    async def set_org_priority(self, org_id: str, args: Mapping[str, Any]) -> Json:
+        """The org's priority class, which its keys without their own follow."""
+        priority = cast(int, _priority(args, follow_org=False))
+        if not await self.store.set_org_priority(org_id, priority):
+            raise AdminError("org_id", f"no org {org_id}")
+        return {"id": org_id, "priority": priority_name(priority)}
+
     async def set_price(self, model: str, args: Mapping[str, Any]) -> Json:
         """Prices per million tokens, as decimal strings."""
-        names = ("input", "cached_input", "cache_write", "output")
+        names = ("input", "cached_input", "output")
         micros = {name: _money(args, name) or 0 for name in names}
         await self.store.set_price(model, **micros)
         return {"model": model, **{n: format_money(v) for n, v in micros.items()}}

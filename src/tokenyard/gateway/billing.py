@@ -74,15 +74,20 @@ class Billing:
         ledger: LedgerWriter,
         *,
         refresh_s: float = 1.0,
+        prices_refresh_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`refresh_s`: the age of an org's spending figures before a background re-read;
+        `prices_refresh_s`: the same for the price list."""
         self.store = store
         self.ledger = ledger
         self.refresh_s = refresh_s
+        self.prices_refresh_s = prices_refresh_s
         self._clock = clock
         self._views: dict[str, _OrgView] = {}
         self._prices: dict[str, Prices] = {}
         self._prices_read_at = float("-inf")
+        self._prices_version = -1  # the store's `prices_version` the list was read at
         self._prices_task: asyncio.Task[None] | None = None
         self._seq = 0
 
@@ -159,26 +164,30 @@ class Billing:
 
     async def prices(self, model: str) -> Prices:
         """The model's prices (micros per million tokens; none set: free). Read once, then
-        refreshed in the background every 10 s."""
-        if self._prices_read_at == float("-inf"):
+        refreshed in the background every `prices_refresh_s`; read again at once after a
+        price was set through this process's store (the admin API of this gateway)."""
+        if self._prices_version != self.store.prices_version:
             await self._read_prices()
-        elif self._clock() - self._prices_read_at > 10.0 and self._prices_task is None:
+        elif (self._clock() - self._prices_read_at > self.prices_refresh_s
+              and self._prices_task is None):
             self._prices_task = asyncio.create_task(self._read_prices())
         return self._prices.get(model, Prices())
 
     async def _read_prices(self) -> None:
+        version = self.store.prices_version
         try:
             self._prices = await self.store.prices()
         except Exception:
             logger.exception("reading prices failed; keeping the last ones")
         finally:
             self._prices_read_at = self._clock()
+            self._prices_version = version
             self._prices_task = None
 
     def cost(self, prices: Prices, usage: Usage) -> int:
         """Micros: uncached input, cached input and output at the model's prices."""
         cached = min(usage.cached_tokens, usage.prompt_tokens)
-        return cost_micros(prices, usage.prompt_tokens - cached, cached, 0, usage.output_tokens)
+        return cost_micros(prices, usage.prompt_tokens - cached, cached, usage.output_tokens)
 
     def meter(
         self,

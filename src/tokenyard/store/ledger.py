@@ -38,8 +38,8 @@ RETRY_MAX_S = 5.0
 class UsageRecord:
     """One request's settled usage: token counts and its cost in micros.
 
-    `prompt_tokens` counts every prompt token, cached and cache-write ones included
-    (the OpenAI convention); `created_at` defaults to the time of `append`.
+    `prompt_tokens` counts every prompt token, cached ones included (the OpenAI
+    convention); `created_at` defaults to the time of `append`.
     """
 
     request_id: str
@@ -49,7 +49,6 @@ class UsageRecord:
     status: str  # completed, stopped, aborted or failed
     prompt_tokens: int
     cached_tokens: int = 0
-    cache_write_tokens: int = 0
     output_tokens: int = 0
     cost_micros: int = 0
     project_id: str | None = None
@@ -70,7 +69,7 @@ class UsageRecord:
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> UsageRecord:
         """Inverse of `to_json`."""
-        # Unknown keys (a journal written by a newer version) are ignored, not fatal.
+        # Unknown keys (a journal written by another version) are ignored, not fatal.
         known = {name: value[name] for name in _FIELDS if name in value}
         created = known.get("created_at")
         known["created_at"] = datetime.fromisoformat(created) if created else None

@@ -21,25 +21,21 @@ class Prices:
 
     input: int = 0  # uncached prompt tokens
     cached_input: int = 0  # prompt tokens served from the prefix cache
-    cache_write: int = 0  # prompt tokens written to an explicit cache
     output: int = 0  # generated tokens
 
 
-def cost_micros(
-    prices: Prices, uncached_input: int, cached_input: int, cache_write: int, output: int
-) -> int:
+def cost_micros(prices: Prices, uncached_input: int, cached_input: int, output: int) -> int:
     """Cost in micros of one request's token counts under `prices`.
 
     Exact integer arithmetic: the per-million products are summed first and divided by
     1,000,000 once, rounding half up (0.5 micro -> 1 micro).
     """
-    counts = (uncached_input, cached_input, cache_write, output)
+    counts = (uncached_input, cached_input, output)
     if min(counts) < 0:
         raise ValueError(f"token counts must be non-negative, got {counts}")
     numerator = (
         uncached_input * prices.input
         + cached_input * prices.cached_input
-        + cache_write * prices.cache_write
         + output * prices.output
     )
     # Floor division of (n + d/2) rounds half up for the non-negative n we have here.

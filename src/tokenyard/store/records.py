@@ -10,6 +10,18 @@ from typing import Any, Literal
 IdemOutcome = Literal["new", "running", "mismatch", "replay"]
 GroupBy = Literal["key", "project", "org", "model", "day"]
 
+#: Priority classes by name: the engine's scheduler runs lower values first (by class,
+#: then arrival). An org has one (default normal); a key may override its org's.
+PRIORITY_CLASSES: dict[str, int] = {"high": -1, "normal": 0, "low": 1}
+
+
+def priority_name(value: int | None) -> str | None:
+    """The class name of a priority value (None stays None: a key that inherits)."""
+    if value is None:
+        return None
+    names = {v: k for k, v in PRIORITY_CLASSES.items()}
+    return names.get(value, str(value))
+
 
 @dataclass(frozen=True)
 class Scopes:
@@ -58,6 +70,7 @@ class OrgRecord:
     limits: Limits
     free_tier_daily_requests: int | None
     created_at: datetime
+    priority: int = 0  # the scheduler's class of the org's requests (PRIORITY_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class ApiKeyRecord:
     expires_at: datetime | None
     revoked_at: datetime | None
     created_at: datetime
+    priority: int | None = None  # the scheduler's class; None: the org's
 
 
 @dataclass(frozen=True)
@@ -109,7 +123,8 @@ class KeyContext:
     expires_at: datetime | None
     revoked_at: datetime | None
     free_tier_daily_requests: int | None  # of the org; None: no free tier
-    #: The scheduler's class for this key's requests (lower runs first; 0 is normal).
+    #: The scheduler's class for this key's requests (lower runs first; 0 is normal): the
+    #: key's own, else its org's.
     priority: int = 0
 
     @property
@@ -138,7 +153,6 @@ class UsageRow:
     requests: int
     prompt_tokens: int
     cached_tokens: int
-    cache_write_tokens: int
     output_tokens: int
     cost_micros: int
 

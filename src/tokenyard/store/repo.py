@@ -47,6 +47,10 @@ from tokenyard.store.tables import (
 
 DEFAULT_ORG_ID = "org_default"  # fixed, so two gateways starting at once create it only once
 DEFAULT_PROJECT_ID = "proj_default"
+#: The limits of the org `serve` creates on first start: generous for one machine (about
+#: what one replica can hold), yet the limiter runs and answers x-ratelimit-* headers from
+#: the first request. docs/operations.md documents them.
+DEFAULT_ORG_LIMITS = Limits(rpm=10_000, tpm=10_000_000, max_concurrency=1_024)
 
 
 class Store:
@@ -55,6 +59,9 @@ class Store:
     def __init__(self, db: Database, clock: Callable[[], datetime] = utcnow) -> None:
         self.db = db
         self.clock = clock  # aware UTC now; tests pass a fake one
+        #: Counts the price changes made through this Store, so that a price cache over
+        #: it (billing) can read them at once rather than at its next refresh.
+        self.prices_version = 0
 
     # -- orgs, projects, users ---------------------------------------------------------
 
@@ -67,8 +74,10 @@ class Store:
         rpm: int | None = None,
         tpm: int | None = None,
         max_concurrency: int | None = None,
+        priority: int = 0,
     ) -> OrgRecord:
-        """A new org; with `balance_micros` it is prepaid (a balance row), else postpaid."""
+        """A new org; with `balance_micros` it is prepaid (a balance row), else postpaid.
+        `priority`: the scheduler's class of its requests (lower first; 0 normal)."""
         row = {
             "id": new_id("org"),
             "name": name,
@@ -76,6 +85,7 @@ class Store:
             "tpm": tpm,
             "max_concurrency": max_concurrency,
             "free_tier_daily_requests": free_tier_daily_requests,
+            "priority": priority,
             "created_at": self.clock(),
         }
         async with self.db.engine.begin() as conn:
@@ -118,6 +128,15 @@ class Store:
             result = await conn.execute(update(orgs).where(orgs.c.id == org_id).values(values))
         return result.rowcount == 1
 
+    async def set_org_priority(self, org_id: str, priority: int) -> bool:
+        """Set the scheduler class of the org's requests (keys without their own follow
+        it); False if no such org."""
+        async with self.db.engine.begin() as conn:
+            result = await conn.execute(
+                update(orgs).where(orgs.c.id == org_id).values(priority=priority)
+            )
+        return result.rowcount == 1
+
     async def create_project(self, org_id: str, name: str) -> ProjectRecord:
         """A new project in `org_id`; LookupError if the org does not exist."""
         project = ProjectRecord(new_id("proj"), org_id, name, self.clock())
@@ -150,8 +169,10 @@ class Store:
         tpm: int | None = None,
         max_concurrency: int | None = None,
         expires_at: datetime | None = None,
+        priority: int | None = None,
     ) -> tuple[str, ApiKeyRecord]:
         """A new key: returns (secret, record). The secret exists only in this return value.
+        `priority`: the scheduler's class of its requests; None follows the org's.
 
         LookupError if the org, project or user does not exist or belongs to another org.
         """
@@ -171,6 +192,7 @@ class Store:
             "rpm": rpm,
             "tpm": tpm,
             "max_concurrency": max_concurrency,
+            "priority": priority,
             "expires_at": expires_at,
             "revoked_at": None,
             "created_at": self.clock(),
@@ -179,7 +201,8 @@ class Store:
         return secret, _api_key(row)
 
     async def find_key(self, secret: str) -> KeyContext | None:
-        """The key whose secret is `secret` with its org's limits, by one indexed query.
+        """The key whose secret is `secret` with its org's limits and its priority (its
+        own, else its org's), by one indexed query.
 
         Revoked and expired keys are returned too (see `KeyContext.is_active`), so that
         the gateway can say why a key is refused.
@@ -191,6 +214,7 @@ class Store:
                 orgs.c.tpm.label("org_tpm"),
                 orgs.c.max_concurrency.label("org_max_concurrency"),
                 orgs.c.free_tier_daily_requests,
+                orgs.c.priority.label("org_priority"),
             )
             .join(orgs, orgs.c.id == api_keys.c.org_id)
             .where(api_keys.c.secret_hash == hash_secret(secret))
@@ -212,6 +236,7 @@ class Store:
             expires_at=row["expires_at"],
             revoked_at=row["revoked_at"],
             free_tier_daily_requests=row["free_tier_daily_requests"],
+            priority=row["org_priority"] if row["priority"] is None else row["priority"],
         )
 
     async def list_keys(self, org_id: str | None = None) -> list[ApiKeyRecord]:
@@ -249,31 +274,30 @@ class Store:
         async with self.db.engine.begin() as conn:
             return (await conn.execute(query)).rowcount == 1
 
+    async def set_key_priority(self, key_id: str, priority: int | None) -> bool:
+        """Set the scheduler class of the key's requests (None: follow its org's); False
+        if no such key."""
+        query = update(api_keys).where(api_keys.c.id == key_id).values(priority=priority)
+        async with self.db.engine.begin() as conn:
+            return (await conn.execute(query)).rowcount == 1
+
     # -- prices, balances, spend caps --------------------------------------------------
 
-    async def set_price(
-        self, model: str, *, input: int, cached_input: int, cache_write: int, output: int
-    ) -> None:
+    async def set_price(self, model: str, *, input: int, cached_input: int, output: int) -> None:
         """Create or replace `model`'s prices, each in micros per million tokens."""
-        values = {
-            "input": input,
-            "cached_input": cached_input,
-            "cache_write": cache_write,
-            "output": output,
-        }
+        values = {"input": input, "cached_input": cached_input, "output": output}
         insert = insert_for(self.db.dialect, model_prices).values(model=model, **values)
         query = insert.on_conflict_do_update(index_elements=["model"], set_=values)
         async with self.db.engine.begin() as conn:
             await conn.execute(query)
+        self.prices_version += 1
 
     async def prices(self) -> dict[str, Prices]:
         """Every model's prices, by model name (micros per million tokens)."""
         async with self.db.engine.connect() as conn:
             rows = (await conn.execute(select(model_prices))).mappings()
             return {
-                row["model"]: Prices(
-                    row["input"], row["cached_input"], row["cache_write"], row["output"]
-                )
+                row["model"]: Prices(row["input"], row["cached_input"], row["output"])
                 for row in rows
             }
 
@@ -384,7 +408,8 @@ class Store:
     # -- first start -------------------------------------------------------------------
 
     async def ensure_default_org(self) -> str | None:
-        """On an empty database: org "default", project "default" and an admin key.
+        """On an empty database: org "default" (with `DEFAULT_ORG_LIMITS`), project
+        "default" and an admin key.
 
         Returns the admin key's secret, the only time it is ever available; None when
         some org already exists (or another process created the default one first).
@@ -396,9 +421,10 @@ class Store:
         secret = new_secret()
         try:
             async with self.db.engine.begin() as conn:
-                await conn.execute(
-                    orgs.insert().values(id=DEFAULT_ORG_ID, name="default", created_at=now)
-                )
+                await conn.execute(orgs.insert().values(
+                    id=DEFAULT_ORG_ID, name="default", created_at=now,
+                    **asdict(DEFAULT_ORG_LIMITS),
+                ))
                 await conn.execute(
                     projects.insert().values(
                         id=DEFAULT_PROJECT_ID,
@@ -446,6 +472,7 @@ def _org(row: Any) -> OrgRecord:
         limits=Limits(row["rpm"], row["tpm"], row["max_concurrency"]),
         free_tier_daily_requests=row["free_tier_daily_requests"],
         created_at=row["created_at"],
+        priority=row["priority"],
     )
 
 
@@ -462,4 +489,5 @@ def _api_key(row: Any) -> ApiKeyRecord:
         expires_at=row["expires_at"],
         revoked_at=row["revoked_at"],
         created_at=row["created_at"],
+        priority=row["priority"],
     )

@@ -81,7 +81,6 @@ async def usage_report(
             for column in (
                 ledger.prompt_tokens,
                 ledger.cached_tokens,
-                ledger.cache_write_tokens,
                 ledger.output_tokens,
                 ledger.cost_micros,
             )
@@ -101,7 +100,6 @@ async def usage_report(
             requests=int(row["requests"]),
             prompt_tokens=int(row["prompt_tokens"]),
             cached_tokens=int(row["cached_tokens"]),
-            cache_write_tokens=int(row["cache_write_tokens"]),
             output_tokens=int(row["output_tokens"]),
             cost_micros=int(row["cost_micros"]),
         )

@@ -83,6 +83,8 @@ orgs = Table(
     Column("name", String(200), nullable=False),
     *_limits(),
     Column("free_tier_daily_requests", Integer, nullable=True),  # NULL: no free tier
+    # The scheduler's class of the org's requests: lower runs first, 0 is normal.
+    Column("priority", Integer, nullable=False, server_default="0"),
     Column("created_at", UTCDateTime, nullable=False),
 )
 
@@ -117,6 +119,7 @@ api_keys = Table(
     Column("secret_hash", String(64), nullable=False, unique=True),
     Column("scopes", JSON, nullable=False),  # {"models": [...], "max_context_tokens", "admin"}
     *_limits(),
+    Column("priority", Integer, nullable=True),  # NULL: the org's
     Column("expires_at", UTCDateTime, nullable=True),
     Column("revoked_at", UTCDateTime, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
@@ -129,7 +132,6 @@ model_prices = Table(
     # Each in micros per million tokens.
     Column("input", BigInteger, nullable=False),
     Column("cached_input", BigInteger, nullable=False),
-    Column("cache_write", BigInteger, nullable=False),
     Column("output", BigInteger, nullable=False),
 )
 
@@ -168,7 +170,6 @@ usage_ledger = Table(
     Column("status", String(16), nullable=False),  # completed, stopped, aborted, failed
     Column("prompt_tokens", Integer, nullable=False),  # all prompt tokens, cached included
     Column("cached_tokens", Integer, nullable=False),
-    Column("cache_write_tokens", Integer, nullable=False),
     Column("output_tokens", Integer, nullable=False),
     Column("cost_micros", BigInteger, nullable=False),
     Index(None, "org_id", "day"),
