@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 
 def default_cache_dir() -> Path:
@@ -21,12 +21,49 @@ def kernels_disabled() -> bool:
     return value not in ("", "0", "false", "no")
 
 
+#: CPU weight formats (`--weights`): float32, block-quantized q8_0 / q4_1, fbgemm int8.
+WEIGHT_FORMATS = ("float32", "q8_0", "q4_1", "int8")
+
+
+class Settings:
+    """A dataclass of settings read once: defaults < TOKENYARD_* environment < flags.
+
+    `_ENV` maps fields to their variables; each value is parsed by its field's annotation."""
+
+    _ENV: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Self:
+        """Defaults, overridden by the environment, overridden by non-None `overrides`."""
+        values: dict[str, Any] = {}
+        types = {f.name: str(f.type) for f in fields(cls)}  # type: ignore[arg-type]
+        for name, var in cls._ENV.items():
+            raw = os.environ.get(var, "").strip()
+            if not raw:
+                continue
+            kind = types[name]
+            try:
+                values[name] = (
+                    float(raw) if "float" in kind else int(raw) if "int" in kind
+                    else Path(raw).expanduser() if "Path" in kind else raw
+                )
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a valid {kind}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise ValueError for values out of range."""
+
+
 @dataclass
-class EngineConfig:
+class EngineConfig(Settings):
     """How one engine replica loads its model and sizes its batch and KV cache."""
 
     model: str | None = None  # GGUF file or HF folder; None: the embedded SmolLM2
-    weights: str = "float32"  # "float32" or "int8" (CPU, fbgemm dynamic quantization)
+    weights: str = "float32"  # one of WEIGHT_FORMATS (CPU only, except float32)
     device: str = "auto"  # "auto", "cpu" or "cuda"
     cache_dir: Path = field(default_factory=default_cache_dir)
     block_size: int = 16  # tokens per KV block
@@ -49,53 +86,92 @@ class EngineConfig:
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
     }
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> EngineConfig:
-        """Defaults, overridden by the environment, overridden by non-None `overrides`."""
-        values: dict[str, Any] = {}
-        types = {f.name: f.type for f in fields(cls)}
-        for name, var in cls._ENV.items():
-            raw = os.environ.get(var)
-            if raw:
-                kind = types[name]
-                values[name] = float(raw) if "float" in str(kind) else (
-                    int(raw) if "int" in str(kind) else raw
-                )
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        config = cls(**values)
-        config.validate()
-        return config
-
     def validate(self) -> None:
-        if self.weights not in ("float32", "int8"):
-            raise ValueError(f"weights must be float32 or int8, not {self.weights!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
+                             f"not {self.weights!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs must be positive")
 
 
-def state_dir() -> Path:
-    """`$TOKENYARD_STATE_DIR`, else `./.tokenyard`: the embedded default's SQLite file, the
-    ledger journal and the development key (DESIGN §4)."""
-    env = os.environ.get("TOKENYARD_STATE_DIR", "").strip()
-    return Path(env).expanduser() if env else Path(".tokenyard")
+#: The shared secret between the HTTP process and its engine replicas (`Authorization:
+#: Bearer <token>` on every replica route but health).
+REPLICA_TOKEN_ENV = "TOKENYARD_REPLICA_TOKEN"
 
 
-def database_url(state: Path | None = None) -> str:
-    """TOKENYARD_DATABASE_URL, else the embedded SQLite file in the state directory."""
-    env = os.environ.get("TOKENYARD_DATABASE_URL", "").strip()
-    return env or f"sqlite+aiosqlite:///{(state or state_dir()) / 'tokenyard.db'}"
-
-
-def redis_url() -> str | None:
-    """TOKENYARD_REDIS_URL (shared limits across gateway processes), else None: in-process."""
-    env = os.environ.get("TOKENYARD_REDIS_URL", "").strip()
-    return env or None
+def replica_token() -> str | None:
+    """`$TOKENYARD_REPLICA_TOKEN`, or None: what `tokenyard engine` requires of its callers."""
+    return os.environ.get(REPLICA_TOKEN_ENV, "").strip() or None
 
 
 #: The development key's file in the state directory.
 DEV_KEY_FILE = "dev-key"
+
+
+@dataclass(frozen=True)
+class ServeConfig(Settings):
+    """How `tokenyard serve`'s HTTP process (the gateway) runs: defaults < TOKENYARD_*
+    environment < flags, read once at start and passed down."""
+
+    #: The embedded default's SQLite file, the ledger journal and the development key.
+    state_dir: Path = Path(".tokenyard")
+    #: None: SQLite in `state_dir` (see `database`); PostgreSQL to share one store.
+    database_url: str | None = None
+    #: Shared limits across gateway processes; None: limits in process.
+    redis_url: str | None = None
+    #: What this process sends to a replica given with `--replica-url`; a replica it starts
+    #: itself gets this one too, else a fresh random one.
+    replica_token: str | None = None
+    key_cache_ttl_s: float = 1.0  # how long a key lookup (or a miss) is cached
+    billing_refresh_s: float = 1.0  # age of an org's spending figures before a re-read
+    prices_refresh_s: float = 10.0  # age of the price list before a re-read
+    ledger_flush_interval_s: float = 0.05  # between the ledger writer's batch commits
+    ledger_max_batch: int = 500  # usage rows per ledger transaction at most
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
+    replica_start_timeout_s: float = 600.0  # a first start converts the GGUF (tens of s)
+
+    _ENV: ClassVar[dict[str, str]] = {
+        "state_dir": "TOKENYARD_STATE_DIR",
+        "database_url": "TOKENYARD_DATABASE_URL",
+        "redis_url": "TOKENYARD_REDIS_URL",
+        "replica_token": REPLICA_TOKEN_ENV,
+        "key_cache_ttl_s": "TOKENYARD_KEY_CACHE_TTL_S",
+        "billing_refresh_s": "TOKENYARD_BILLING_REFRESH_S",
+        "prices_refresh_s": "TOKENYARD_PRICES_REFRESH_S",
+        "ledger_flush_interval_s": "TOKENYARD_LEDGER_FLUSH_INTERVAL_S",
+        "ledger_max_batch": "TOKENYARD_LEDGER_MAX_BATCH",
+        "drain_timeout_s": "TOKENYARD_DRAIN_TIMEOUT_S",
+        "replica_start_timeout_s": "TOKENYARD_REPLICA_START_TIMEOUT_S",
+    }
+
+    def validate(self) -> None:
+        if min(self.key_cache_ttl_s, self.billing_refresh_s, self.prices_refresh_s,
+               self.ledger_flush_interval_s, self.drain_timeout_s) < 0:
+            raise ValueError("gateway intervals and timeouts must be >= 0")
+        if self.ledger_max_batch < 1:
+            raise ValueError("ledger_max_batch must be positive")
+
+    @property
+    def database(self) -> str:
+        """The database URL: `database_url`, else the SQLite file in the state directory."""
+        return self.database_url or f"sqlite+aiosqlite:///{self.state_dir / 'tokenyard.db'}"
+
+    @property
+    def journal_dir(self) -> Path:
+        """Where the ledger writer journals settled usage before it is committed."""
+        return self.state_dir / "journal"
+
+    @property
+    def dev_key_file(self) -> Path:
+        """Where `serve` keeps the development key it created (mode 0600)."""
+        return self.state_dir / DEV_KEY_FILE
+
+
+def redis_url() -> str | None:
+    """`ServeConfig.from_env().redis_url`, for callers outside the gateway (tests)."""
+    return ServeConfig.from_env().redis_url
 
 
 def default_api_key() -> str | None:
@@ -105,7 +181,7 @@ def default_api_key() -> str | None:
     if env:
         return env
     try:
-        return (state_dir() / DEV_KEY_FILE).read_text().strip() or None
+        return ServeConfig.from_env().dev_key_file.read_text().strip() or None
     except OSError:
         return None
 
@@ -113,7 +189,9 @@ def default_api_key() -> str | None:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (`generate`, `engine`, `serve`, `bench offline`)."""
     parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded)")
-    parser.add_argument("--weights", choices=["float32", "int8"], help="CPU weight format")
+    parser.add_argument("--weights", choices=list(WEIGHT_FORMATS),
+                        help="CPU weight format: q8_0 / q4_1 keep blocks of 32 quantized "
+                        "(q4_1: the GGUF's own blocks), int8 is fbgemm's")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")

@@ -1,7 +1,9 @@
 """One `tokenyard serve` for the whole e2e session, on a free 127.0.0.1 port.
 
 The server prints a banner once it serves; the fixture reads the base URL and the
-replica's URL from it (the disconnect test watches the replica's engine stats).
+replica's URL from it (the disconnect test watches the replica's engine stats). Each server
+gets a known TOKENYARD_REPLICA_TOKEN, which its child replica then requires: tests that call
+the replica directly send `Server.replica_headers`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -33,11 +36,17 @@ class Server:
     model: str
     replica_url: str
     api_key: str | None = None  # None: served with --no-auth
+    replica_token: str | None = None  # what the replica requires of its callers
 
     @property
     def headers(self) -> dict[str, str]:
         """The bearer header every authenticated call needs."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def replica_headers(self) -> dict[str, str]:
+        """The bearer header a direct call to the replica (stats, info) needs."""
+        return {"Authorization": f"Bearer {self.replica_token}"} if self.replica_token else {}
 
 
 def _read_banner(proc: subprocess.Popen[str], found: dict[str, str], ready: threading.Event,
@@ -71,7 +80,8 @@ def running_server(
 ) -> Iterator[tuple[Server, subprocess.Popen[str]]]:
     """`tokenyard serve` on a free port with `extra_args`; SIGTERM must end it with 0.
 
-    `env`: extra environment variables (e.g. TOKENYARD_REDIS_URL). `state_dir`: serve on
+    `env`: extra environment variables (e.g. TOKENYARD_REDIS_URL; default
+    TOKENYARD_REPLICA_TOKEN: a fresh random one). `state_dir`: serve on
     this state directory, which the caller owns (kept afterwards); default: a fresh
     temporary one, removed afterwards. `check_exit=False`: a test that killed the process
     itself skips the exit-code check."""
@@ -80,6 +90,7 @@ def running_server(
     base = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENYARD_STATE_DIR": state}
     base.pop("TOKENYARD_DATABASE_URL", None)
     base.pop("TOKENYARD_REDIS_URL", None)
+    base["TOKENYARD_REPLICA_TOKEN"] = secrets.token_urlsafe(16)
     env = {**base, **(env or {})}
     cmd = [sys.executable, "-m", "tokenyard.cli", "serve", "--port", "0",
            "--drain-timeout", "5", *extra_args]
@@ -96,7 +107,7 @@ def running_server(
         if "replica_url" not in found:
             pytest.fail("tokenyard serve did not start:\n" + "".join(lines[-40:]))
         yield Server(found["base_url"], found["model"], found["replica_url"],
-                     found.get("api_key")), proc
+                     found.get("api_key"), env["TOKENYARD_REPLICA_TOKEN"] or None), proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -1,8 +1,9 @@
 """Overload and a replica that dies mid-stream, against the real engine.
 
 A replica of its own, started as `tokenyard engine` with one running slot and one waiting
-slot, behind `tokenyard serve --replica-url`: the shape of a remote replica, and the only
-way to kill the engine without taking the HTTP process down with it.
+slot, behind `tokenyard serve --replica-url`: the shape of a remote replica (both ends
+given one TOKENYARD_REPLICA_TOKEN), and the only way to kill the engine without taking the
+HTTP process down with it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,8 +33,9 @@ _ENGINE = re.compile(r"tokenyard engine: \S+ serving at (http://\S+)")
 def small_replica() -> Iterator[tuple[Server, subprocess.Popen[str]]]:
     cmd = [sys.executable, "-m", "tokenyard.cli", "engine", "--port", "0",
            "--max-num-seqs", "1", "--max-waiting-requests", "1", "--drain-timeout", "2"]
+    token = {"TOKENYARD_REPLICA_TOKEN": secrets.token_urlsafe(16)}
     engine = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **token})
     assert engine.stdout is not None
     url, seen = None, []
     try:
@@ -43,7 +46,7 @@ def small_replica() -> Iterator[tuple[Server, subprocess.Popen[str]]]:
                 break
         if url is None:
             pytest.fail("tokenyard engine did not start:\n" + "".join(seen[-40:]))
-        with running_server("--replica-url", url, "--no-auth") as (server, _):
+        with running_server("--replica-url", url, "--no-auth", env=token) as (server, _):
             yield server, engine
     finally:
         if engine.poll() is None:

@@ -1,13 +1,15 @@
 """`tokenyard engine` as a real process, driven through ReplicaClient over HTTP.
 
 One replica process serves the whole module (loading the model takes seconds). It runs
-one request at a time with a waiting queue of one, so overload is easy to provoke. The
-SIGTERM test stops it, so it stays last in the file.
+one request at a time with a waiting queue of one, so overload is easy to provoke, and it
+requires a token (TOKENYARD_REPLICA_TOKEN) of every caller but health probes. The SIGTERM
+test stops it, so it stays last in the file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import selectors
@@ -20,14 +22,17 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
+import aiohttp
 import pytest
 
 from tokenyard.balancer.replica_client import (
     ReplicaClient,
     ReplicaOverloaded,
     ReplicaRequestError,
+    ReplicaUnauthorized,
 )
 from tokenyard.engine.llm import LLM
+from tokenyard.engine.server import is_loopback
 from tokenyard.wire.protocol import CoreDelta, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -35,6 +40,8 @@ pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+#: The module replica's shared secret.
+TOKEN = "test-replica-token"
 
 
 @dataclass
@@ -79,7 +86,8 @@ def replica() -> Iterator[Replica]:
                 "--kv-cache-gib", "0.05", "--max-num-seqs", "1",
                 "--max-waiting-requests", "1", "--drain-timeout", "20",
             ],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ),
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env={**os.environ, "TOKENYARD_REPLICA_TOKEN": TOKEN},
         )
         replica = Replica(proc, "", stderr)
         try:
@@ -100,11 +108,13 @@ def replica() -> Iterator[Replica]:
                 proc.stdout.close()
 
 
-def run(url: str, scenario: Callable[[ReplicaClient], Awaitable[T]]) -> T:
-    """Run an async scenario with a fresh client (its session lives in this loop)."""
+def run(url: str, scenario: Callable[[ReplicaClient], Awaitable[T]],
+        token: str | None = TOKEN) -> T:
+    """Run an async scenario with a fresh client (its session lives in this loop) that
+    sends `token` (None: no Authorization header)."""
 
     async def main() -> T:
-        async with ReplicaClient(url) as client:
+        async with ReplicaClient(url, token=token) as client:
             return await scenario(client)
 
     return asyncio.run(main())
@@ -246,6 +256,57 @@ def test_stop_and_abort_end_the_stream(replica: Replica) -> None:
     assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == "xyz"
     assert stopped[-1].new_token_ids == [] and len(stopped) < 20
     assert aborted[-1].finish_reason == "abort" and len(aborted) < 20
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_a_caller_without_the_token_gets_401_on_every_route_but_health(
+    replica: Replica, token: str | None,
+) -> None:
+    async def scenario(client: ReplicaClient) -> None:
+        assert await client.health()  # probes need no token
+        for call in (client.info(), client.stats(), client.abort("x"), client.stop("x", "y")):
+            with pytest.raises(ReplicaUnauthorized):
+                await call
+        # Nor may it choose a tenant: a request naming another org's salt never runs.
+        with pytest.raises(ReplicaUnauthorized):
+            async for _ in client.generate("intruder", [1, 2, 3], greedy(2),
+                                           cache_salt="org_victim", priority=-1):
+                pass
+
+    run(replica.url, scenario, token)
+
+    async def raw() -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as session, session.post(
+            replica.url + "/v1/engine/generate",
+            json={"request_id": "raw", "prompt_token_ids": [1, 2], "params": {},
+                  "cache_salt": "org_victim"},
+        ) as r:
+            return r.status, json.loads(await r.read())
+
+    status, body = asyncio.run(raw())
+    assert status == 401 and body["error"]["code"] == "unauthorized"  # the replica's shape
+    # With the token the replica answers, and the refused request never reached it.
+    stats = run(replica.url, lambda client: client.stats())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True),
+    ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.0.0.5", False),
+    ("replica.internal", False),  # a name may resolve to anything
+])
+def test_which_hosts_count_as_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_without_a_token_the_engine_refuses_to_bind_beyond_loopback() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TOKENYARD_REPLICA_TOKEN"}
+    refused = subprocess.run(
+        [sys.executable, "-m", "tokenyard.cli", "engine", "--host", "0.0.0.0", "--port", "0"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert refused.returncode == 2
+    assert "TOKENYARD_REPLICA_TOKEN" in refused.stderr and "0.0.0.0" in refused.stderr
 
 
 def test_sigterm_lets_in_flight_requests_finish_refuses_new_ones_and_exits_0(

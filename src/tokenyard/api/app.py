@@ -729,11 +729,12 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 
 async def build_state(
-    replica_url: str, model: str | None, cache_dir: Path
+    replica_url: str, model: str | None, cache_dir: Path, *, replica_token: str | None = None
 ) -> AppState:
     """Ask the replica for its model, and load the matching tokenizer (in a thread: a
-    GGUF read takes seconds and the loop may already serve other things)."""
-    client = ReplicaClient(replica_url)
+    GGUF read takes seconds and the loop may already serve other things).
+    `replica_token`: the replica's shared secret (TOKENYARD_REPLICA_TOKEN)."""
+    client = ReplicaClient(replica_url, token=replica_token)
     try:
         info = await client.info()
     except BaseException:

@@ -74,6 +74,11 @@ class ReplicaConnectionError(ReplicaError):
     """The replica could not be reached, or the stream broke off before the request ended."""
 
 
+class ReplicaUnauthorized(ReplicaError):
+    """401: the replica wants a token this client lacks or has wrong (a deployment fault,
+    not the API caller's: `TOKENYARD_REPLICA_TOKEN` differs between the two ends)."""
+
+
 class ReplicaClient:
     """One replica's API: `generate` streams CoreDeltas; abort, stop, stats, info, health.
 
@@ -85,14 +90,19 @@ class ReplicaClient:
         self,
         base_url: str,
         *,
+        token: str | None = None,
         connect_timeout: float = 5.0,
         request_timeout: float = 10.0,
         max_connections: int = 0,
     ) -> None:
         """`request_timeout` bounds the small calls; a generate stream has no total
         timeout (a long generation, or a wait in the replica's queue, is legitimate).
-        `max_connections` 0 means unbounded: streams, not this pool, are the limit."""
+        `max_connections` 0 means unbounded: streams, not this pool, are the limit.
+        `token`: the replica's shared secret, sent as a bearer token on every call."""
         self.base_url = base_url.rstrip("/")
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = auth or None
+        self._json_headers = {**_JSON_HEADERS, **auth}
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self._max_connections = max_connections
@@ -120,7 +130,8 @@ class ReplicaClient:
         """Yield the request's per-step deltas until one carries a finish_reason.
 
         Raises before the first item: ReplicaRequestError (400: invalid, code
-        "context_length_exceeded", ...), ReplicaOverloaded (503), ReplicaConnectionError.
+        "context_length_exceeded", ...), ReplicaOverloaded (503), ReplicaUnauthorized (401),
+        ReplicaConnectionError.
         Afterwards: ReplicaStreamError, ReplicaConnectionError. `params.n` must be 1 and
         stop strings are not sent (the caller matches them and calls `stop`). Leaving
         the iteration early (break + aclose) closes the HTTP stream, which makes the
@@ -131,7 +142,7 @@ class ReplicaClient:
         ).to_json())
         try:
             response = await self._get_session().post(
-                self.base_url + GENERATE_PATH, data=body, headers=_JSON_HEADERS
+                self.base_url + GENERATE_PATH, data=body, headers=self._json_headers
             )
         except aiohttp.ClientError as exc:
             raise ReplicaConnectionError(f"{self.base_url}: {exc}") from exc
@@ -219,7 +230,7 @@ class ReplicaClient:
                 method,
                 self.base_url + path,
                 data=dumps(body) if body is not None else None,
-                headers=_JSON_HEADERS if body is not None else None,
+                headers=self._json_headers if body is not None else self._headers,
                 timeout=aiohttp.ClientTimeout(total=self._request_timeout),
             ) as response:
                 if response.status != 200:
@@ -244,4 +255,7 @@ async def _raise_for(response: aiohttp.ClientResponse) -> None:
         except ValueError:
             retry_after = None
         raise ReplicaOverloaded(retry_after, message, code)
+    if response.status == 401:
+        raise ReplicaUnauthorized(f"{response.url.origin()}: the replica refused this "
+                                  f"client's token ({message})")
     raise ReplicaRequestError(response.status, message, param, code)

@@ -155,10 +155,11 @@ def _print(result: Json | list[Json], fmt: str) -> None:
 
 
 async def _run(args: argparse.Namespace) -> Json | list[Json]:
+    from tokenyard.config import ServeConfig
     from tokenyard.store.db import Database
     from tokenyard.store.repo import Store
 
-    db = await Database.open()
+    db = await Database.open(ServeConfig.from_env().database)
     try:
         return await _operation(args)(Admin(Store(db)))
     finally:

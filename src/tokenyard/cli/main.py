@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenyard.cli.admin import add_admin_parser, run_admin
-from tokenyard.config import add_engine_args, engine_kwargs
+from tokenyard.config import add_engine_args, engine_kwargs, replica_token
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -51,12 +51,16 @@ def _engine(args: argparse.Namespace) -> int:
     from tokenyard.engine.server import serve_engine
 
     return serve_engine(
-        args.host, args.port, drain_timeout=args.drain_timeout, **engine_kwargs(args)
+        args.host, args.port, drain_timeout=args.drain_timeout, token=replica_token(),
+        **engine_kwargs(args),
     )
 
 
 def _serve(args: argparse.Namespace) -> int:
     from tokenyard.cli.serve import serve
+    from tokenyard.config import ServeConfig
+
+    config = ServeConfig.from_env(drain_timeout_s=args.drain_timeout)
 
     # The replica child gets the same engine flags back, spelled as its parser wants them.
     flags = {"num_threads": "--threads"}
@@ -65,8 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine_args += [flags.get(name, "--" + name.replace("_", "-")), str(value)]
     try:
         return serve(
-            args.host, args.port, engine_args, model=args.model, replica_url=args.replica_url,
-            drain_timeout=args.drain_timeout, auth=args.auth,
+            args.host, args.port, engine_args, model=args.model, config=config,
+            replica_url=args.replica_url, auth=args.auth,
         )
     except (RuntimeError, OSError) as exc:  # the replica failed to start, port in use, ...
         print(f"error: {exc}", file=sys.stderr)
@@ -126,9 +130,11 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     serve.add_argument("--replica-url",
-                       help="use this running `tokenyard engine` instead of starting one")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="on SIGTERM, seconds to let in-flight requests finish")
+                       help="use this running `tokenyard engine` instead of starting one "
+                       "(called with $TOKENYARD_REPLICA_TOKEN)")
+    serve.add_argument("--drain-timeout", type=float,
+                       help="on SIGTERM, seconds to let in-flight requests finish "
+                       "(default 30, $TOKENYARD_DRAIN_TIMEOUT_S)")
     serve.add_argument("--no-auth", dest="auth", action="store_false",
                        help="no API keys, limits, billing or ledger: anyone may call")
     add_engine_args(serve)
@@ -151,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
 
     engine = sub.add_parser("engine", help="run an engine replica: token ids over HTTP")
-    engine.add_argument("--host", default="127.0.0.1", help="address to bind")
+    engine.add_argument("--host", default="127.0.0.1",
+                        help="address to bind; beyond loopback TOKENYARD_REPLICA_TOKEN is "
+                        "required (callers send it as a bearer token)")
     engine.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
     engine.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish")

@@ -1,7 +1,10 @@
 """`tokenyard serve`: the HTTP process plus (unless given one) its engine replica process.
 
 The replica (`tokenyard engine`) is a child process on a free local port: it alone imports
-torch and runs the step loop; this process stays torch-free and serves the HTTP API. On
+torch and runs the step loop; this process stays torch-free and serves the HTTP API. The
+child gets a shared secret through its environment (TOKENYARD_REPLICA_TOKEN: the one set
+here, else a random one) and refuses every caller without it. Settings are read once into
+a `ServeConfig` (defaults < TOKENYARD_* environment < flags) and passed down. On
 SIGTERM/SIGINT this process stops admitting, asks the replica to drain (it finishes or
 aborts in-flight requests within its bound), lets the open responses end, and exits 0.
 """
@@ -14,6 +17,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Sequence
@@ -24,13 +28,7 @@ from aiohttp import web
 
 from tokenyard.api.app import build_state, make_app
 from tokenyard.balancer.replica_client import ReplicaError
-from tokenyard.config import (
-    DEV_KEY_FILE,
-    database_url,
-    default_cache_dir,
-    redis_url,
-    state_dir,
-)
+from tokenyard.config import REPLICA_TOKEN_ENV, ServeConfig, default_cache_dir
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.pipeline import Gateway
 
@@ -38,8 +36,6 @@ logger = logging.getLogger("tokenyard.serve")
 
 #: The replica's ready line, printed by `tokenyard engine` once it listens.
 _READY_MARK = " serving at "
-#: First start converts the GGUF (tens of seconds); later starts read the cache.
-REPLICA_START_TIMEOUT_S = 600.0
 #: After the replica has drained, how long open HTTP responses may take to finish.
 HTTP_SHUTDOWN_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
@@ -73,17 +69,20 @@ async def _forward_output(stream: asyncio.StreamReader) -> None:
 
 
 async def start_replica(
-    engine_args: Sequence[str], drain_timeout: float
+    engine_args: Sequence[str], config: ServeConfig, token: str
 ) -> tuple[asyncio.subprocess.Process, str, asyncio.Task[None]]:
-    """Start `tokenyard engine` on a free 127.0.0.1 port; return it once it listens."""
+    """Start `tokenyard engine` on a free 127.0.0.1 port, requiring `token` of its callers
+    (passed in its environment: argv is visible to every user of the machine); return it
+    once it listens."""
     cmd = [sys.executable, "-m", "tokenyard.cli", "engine", "--host", "127.0.0.1",
-           "--port", "0", "--drain-timeout", str(drain_timeout), *engine_args]
+           "--port", "0", "--drain-timeout", str(config.drain_timeout_s), *engine_args]
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=None, preexec_fn=_die_with_parent
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=None, preexec_fn=_die_with_parent,
+        env={**os.environ, REPLICA_TOKEN_ENV: token},
     )
     assert proc.stdout is not None
     try:
-        async with asyncio.timeout(REPLICA_START_TIMEOUT_S):
+        async with asyncio.timeout(config.replica_start_timeout_s):
             while True:
                 raw = await proc.stdout.readline()
                 if not raw:
@@ -136,25 +135,29 @@ async def run(
     engine_args: Sequence[str],
     *,
     model: str | None,
+    config: ServeConfig,
     replica_url: str | None = None,
-    drain_timeout: float = 30.0,
     cache_dir: Path | None = None,
     auth: bool = True,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0. `auth`: API keys, limits,
-    billing and the ledger (the gateway); off, anyone may call."""
+    billing and the ledger (the gateway); off, anyone may call. `replica_url`: a running
+    replica, called with `config.replica_token`; None starts a child replica."""
     proc: asyncio.subprocess.Process | None = None
     forward: asyncio.Task[None] | None = None
     gateway: Gateway | None = None
     api_key: str | None = None
+    token = config.replica_token
     if auth:
-        gateway, api_key = await open_gateway()
+        gateway, api_key = await open_gateway(config)
     runner: web.AppRunner | None = None
     try:
         if replica_url is None:
-            proc, replica_url, forward = await start_replica(engine_args, drain_timeout)
+            token = token or secrets.token_urlsafe(32)
+            proc, replica_url, forward = await start_replica(engine_args, config, token)
         try:
-            state = await build_state(replica_url, model, cache_dir or default_cache_dir())
+            state = await build_state(replica_url, model, cache_dir or default_cache_dir(),
+                                      replica_token=token)
         except ReplicaError as exc:
             raise RuntimeError(f"cannot reach the replica at {replica_url}: {exc}") from exc
         state.gateway = gateway
@@ -188,7 +191,7 @@ async def run(
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), drain_timeout + 10.0)
+                await asyncio.wait_for(proc.wait(), config.drain_timeout_s + 10.0)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
@@ -206,19 +209,19 @@ async def run(
             forward.cancel()
 
 
-async def open_gateway() -> tuple[Gateway, str | None]:
-    """The gateway over `TOKENYARD_DATABASE_URL` (else SQLite in the state directory) and
-    `TOKENYARD_REDIS_URL` (else in-process limits), and the development key to show.
+async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None]:
+    """The gateway over `config.database` (TOKENYARD_DATABASE_URL, else SQLite in the state
+    directory) and `config.redis_url` (else in-process limits), and the development key to
+    show.
 
     On an empty database the default org and an admin key are created; the key is kept
     in `<state dir>/dev-key` (mode 0600) so later starts can show it again.
     """
-    state = state_dir()
-    state.mkdir(parents=True, exist_ok=True)
+    config.state_dir.mkdir(parents=True, exist_ok=True)
     gateway, new_key = await Gateway.open(
-        database_url(state), make_limiter(redis_url()), state / "journal"
+        config.database, make_limiter(config.redis_url), config.journal_dir, config=config
     )
-    key_file = state / DEV_KEY_FILE
+    key_file = config.dev_key_file
     if new_key is not None:
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -237,11 +240,11 @@ def serve(
     engine_args: Sequence[str],
     *,
     model: str | None,
+    config: ServeConfig,
     replica_url: str | None = None,
-    drain_timeout: float = 30.0,
     auth: bool = True,
 ) -> int:
     """Blocking entry point of `tokenyard serve`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return asyncio.run(run(host, port, engine_args, model=model, replica_url=replica_url,
-                           drain_timeout=drain_timeout, auth=auth))
+    return asyncio.run(run(host, port, engine_args, model=model, config=config,
+                           replica_url=replica_url, auth=auth))

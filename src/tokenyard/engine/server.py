@@ -6,6 +6,10 @@ less CPU per request and per streamed line, and the replica's CPU belongs to the
 - A client that disconnects mid-stream cancels its handler (aiohttp's
   `handler_cancellation`), which closes the request's CoreStream: the request is aborted
   and its KV blocks freed before the next engine step.
+- Every route but health needs ``Authorization: Bearer <token>`` when the replica has a
+  token (`TOKENYARD_REPLICA_TOKEN`): the body names the prefix-cache salt (the tenant) and
+  the priority, which only the gateway may choose. Without a token the replica serves only
+  on a loopback address (with a warning); a wider bind without one is refused.
 - SIGTERM (or SIGINT) drains: new requests get 503 ``draining``, in-flight ones run to
   their end for up to `drain_timeout` seconds, then whatever is left is aborted (its
   stream ends with finish_reason "abort") and the process exits 0. A second signal
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import signal
 import sys
@@ -24,6 +30,7 @@ from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from tokenyard.config import EngineConfig
 from tokenyard.engine.async_core import AsyncEngineCore
@@ -55,6 +62,8 @@ from tokenyard.wire.sampling_params import SamplingParamsError
 
 # A 128k-token prompt is about 1 MiB of JSON; aiohttp's default body cap is 1 MiB.
 MAX_BODY_BYTES = 16 * 2**20
+#: The error code of a call without the replica's token (401).
+UNAUTHORIZED = "unauthorized"
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -79,8 +88,11 @@ class ReplicaServer:
         *,
         drain_timeout: float = 30.0,
         retry_after_s: int = 1,
+        token: str | None = None,
     ) -> None:
+        """`token`: the bearer token every route but health requires (None: none)."""
         self.engine = engine
+        self.token = token
         self.drain_timeout = drain_timeout
         self.retry_after_s = retry_after_s
         self.draining = False
@@ -91,7 +103,8 @@ class ReplicaServer:
 
     def make_app(self) -> web.Application:
         """The aiohttp application with every replica route."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        middlewares = [self._check_token] if self.token is not None else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post(GENERATE_PATH, self.generate)
         app.router.add_post(ABORT_PATH, self.abort)
         app.router.add_post(STOP_PATH, self.stop)
@@ -103,6 +116,19 @@ class ReplicaServer:
     @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    @web.middleware
+    async def _check_token(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Middleware: 401 for a call without the replica's token (health needs none)."""
+        if request.path == HEALTH_PATH or _bearer_matches(
+            request.headers.get("Authorization"), self.token or ""
+        ):
+            return await handler(request)
+        return _json(
+            error_body("this replica needs its token: Authorization: Bearer "
+                       "<TOKENYARD_REPLICA_TOKEN>", UNAUTHORIZED),
+            status=401, headers={"WWW-Authenticate": "Bearer"},
+        )
 
     # -- routes --------------------------------------------------------------------------
     async def generate(self, http: web.Request) -> web.StreamResponse:
@@ -239,6 +265,40 @@ class ReplicaServer:
         )
 
 
+def _bearer_matches(header: str | None, token: str) -> bool:
+    """Whether an Authorization header carries `token` (compared in constant time)."""
+    scheme, _, value = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        value.strip().encode(), token.encode()
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the replica reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_exposure(host: str, token: str | None) -> None:
+    """Refuse (ValueError) to serve a replica beyond loopback without a token; warn when
+    one serves on loopback without a token (anyone on this machine may call it)."""
+    if token is not None:
+        return
+    if not is_loopback(host):
+        raise ValueError(
+            f"refusing to serve the replica on {host} without a token: set "
+            "TOKENYARD_REPLICA_TOKEN (and give the same one to `tokenyard serve "
+            "--replica-url`), or bind 127.0.0.1"
+        )
+    print("tokenyard engine: warning: no TOKENYARD_REPLICA_TOKEN set; any process on this "
+          "machine may call the replica and choose a request's tenant", file=sys.stderr,
+          flush=True)
+
+
 async def _read_json(http: web.Request) -> Any:
     try:
         return json.loads(await http.read())
@@ -262,13 +322,15 @@ async def run_server(
     port: int,
     *,
     drain_timeout: float = 30.0,
+    token: str | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain and return.
 
-    `port` 0 binds a free port; `on_ready` receives the URL actually served.
+    `port` 0 binds a free port; `token` is required of every caller but health probes;
+    `on_ready` receives the URL actually served.
     """
-    server = ReplicaServer(engine, drain_timeout=drain_timeout)
+    server = ReplicaServer(engine, drain_timeout=drain_timeout, token=token)
     runner = web.AppRunner(
         server.make_app(),
         handler_cancellation=True,  # a disconnect cancels the handler: abort at once
@@ -305,13 +367,16 @@ def serve_engine(
     port: int = 8001,
     *,
     drain_timeout: float = 30.0,
+    token: str | None = None,
     show_progress: bool = True,
     **engine_config: Any,
 ) -> int:
     """Load the model, serve the replica API until SIGTERM, drain, and return 0.
 
-    Keyword arguments beyond these are EngineConfig fields.
+    `token`: the bearer token callers must send (None: loopback hosts only, see
+    `check_exposure`). Keyword arguments beyond these are EngineConfig fields.
     """
+    check_exposure(host, token)  # before the model loads: a refusal should be quick
     config = EngineConfig.from_env(**engine_config)
     engine = AsyncEngineCore(config, show_progress=show_progress)
 
@@ -319,7 +384,8 @@ def serve_engine(
         print(f"tokenyard engine: {engine.model_name} serving at {url}", flush=True)
 
     try:
-        asyncio.run(run_server(engine, host, port, drain_timeout=drain_timeout, on_ready=ready))
+        asyncio.run(run_server(engine, host, port, drain_timeout=drain_timeout, token=token,
+                               on_ready=ready))
     finally:
         engine.shutdown()
     return 0

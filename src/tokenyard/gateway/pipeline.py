@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenyard.config import ServeConfig
 from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
 from tokenyard.gateway.billing import Billing, Usage
@@ -71,21 +72,27 @@ class Gateway:
 
     @classmethod
     async def open(
-        cls, database_url: str, limiter: Limiter, journal_dir: Path
+        cls, database_url: str, limiter: Limiter, journal_dir: Path,
+        *, config: ServeConfig | None = None,
     ) -> tuple[Gateway, str | None]:
         """Open the store (migrating it), start the ledger writer (replaying what a crashed
         gateway left in its journal) and create the default org on an empty database.
+        `config` sets the caches' lifetimes and the ledger's batching (default: defaults).
         Returns the gateway and the new development key's secret (None if not new)."""
+        config = config or ServeConfig()
         db = await Database.open(database_url)
         try:
             store = Store(db)
-            ledger = LedgerWriter(db, journal_dir)
+            ledger = LedgerWriter(db, journal_dir, config.ledger_flush_interval_s,
+                                  config.ledger_max_batch)
             await ledger.start()
             dev_key = await store.ensure_default_org()
         except BaseException:
             await db.close()
             raise
-        return cls(store, limiter, Billing(store, ledger)), dev_key
+        billing = Billing(store, ledger, refresh_s=config.billing_refresh_s,
+                          prices_refresh_s=config.prices_refresh_s)
+        return cls(store, limiter, billing, key_ttl_s=config.key_cache_ttl_s), dev_key
 
     async def close(self) -> None:
         """Wait for pending settlements, flush the ledger, close everything."""

@@ -12,7 +12,6 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from tokenyard import config
 from tokenyard.store import migrate
 
 SQLITE_BUSY_TIMEOUT_MS = 5000  # writers queue for the lock instead of failing at once
@@ -47,13 +46,13 @@ class Database:
         return self.engine.dialect.name
 
     @classmethod
-    async def open(cls, url: str | None = None, *, upgrade: bool = True) -> Database:
-        """Open `url` (default: `config.database_url()`), migrating it to head unless told not to.
+    async def open(cls, url: str, *, upgrade: bool = True) -> Database:
+        """Open `url` (`ServeConfig.database`), migrating it to head unless told not to.
 
         For SQLite the file's parent directory is created and every connection gets WAL
         (readers never block the writer), synchronous=NORMAL and a busy timeout.
         """
-        url = normalize_url(url or config.database_url())
+        url = normalize_url(url)
         parsed = make_url(url)
         options: dict[str, Any] = {}
         if parsed.get_backend_name() == "sqlite":
