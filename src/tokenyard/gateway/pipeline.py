@@ -3,9 +3,12 @@
     authenticate (3) → [parse, template, tokenize] → authorize (4) → limit (5)
     → billing pre-check (6) → … engine … → settle + meter (19)
 
-A `Ticket` is what admission hands out; `Gateway.finish` settles it exactly once,
-whatever way the request ended (completed, stopped, aborted by the client, failed), in a
-task of its own so a cancelled handler cannot leave a concurrency slot taken.
+A `Ticket` is what admission hands out (`admit_prompts` reserves what a request's
+prompts and their completions may use); `Gateway.settle` reads what the request's
+generations really used and how they ended, and `Gateway.finish` settles the ticket with
+it exactly once, whatever way the request ended (completed, stopped, aborted by the
+client, failed), in a task of its own so a cancelled handler cannot leave a concurrency
+slot taken.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenyard.balancer.generation import Generation
 from tokenyard.config import ServeConfig
 from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
@@ -28,6 +32,7 @@ from tokenyard.store.money import Prices
 from tokenyard.store.records import KeyContext, Limits
 from tokenyard.store.repo import Store
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.gateway")
 
@@ -46,6 +51,30 @@ class Ticket:
     request_id: str
     prices: Prices
     finished: bool = field(default=False)
+
+
+def outcome(gens: Sequence[Generation]) -> tuple[Usage | None, str]:
+    """What a request's generations used (None: none of them ran) and how it ended, as
+    the ledger records it: failed if any failed, aborted if any completion was cut off or
+    never finished, stopped if a stop string or stop token of the client's ended one,
+    else completed."""
+    ran = [gen for gen in gens if gen.last is not None]
+    usage = Usage(
+        prompt_tokens=sum(len(gen.prompt) for gen in ran),
+        cached_tokens=sum(gen.num_cached_tokens for gen in ran),
+        output_tokens=sum(gen.last.num_output_tokens for gen in ran if gen.last is not None),
+    ) if ran else None
+    reasons = [reason for gen in gens for reason in gen.finish_reasons]
+    if any(gen.failed for gen in gens):
+        status = FAILED
+    elif "abort" in reasons or None in reasons:
+        status = ABORTED
+    elif any(isinstance(r, str) or r in gen.params.stop_token_ids
+             for gen in gens for r in gen.stop_reasons if r is not None):
+        status = STOPPED
+    else:
+        status = COMPLETED
+    return usage, status
 
 
 def _subjects(key: KeyContext) -> list[Subject]:
@@ -148,6 +177,34 @@ class Gateway:
             raise
         timeline.mark("prechecked")
         return ticket
+
+    async def admit_prompts(
+        self,
+        key: KeyContext,
+        *,
+        model: str,
+        endpoint: str,
+        request_id: str,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        timeline: Timeline,
+    ) -> Ticket:
+        """`admit` for a request of `prompts`, each with its fitted `params`: it reserves
+        every prompt token and every token the n completions of each may generate, and
+        the context scope caps the longest single sequence."""
+        return await self.admit(
+            key, model=model, endpoint=endpoint, request_id=request_id,
+            prompt_tokens=sum(len(p) for p in prompts),
+            max_tokens=sum((p.max_tokens or 0) * p.n for p in params),
+            context_tokens=max(len(p) + (fp.max_tokens or 0)
+                               for p, fp in zip(prompts, params, strict=True)),
+            timeline=timeline,
+        )
+
+    def settle(self, ticket: Ticket, gens: Sequence[Generation]) -> None:
+        """`finish` the ticket with what `gens` really used and how they ended."""
+        usage, status = outcome(gens)
+        self.finish(ticket, usage, status)
 
     def finish(self, ticket: Ticket, usage: Usage | None, status: str) -> None:
         """Settle the reservation with the real usage (None: nothing ran), release the

@@ -1,0 +1,100 @@
+"""The prepare stage (DESIGN §1, stage 10): a conversation through the model's chat
+template, tokenized once, and its generation fitted into the context window.
+
+Plain values in and out, no HTTP: the routes of either dialect call it with the template
+messages their conversion produced and get token ids back, or an `APIError` to render.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import cast
+
+from tokenyard.errors import APIError, context_length_exceeded
+from tokenyard.telemetry.timeline import Timeline
+from tokenyard.text.chat_template import ChatTemplateError
+from tokenyard.text.prompts import Conversation, render_conversation
+from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.sampling_params import SamplingParams
+
+#: A chat-template message: {"role": ..., "content": ...}.
+TemplateMessage = dict[str, str]
+
+
+def has_prefill(messages: Sequence[TemplateMessage]) -> bool:
+    """Whether the conversation ends with an assistant message to continue."""
+    return bool(messages) and messages[-1]["role"] == "assistant"
+
+
+def fit(
+    prompt_len: int, params: SamplingParams, param: str, max_model_len: int
+) -> SamplingParams:
+    """Check prompt + max_tokens against the window; fill max_tokens when unset.
+
+    `param` names the request parameter a refusal points at."""
+    if params.max_tokens is None:
+        left = max_model_len - prompt_len
+        if left < 1:
+            raise context_length_exceeded(max_model_len, prompt_len, None, param=param)
+        return replace(params, max_tokens=left)
+    if prompt_len + params.max_tokens > max_model_len:
+        raise context_length_exceeded(max_model_len, prompt_len, params.max_tokens,
+                                      param=param)
+    return params
+
+
+@dataclass(frozen=True)
+class Preparer:
+    """The prepare stage over one model's tokenizer and context window."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    def template(self, messages: Sequence[TemplateMessage], add_generation_prompt: bool) -> str:
+        """The conversation through the model's chat template, as text."""
+        try:
+            return render_conversation(
+                self.tokenizer, cast(Conversation, list(messages)), add_generation_prompt
+            )
+        except ChatTemplateError as exc:
+            raise APIError(400, f"The chat template rejected the messages: {exc}",
+                           param="messages") from None
+
+    def template_with_prefill(self, messages: Sequence[TemplateMessage]) -> str:
+        """The conversation as text, a final assistant message being the start of the reply.
+
+        The template renders the turns before it with the generation prompt, and the
+        prefill text follows raw — rendering it as a finished turn would close it with the
+        end-of-turn token and the model would start a new turn instead of continuing.
+        """
+        if not has_prefill(messages):
+            return self.template(messages, add_generation_prompt=True)
+        return self.template(messages[:-1], True) + messages[-1]["content"]
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Tokens of templated text (the template already holds BOS if the model wants it)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Tokens of a raw completions prompt (BOS added as the model wants); token ids
+        pass through as given."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return prompt
+
+    def conversation(
+        self, messages: Sequence[TemplateMessage], timeline: Timeline, *, prefill: bool
+    ) -> list[int]:
+        """Token ids of a conversation: templated (with the prefill rule when `prefill`),
+        then tokenized; `timeline` gets the "templated" and "tokenized" marks."""
+        text = (self.template_with_prefill(messages) if prefill
+                else self.template(messages, add_generation_prompt=True))
+        timeline.mark("templated")
+        ids = self.encode_rendered(text)
+        timeline.mark("tokenized")
+        return ids
+
+    def fit(self, prompt_len: int, params: SamplingParams, param: str) -> SamplingParams:
+        """`fit` against this model's context window."""
+        return fit(prompt_len, params, param, self.max_model_len)
