@@ -42,8 +42,8 @@ def _chat(server: Server, **extra: Any) -> dict[str, Any]:
 
 
 def test_replica_overload_maps_to_503_and_529_with_retry_after() -> None:
-    from tokenyard.api.app import _replica_error
     from tokenyard.api.errors import render_anthropic, render_openai
+    from tokenyard.balancer.generation import replica_error as _replica_error
     from tokenyard.balancer.replica_client import ReplicaOverloaded, ReplicaRequestError
 
     err = _replica_error(ReplicaOverloaded(2.0, "queue full", "overloaded"))

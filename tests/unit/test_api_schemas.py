@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import anthropic
@@ -34,10 +35,28 @@ from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from pydantic import TypeAdapter
 
-from tokenyard.api import convert
+from tokenyard.api.anthropic.convert import (
+    anthropic_messages,
+    anthropic_request_to_engine,
+    build_anthropic_message,
+    new_message_id,
+)
+from tokenyard.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from tokenyard.api.anthropic.stream import AnthropicStream
+from tokenyard.api.convert import now
 from tokenyard.api.errors import anthropic_error_type, parse_body, render_anthropic, render_openai
-from tokenyard.api.schemas_anthropic import CountTokensRequest, MessagesRequest
-from tokenyard.api.schemas_openai import ChatCompletionRequest, CompletionRequest
+from tokenyard.api.openai.convert import (
+    Prompt,
+    build_chat_completion,
+    build_model_list,
+    build_text_completion,
+    chat_request_to_engine,
+    completion_request_to_engine,
+    new_chat_id,
+    new_completion_id,
+)
+from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenyard.api.openai.stream import ChatStream, CompletionStream
 from tokenyard.api.sse import (
     SSE_DONE,
     anthropic_event,
@@ -54,6 +73,7 @@ from tokenyard.errors import (
     overloaded,
     rate_limited,
 )
+from tokenyard.text.prepare import fit, has_prefill
 from tokenyard.wire.outputs import Completion, CompletionDelta, Logprob
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -116,7 +136,7 @@ def chat_error(body: Any) -> APIError:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(APIError) as info:
         req = parse_body(ChatCompletionRequest, raw)
-        convert.chat_request_to_engine(req, vocab_size=len(VOCAB))
+        chat_request_to_engine(req, vocab_size=len(VOCAB))
     return info.value
 
 
@@ -127,14 +147,14 @@ def chat(**extra: Any) -> dict[str, Any]:
 def completion_error(body: dict[str, Any]) -> APIError:
     with pytest.raises(APIError) as info:
         req = parse_body(CompletionRequest, json.dumps(body).encode())
-        convert.completion_request_to_engine(req, vocab_size=len(VOCAB))
+        completion_request_to_engine(req, vocab_size=len(VOCAB))
     return info.value
 
 
 def messages_error(body: dict[str, Any]) -> APIError:
     with pytest.raises(APIError) as info:
         req = parse_body(MessagesRequest, json.dumps(body).encode())
-        convert.anthropic_request_to_engine(req)
+        anthropic_request_to_engine(req)
     return info.value
 
 
@@ -248,7 +268,7 @@ def test_unknown_fields_and_harmless_values_are_accepted() -> None:
     )
     req = parse_body(ChatCompletionRequest, json.dumps(body).encode())
     assert req.include_usage
-    messages, params = convert.chat_request_to_engine(req)
+    messages, params = chat_request_to_engine(req)
     assert messages == [{"role": "user", "content": "Hi"}]
     assert params.max_tokens is None and params.n == 1 and params.temperature == 1.0
 
@@ -271,7 +291,7 @@ def test_chat_conversion() -> None:
         "user": "u-1",
     }
     req = parse_body(ChatCompletionRequest, json.dumps(body).encode())
-    messages, p = convert.chat_request_to_engine(req, vocab_size=len(VOCAB))
+    messages, p = chat_request_to_engine(req, vocab_size=len(VOCAB))
     assert messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "A\nB"},
@@ -287,19 +307,19 @@ def test_chat_conversion() -> None:
     assert p.logprobs == 4
 
     plain = parse_body(ChatCompletionRequest, json.dumps(chat(logprobs=True)).encode())
-    assert convert.chat_request_to_engine(plain)[1].logprobs == 0
+    assert chat_request_to_engine(plain)[1].logprobs == 0
     none = parse_body(ChatCompletionRequest, json.dumps(chat(stop=["", "x"])).encode())
-    assert convert.chat_request_to_engine(none)[1].logprobs is None
-    assert convert.chat_request_to_engine(none)[1].stop == ["x"]
+    assert chat_request_to_engine(none)[1].logprobs is None
+    assert chat_request_to_engine(none)[1].stop == ["x"]
 
 
 # ---------------------------------------------------------------------------- completions
 
 
 def test_completion_prompt_forms() -> None:
-    def prompts(prompt: Any) -> list[convert.Prompt]:
+    def prompts(prompt: Any) -> list[Prompt]:
         req = parse_body(CompletionRequest, json.dumps({"model": "tiny", "prompt": prompt}))
-        out, params = convert.completion_request_to_engine(req)
+        out, params = completion_request_to_engine(req)
         assert params.max_tokens == 16  # the legacy default
         return out
 
@@ -399,7 +419,7 @@ def test_messages_conversion() -> None:
         thinking={"type": "disabled"}, service_tier="auto", unknown=1,
     )
     req = parse_body(MessagesRequest, json.dumps(body))
-    messages, p = convert.anthropic_request_to_engine(req)
+    messages, p = anthropic_request_to_engine(req)
     assert messages == [
         {"role": "system", "content": "Be\nbrief."},
         {"role": "user", "content": "Hi"},
@@ -407,15 +427,29 @@ def test_messages_conversion() -> None:
         {"role": "user", "content": "Count"},
         {"role": "assistant", "content": ""},
     ]
-    assert convert.has_prefill(messages)
+    assert has_prefill(messages)
     assert p.max_tokens == 32 and p.greedy and p.top_p == 0.8 and p.top_k == 3
     assert p.stop == ["\n\nHuman:"] and p.n == 1 and p.logprobs is None
 
     count = parse_body(CountTokensRequest, json.dumps({"model": "tiny", "messages": USER,
                                                        "system": "S"}))
-    assert convert.anthropic_messages(count) == [
+    assert anthropic_messages(count) == [
         {"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
     ]
+
+
+def test_fit_fills_max_tokens_from_the_window_and_refuses_what_does_not_fit() -> None:
+    params = chat_request_to_engine(parse_body(ChatCompletionRequest, json.dumps(chat())))[1]
+    assert params.max_tokens is None
+    assert fit(100, params, "messages", 2048).max_tokens == 1948
+    with pytest.raises(APIError) as full:
+        fit(2048, params, "messages", 2048)
+    assert (full.value.code, full.value.param) == ("context_length_exceeded", "messages")
+    capped = replace(params, max_tokens=49)
+    assert fit(1999, capped, "max_tokens", 2048) is capped
+    with pytest.raises(APIError) as over:
+        fit(2000, capped, "max_completion_tokens", 2048)
+    assert over.value == context_length_exceeded(2048, 2000, 49, param="max_completion_tokens")
 
 
 # ---------------------------------------------------------------------------- errors
@@ -465,8 +499,8 @@ def test_special_errors() -> None:
 def test_chat_completion_parses_with_the_sdk() -> None:
     completions = [fake_completion(0, with_logprobs=True),
                    fake_completion(1, with_logprobs=True, finish="length", stop_reason=None)]
-    body = convert.build_chat_completion(
-        id=convert.new_chat_id(), model="tiny", created=convert.now(),
+    body = build_chat_completion(
+        id=new_chat_id(), model="tiny", created=now(),
         completions=completions, prompt_tokens=12, cached_tokens=8, token_bytes=token_bytes,
         system_fingerprint="fp_test",
     )
@@ -494,8 +528,8 @@ def test_chat_completion_parses_with_the_sdk() -> None:
 
 
 def test_text_completion_parses_with_the_sdk() -> None:
-    body = convert.build_text_completion(
-        id=convert.new_completion_id(), model="tiny", created=1,
+    body = build_text_completion(
+        id=new_completion_id(), model="tiny", created=1,
         completions=[[fake_completion(0, with_logprobs=True)],
                      [fake_completion(0, finish="length")]],
         n=1, prompt_tokens=6, token_bytes=token_bytes, echo_prompts=["P: ", "Q"],
@@ -513,8 +547,7 @@ def test_text_completion_parses_with_the_sdk() -> None:
 
 
 def test_chat_chunks_parse_with_the_sdk() -> None:
-    stream = convert.ChatStream(id="chatcmpl-x", model="tiny", created=5,
-                                token_bytes=token_bytes)
+    stream = ChatStream(id="chatcmpl-x", model="tiny", created=5, token_bytes=token_bytes)
     chunks = stream.role_chunks(2)
     for d0, d1 in zip(fake_deltas(0, with_logprobs=True), fake_deltas(1), strict=True):
         chunks += stream.delta_chunks(d0) + stream.delta_chunks(d1)
@@ -541,8 +574,8 @@ def test_chat_chunks_parse_with_the_sdk() -> None:
 
 
 def test_completion_chunks_carry_offsets_across_steps() -> None:
-    stream = convert.CompletionStream(id="cmpl-x", model="tiny", created=5, n=2,
-                                      token_bytes=token_bytes)
+    stream = CompletionStream(id="cmpl-x", model="tiny", created=5, n=2,
+                              token_bytes=token_bytes)
     chunks = stream.echo_chunks(1, "Q: ")
     for d in fake_deltas(1, with_logprobs=True, chunk=3):
         chunks += stream.delta_chunks(d, prompt_index=1)
@@ -558,7 +591,7 @@ def test_completion_chunks_carry_offsets_across_steps() -> None:
 
 
 def test_model_list_parses_with_the_sdk() -> None:
-    body = json.loads(convert.build_model_list([("tiny", 1700000000, "tokenyard")])
+    body = json.loads(build_model_list([("tiny", 1700000000, "tokenyard")])
                       .model_dump_json())
     assert body["object"] == "list"
     model = OpenAIModel.model_validate(body["data"][0])
@@ -572,8 +605,8 @@ def test_anthropic_message_parses_with_the_sdk() -> None:
         ("stop", "!", ("stop_sequence", "!")),
         ("stop", "not-requested", ("end_turn", None)),
     ]:
-        body = convert.build_anthropic_message(
-            id=convert.new_message_id(), model="tiny",
+        body = build_anthropic_message(
+            id=new_message_id(), model="tiny",
             completion=fake_completion(finish=finish, stop_reason=stop_reason),
             prompt_tokens=20, cached_tokens=16, stop_sequences=["!"],
         )
@@ -589,7 +622,7 @@ def test_anthropic_message_parses_with_the_sdk() -> None:
 
 
 def test_anthropic_events_parse_with_the_sdk() -> None:
-    stream = convert.AnthropicStream(id="msg_x", model="tiny", stop_sequences=["!"])
+    stream = AnthropicStream(id="msg_x", model="tiny", stop_sequences=["!"])
     events = stream.start_events(prompt_tokens=9, cached_tokens=0)
     for d in fake_deltas(finish="stop", stop_reason="!"):
         events += stream.delta_events(d, prompt_tokens=9, output_tokens=8)
@@ -635,7 +668,7 @@ def fake_server(request: httpx2.Request) -> httpx2.Response:
             return _messages(request.content)
         if path == "/v1/messages/count_tokens":
             req = parse_body(CountTokensRequest, request.content)
-            count = sum(len(m["content"]) for m in convert.anthropic_messages(req))
+            count = sum(len(m["content"]) for m in anthropic_messages(req))
             return httpx2.Response(200, json={"input_tokens": count})
         raise APIError(404, f"No route {path}")
     except APIError as err:
@@ -644,7 +677,7 @@ def fake_server(request: httpx2.Request) -> httpx2.Response:
 
 def _chat(content: bytes) -> httpx2.Response:
     req = parse_body(ChatCompletionRequest, content)
-    _, params = convert.chat_request_to_engine(req)
+    _, params = chat_request_to_engine(req)
     if req.model != MODEL:
         raise model_not_found(req.model)
     if req.user == "overload":
@@ -653,14 +686,13 @@ def _chat(content: bytes) -> httpx2.Response:
               for i in range(params.n)]
     if not req.stream:
         completions = [fake_completion(i) for i in range(params.n)]
-        body = convert.build_chat_completion(
-            id=convert.new_chat_id(), model=MODEL, created=convert.now(),
+        body = build_chat_completion(
+            id=new_chat_id(), model=MODEL, created=now(),
             completions=completions, prompt_tokens=5, cached_tokens=2, token_bytes=token_bytes,
         )
         return httpx2.Response(200, content=body.model_dump_json(),
                                headers={"content-type": "application/json"})
-    stream = convert.ChatStream(id=convert.new_chat_id(), model=MODEL, created=convert.now(),
-                                token_bytes=token_bytes)
+    stream = ChatStream(id=new_chat_id(), model=MODEL, created=now(), token_bytes=token_bytes)
     out = [sse_data(c) for c in stream.role_chunks(params.n)]
     for step in zip(*deltas, strict=True):
         for d in step:
@@ -676,7 +708,7 @@ def _chat(content: bytes) -> httpx2.Response:
 
 def _messages(content: bytes) -> httpx2.Response:
     req = parse_body(MessagesRequest, content)
-    _, params = convert.anthropic_request_to_engine(req)
+    _, params = anthropic_request_to_engine(req)
     if req.model != MODEL:
         raise model_not_found(req.model)
     user = req.metadata.user_id if req.metadata else None
@@ -684,15 +716,14 @@ def _messages(content: bytes) -> httpx2.Response:
         raise overloaded(1)
     finish, stop = ("stop", "!") if params.stop else ("length", None)
     if not req.stream:
-        body = convert.build_anthropic_message(
-            id=convert.new_message_id(), model=MODEL,
+        body = build_anthropic_message(
+            id=new_message_id(), model=MODEL,
             completion=fake_completion(finish=finish, stop_reason=stop),
             prompt_tokens=5, cached_tokens=2, stop_sequences=params.stop,
         )
         return httpx2.Response(200, content=body.model_dump_json(),
                                headers={"content-type": "application/json"})
-    stream = convert.AnthropicStream(id=convert.new_message_id(), model=MODEL,
-                                     stop_sequences=params.stop)
+    stream = AnthropicStream(id=new_message_id(), model=MODEL, stop_sequences=params.stop)
     out = [anthropic_event(e) for e in stream.start_events(5, 2)]
     produced = 0
     for d in fake_deltas(finish=finish, stop_reason=stop):
@@ -795,14 +826,14 @@ def test_the_api_package_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "import tokenyard.api, tokenyard.api.convert, tokenyard.api.sse, tokenyard.api.errors\n"
-        "import tokenyard.api.schemas_openai, tokenyard.api.schemas_anthropic\n"
+        "import tokenyard.api.openai.routes, tokenyard.api.anthropic.routes, tokenyard.api.app\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_sse_stream_of_a_chat_parses_back() -> None:
-    stream = convert.ChatStream(id="chatcmpl-1", model="tiny", created=1)
+    stream = ChatStream(id="chatcmpl-1", model="tiny", created=1)
     raw = b"".join(sse_data(c) for d in fake_deltas() for c in stream.delta_chunks(d))
     raw += SSE_DONE
     events = list(parse_sse([raw]))

@@ -1,10 +1,14 @@
-"""The HTTP API: OpenAI- and Anthropic-compatible schemas, conversions, errors and SSE.
+"""The HTTP API: the OpenAI and Anthropic dialects over the gateway's pipeline.
 
-- `schemas_openai`, `schemas_anthropic`: request and response bodies (pydantic).
-- `convert`: requests → engine inputs (template messages / prompts, SamplingParams), engine
-  outputs → response bodies and stream chunks.
-- `errors`: `APIError` and its rendering in either API's shape.
-- `sse`: server-sent-event encoders and an incremental parser.
+- `openai/`, `anthropic/`: each dialect's request and response bodies (`schemas`),
+  conversions to the engine's values and back (`convert`), stream events and the
+  `Format` the one response writer fills in (`stream`), and `routes`.
+- `schemas`, `convert`: what both dialects' schemas and conversions share.
+- `respond`: the one response writer (admit, generate, body or SSE, settle).
+- `middleware`, `context`: request id, timeline, authentication, idempotency, and what
+  handlers read; `errors`, `ratelimit_headers`: errors in each dialect's shape.
+- `sse`: server-sent-event encoders and an incremental parser; `ops`: probes, metrics,
+  the OpenAPI document; `app`: the application.
 
 Nothing in this package imports torch: the HTTP process runs on CPU-only hosts.
 """

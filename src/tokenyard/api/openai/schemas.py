@@ -4,7 +4,7 @@ Requests are validated strictly for types (a string where a number belongs is a 
 silent coercion) and leniently for unknown fields, which are ignored as OpenAI ignores them.
 Parameters this server does not implement yet (`tools`, `response_format` other than text,
 image/audio/file content parts, ...) are rejected with a 400 that names them, never dropped
-silently. Value ranges are checked once, by `SamplingParams`, when `api.convert` builds the
+silently. Value ranges are checked once, by `SamplingParams`, when `api.openai.convert` builds the
 engine's parameters, so the range rules live in one place.
 
 Responses mirror OpenAI's field names and nesting exactly, so the official SDK parses them.
@@ -15,23 +15,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from tokenyard.api.errors import schema_error
+from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
 
 #: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
 MAX_N = 128
 #: Upper bound on the legacy completions `logprobs` (the engine computes at most 20).
 MAX_COMPLETION_LOGPROBS = 20
-#: How several text parts of one message are joined into the template's single string.
-TEXT_PART_SEPARATOR = "\n"
-
-
-class RequestModel(BaseModel):
-    """Base of every request body: strict types, finite numbers, unknown fields ignored."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 def _reject_unsupported(

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from tokenyard.api.errors import schema_error
-from tokenyard.api.schemas_openai import TEXT_PART_SEPARATOR, RequestModel
+from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
 
 # ---------------------------------------------------------------------------- requests

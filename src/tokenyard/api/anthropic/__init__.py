@@ -1,0 +1,1 @@
+"""The Anthropic dialect: schemas, conversions, stream and routes."""

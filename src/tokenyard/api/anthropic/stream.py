@@ -1,0 +1,179 @@
+"""The Anthropic dialect's stream: the events of one streamed /v1/messages response,
+and its `Format` for the one response writer (`api/respond.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenyard.api.anthropic.convert import (
+    anthropic_stop_reason,
+    anthropic_usage,
+    build_anthropic_message,
+    new_message_id,
+)
+from tokenyard.api.anthropic.schemas import (
+    AnthropicMessage,
+    ContentBlockDeltaEvent,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
+    MessageDelta,
+    MessageDeltaEvent,
+    MessageDeltaUsage,
+    MessageStartEvent,
+    MessageStopEvent,
+    PingEvent,
+    StreamEvent,
+    TextDelta,
+)
+from tokenyard.api.sse import anthropic_stream_error, sse_event
+from tokenyard.balancer.generation import Generation
+from tokenyard.errors import APIError
+from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
+
+
+@dataclass
+class AnthropicStream:
+    """Builds the events of one streamed /v1/messages response.
+
+    `start_events` → message_start, content_block_start, ping; `delta_events` for each engine
+    delta → content_block_delta (text_delta), and on the finishing delta content_block_stop,
+    message_delta (stop reason, cumulative usage) and message_stop. Send each event with
+    `sse.anthropic_event`, whose SSE event name is the payload's `type`.
+    """
+
+    id: str
+    model: str
+    stop_sequences: Sequence[str] = ()
+    _block_open: bool = False
+
+    def message_start(self, prompt_tokens: int, cached_tokens: int = 0) -> MessageStartEvent:
+        """message_start: the message with no content yet and the input usage."""
+        return MessageStartEvent(message=AnthropicMessage(
+            id=self.id, model=self.model, content=[],
+            usage=anthropic_usage(prompt_tokens, 0, cached_tokens),
+        ))
+
+    def content_block_start(self) -> ContentBlockStartEvent:
+        """Opens the text block (index 0)."""
+        self._block_open = True
+        return ContentBlockStartEvent()
+
+    def start_events(self, prompt_tokens: int, cached_tokens: int = 0) -> list[StreamEvent]:
+        """message_start, content_block_start, ping."""
+        return [
+            self.message_start(prompt_tokens, cached_tokens),
+            self.content_block_start(),
+            PingEvent(),
+        ]
+
+    def text_delta(self, text: str) -> ContentBlockDeltaEvent:
+        """content_block_delta with a text_delta."""
+        return ContentBlockDeltaEvent(delta=TextDelta(text=text))
+
+    def finish_events(
+        self,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached_tokens: int = 0,
+    ) -> list[StreamEvent]:
+        """content_block_stop (if a block is open), message_delta, message_stop."""
+        reason, sequence = anthropic_stop_reason(
+            finish_reason or "stop", stop_reason, self.stop_sequences
+        )
+        usage = anthropic_usage(prompt_tokens, output_tokens, cached_tokens)
+        events: list[StreamEvent] = []
+        if self._block_open:
+            self._block_open = False
+            events.append(ContentBlockStopEvent())
+        events.append(MessageDeltaEvent(
+            delta=MessageDelta(stop_reason=reason, stop_sequence=sequence),
+            usage=MessageDeltaUsage(
+                input_tokens=usage.input_tokens,
+                output_tokens=output_tokens,
+                cache_creation_input_tokens=usage.cache_creation_input_tokens,
+                cache_read_input_tokens=usage.cache_read_input_tokens,
+            ),
+        ))
+        events.append(MessageStopEvent())
+        return events
+
+    def delta_events(
+        self,
+        delta: CompletionDelta,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached_tokens: int = 0,
+    ) -> list[StreamEvent]:
+        """Events for one engine delta; the usage figures are the request's running totals."""
+        events: list[StreamEvent] = []
+        if delta.text:
+            if not self._block_open:
+                events.append(self.content_block_start())
+            events.append(self.text_delta(delta.text))
+        if delta.finish_reason is not None:
+            events.extend(self.finish_events(
+                delta.finish_reason, delta.stop_reason, prompt_tokens, output_tokens,
+                cached_tokens,
+            ))
+        return events
+
+    def output_events(self, output: RequestOutput) -> list[StreamEvent]:
+        """Events for one engine step's output (n is 1 on this API)."""
+        return [
+            event
+            for d in output.deltas
+            for event in self.delta_events(
+                d, output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens
+            )
+        ]
+
+
+class MessagesFormat:
+    """A /v1/messages response (n is 1 on this API) for `api.respond.generate`."""
+
+    terminator = b""
+
+    def __init__(self, model: str, stop_sequences: Sequence[str], request_id: str) -> None:
+        self.stream = AnthropicStream(new_message_id(), model, stop_sequences)
+        self.request_id = request_id
+        self._started = False
+
+    def body(
+        self, gens: Sequence[Generation], completions: Sequence[list[Completion]]
+    ) -> BaseModel:
+        gen, stream = gens[0], self.stream
+        return build_anthropic_message(
+            id=stream.id, model=stream.model, completion=completions[0][0],
+            prompt_tokens=len(gen.prompt), cached_tokens=gen.num_cached_tokens,
+            stop_sequences=stream.stop_sequences,
+        )
+
+    def head(self) -> list[BaseModel]:
+        return []
+
+    def events(self, index: int, out: RequestOutput) -> list[BaseModel]:
+        events: list[BaseModel] = []
+        if not self._started:
+            # The first output is in: the cached-token count is known for message_start.
+            self._started = True
+            events.extend(self.stream.start_events(out.num_prompt_tokens,
+                                                   out.num_cached_tokens))
+        events.extend(self.stream.output_events(out))
+        return events
+
+    def tail(self, gens: Sequence[Generation]) -> list[BaseModel]:
+        return []
+
+    def encode(self, event: Any) -> bytes:
+        """Named after the payload's `type`, as Anthropic's events are."""
+        name = event["type"] if isinstance(event, dict) else event.type
+        return sse_event(name, event)
+
+    def error(self, err: APIError) -> bytes:
+        return anthropic_stream_error(err, self.request_id)

@@ -1,0 +1,169 @@
+"""What wraps every route: the request id, the timeline and its Server-Timing header, the
+gateway's authentication, Idempotency-Key, and every failure rendered in the route's own
+dialect (OpenAI's or Anthropic's error body and rate-limit headers)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+from aiohttp import web
+
+from tokenyard.api.context import (
+    KEY,
+    MAX_BODY_BYTES,
+    REQUEST_ID,
+    STATE,
+    TICKET,
+    TIMELINE,
+)
+from tokenyard.api.errors import render_anthropic, render_openai
+from tokenyard.api.ratelimit_headers import ratelimit_headers
+from tokenyard.api.sse import SSE_HEADERS
+from tokenyard.errors import APIError, body_too_large, internal_error, not_found
+from tokenyard.gateway import idempotency
+from tokenyard.gateway.pipeline import Gateway, RateLimitExceeded
+from tokenyard.telemetry.timeline import Timeline
+
+logger = logging.getLogger("tokenyard.api")
+
+REQUEST_ID_HEADER = "x-request-id"
+#: Routes anyone may call (probes, scrapes, the schema); everything else needs a key.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+#: Routes that take an Idempotency-Key.
+IDEMPOTENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+
+_RECORDING: web.RequestKey[bool] = web.RequestKey("recording", bool)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def is_anthropic(request: web.Request) -> bool:
+    """Whether the route speaks the Anthropic dialect (else OpenAI's)."""
+    return request.path.startswith("/v1/messages")
+
+
+def _error_response(request: web.Request, err: APIError) -> web.Response:
+    rendered = (
+        render_anthropic(err, request.get(REQUEST_ID))
+        if is_anthropic(request) else render_openai(err)
+    )
+    headers = dict(rendered.headers)
+    headers.pop("content-type", None)
+    if isinstance(err, RateLimitExceeded):
+        headers.update(ratelimit_headers(err.state, is_anthropic(request)))
+    return web.Response(
+        status=rendered.status, body=rendered.body, headers=headers,
+        content_type="application/json",
+    )
+
+
+@web.middleware
+async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """x-request-id and Server-Timing on every response, and every failure in the route's
+    own error shape."""
+    timeline = request[TIMELINE] = Timeline()
+    request_id = request.headers.get(REQUEST_ID_HEADER) or f"req_{uuid.uuid4().hex}"
+    request[REQUEST_ID] = request_id
+    try:
+        gateway = request.app[STATE].gateway
+        if gateway is None or request.path in PUBLIC_PATHS:
+            response = await handler(request)
+        else:
+            request[KEY] = await gateway.authenticate(request.headers, timeline)
+            idem_key = request.headers.get(idempotency.HEADER)
+            if idem_key is not None and request.method == "POST" and (
+                request.path in IDEMPOTENT_PATHS
+            ):
+                response = await _idempotent(request, gateway, idem_key, handler)
+            else:
+                response = await handler(request)
+    except APIError as err:
+        response = _error_response(request, err)
+    except web.HTTPRequestEntityTooLarge:
+        response = _error_response(request, body_too_large(MAX_BODY_BYTES))
+    except web.HTTPException as exc:
+        http_err = (
+            not_found(f"Unknown route {request.method} {request.path}.")
+            if exc.status == 404 else APIError(exc.status, exc.reason or "error")
+        )
+        response = _error_response(request, http_err)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        # Never a traceback for the client: log it here, answer in the API's shape.
+        logger.exception("unhandled error in %s %s (%s)", request.method, request.path,
+                         request_id)
+        response = _error_response(request, internal_error())
+    if not response.prepared:
+        _add_headers(request, response)
+    return response
+
+
+def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """x-request-id, Server-Timing and (admitted requests) the rate-limit headers."""
+    response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
+    server_timing = request[TIMELINE].server_timing()
+    if server_timing:
+        response.headers["Server-Timing"] = server_timing
+    ticket = request.get(TICKET)
+    if ticket is not None:
+        response.headers.update(
+            ratelimit_headers(ticket.admission.state, is_anthropic(request))
+        )
+
+
+class RecordingStreamResponse(web.StreamResponse):
+    """A stream that keeps a copy of what it sent, for Idempotency-Key replays."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.recorded = bytearray()
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.recorded += data
+        await super().write(data)
+
+
+async def open_stream(request: web.Request) -> web.StreamResponse:
+    """An SSE response with its headers sent (recorded when the request is idempotent)."""
+    cls = RecordingStreamResponse if request.get(_RECORDING) else web.StreamResponse
+    response = cls(headers=SSE_HEADERS)
+    # A stream's Server-Timing holds the stages before its first byte; the last event has all.
+    _add_headers(request, response)
+    await response.prepare(request)
+    return response
+
+
+async def _idempotent(
+    request: web.Request, gateway: Gateway, idem_key: str, handler: Handler
+) -> web.StreamResponse:
+    """Run `handler` once per (org, Idempotency-Key); replay its stored 2xx response."""
+    org_id = request[KEY].org_id
+    store = gateway.store
+    stored = await idempotency.claim(store, org_id, idem_key, await request.read())
+    if stored is not None:
+        headers = {**stored.headers, idempotency.REPLAYED_HEADER: "true"}
+        return web.Response(status=stored.status_code or 200, body=stored.body or b"",
+                            headers=headers)
+    request[_RECORDING] = True
+    try:
+        response = await handler(request)
+    except BaseException:
+        # A task of its own: a cancelled handler (client gone) must still free the key.
+        asyncio.get_running_loop().create_task(store.idem_release(org_id, idem_key))
+        raise
+    if 200 <= response.status < 300:
+        body = (
+            bytes(response.recorded) if isinstance(response, RecordingStreamResponse)
+            else bytes(cast(bytes, getattr(response, "body", b"")) or b"")
+        )
+        content_type = response.headers.get("Content-Type", "application/json")
+        await store.idem_complete(org_id, idem_key, response.status,
+                                  {"Content-Type": content_type}, body)
+    else:
+        await store.idem_release(org_id, idem_key)
+    return response

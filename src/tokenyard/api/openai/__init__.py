@@ -1,0 +1,1 @@
+"""The OpenAI dialect: schemas, conversions, stream and routes."""

@@ -1,0 +1,380 @@
+"""The OpenAI dialect's conversions: requests in, response bodies out.
+
+Inbound: a chat or legacy completions request becomes template messages (or prompts) and a
+`SamplingParams`; range errors come back as 400s naming the parameter the way the client
+spelled it (`max_completion_tokens`, ...). Outbound: finished `Completion`s become the
+non-streamed bodies, with usage (prompt, completion and cached tokens), finish reasons and
+logprobs in OpenAI's shapes. The stream chunks are built in `api/openai/stream.py`.
+
+No I/O, no torch: the HTTP process calls these on its event loop.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from tokenyard.api.convert import random_id, sampling_params, stop_list
+from tokenyard.api.openai.schemas import (
+    MAX_N,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SamplingFields,
+    TextCompletion,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from tokenyard.errors import INVALID_VALUE, invalid_request, unsupported
+from tokenyard.text.prepare import TemplateMessage
+from tokenyard.wire.outputs import Completion, Logprob
+from tokenyard.wire.sampling_params import SamplingParams
+
+#: One prompt of a legacy completions request: text to tokenize, or token ids as given.
+Prompt = str | list[int]
+#: Raw bytes of a token id (`Tokenizer.id_to_token_bytes`), for logprobs' `token`/`bytes`.
+TokenBytes = Callable[[int], bytes]
+
+#: The logprob reported for a token the model gives no finite logprob (as OpenAI does).
+MIN_LOGPROB = -9999.0
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+# ---------------------------------------------------------------------------- ids
+
+
+def new_chat_id() -> str:
+    """An id for a chat completion ("chatcmpl-…")."""
+    return random_id("chatcmpl-")
+
+
+def new_completion_id() -> str:
+    """An id for a legacy completion ("cmpl-…")."""
+    return random_id("cmpl-")
+
+
+# ---------------------------------------------------------------------------- requests in
+
+
+def _logit_bias(
+    bias: dict[str, float] | None, vocab_size: int | None
+) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise invalid_request(
+                f"Invalid 'logit_bias': key {key!r} is not a token id.",
+                param="logit_bias", code=INVALID_VALUE,
+            )
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise invalid_request(
+                f"Invalid 'logit_bias': token id {token} is outside the vocabulary "
+                f"(size {vocab_size}).",
+                param="logit_bias", code=INVALID_VALUE,
+            )
+        out[token] = value
+    return out
+
+
+def _common_kwargs(req: SamplingFields, vocab_size: int | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "n": 1 if req.n is None else req.n,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": 0 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "logit_bias": _logit_bias(req.logit_bias, vocab_size),
+        "seed": req.seed,
+        "stop": stop_list(req.stop),
+        "min_tokens": req.min_tokens or 0,
+    }
+    return kwargs
+
+
+def chat_request_to_engine(
+    req: ChatCompletionRequest, vocab_size: int | None = None
+) -> tuple[list[TemplateMessage], SamplingParams]:
+    """Template messages and sampling parameters of a chat request.
+
+    `developer` messages become `system` (chat templates know only the latter). `max_tokens`
+    is None when the client set neither `max_completion_tokens` nor `max_tokens`: the caller
+    fills in what the context window leaves. `vocab_size`, when given, bounds logit_bias ids.
+    """
+    messages: list[TemplateMessage] = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+        for m in req.messages
+    ]
+    kwargs = _common_kwargs(req, vocab_size)
+    renames: dict[str, str] = {}
+    if req.max_completion_tokens is not None:
+        kwargs["max_tokens"] = req.max_completion_tokens
+        renames["max_tokens"] = "max_completion_tokens"
+    else:
+        kwargs["max_tokens"] = req.max_tokens
+    if req.top_logprobs and not req.logprobs:
+        raise invalid_request(
+            "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs",
+            code=INVALID_VALUE,
+        )
+    kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    return messages, sampling_params(renames, **kwargs)
+
+
+def completion_request_to_engine(
+    req: CompletionRequest, vocab_size: int | None = None
+) -> tuple[list[Prompt], SamplingParams]:
+    """Prompts (texts to tokenize, or token ids as given) and sampling parameters.
+
+    The response has `len(prompts) * n` choices; choice `i * n + j` is completion `j` of
+    prompt `i`.
+    """
+    raw = req.prompt
+    prompts: list[Prompt]
+    if isinstance(raw, str):
+        prompts = [raw]
+    elif all(isinstance(p, int) for p in raw):
+        prompts = [[int(p) for p in raw if isinstance(p, int)]]
+    else:
+        prompts = [p if isinstance(p, str) else list(p) for p in raw if not isinstance(p, int)]
+    for p in prompts:
+        if isinstance(p, list):
+            bad = [t for t in p if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if bad:
+                raise invalid_request(
+                    f"Invalid 'prompt': token id {bad[0]} is outside the vocabulary.",
+                    param="prompt", code=INVALID_VALUE,
+                )
+    kwargs = _common_kwargs(req, vocab_size)
+    n = kwargs["n"]
+    if n * len(prompts) > MAX_N:
+        raise invalid_request(
+            f"'n' times the number of prompts must be at most {MAX_N}.", param="n",
+            code=INVALID_VALUE,
+        )
+    if req.best_of is not None and req.best_of != n:
+        if req.best_of < n:
+            raise invalid_request(
+                "'best_of' must be greater than or equal to 'n'.", param="best_of",
+                code=INVALID_VALUE,
+            )
+        raise unsupported("best_of", "'best_of' greater than 'n' is not supported yet.")
+    if req.echo and req.logprobs is not None:
+        raise unsupported(
+            "echo", "'echo' together with 'logprobs' is not supported yet (prompt logprobs "
+            "are not computed).",
+        )
+    kwargs["max_tokens"] = req.max_tokens
+    kwargs["logprobs"] = req.logprobs
+    return prompts, sampling_params({"top_logprobs": "logprobs"}, **kwargs)
+
+
+# ---------------------------------------------------------------------------- finish and usage
+
+
+def openai_finish_reason(finish_reason: str | None) -> FinishReason | None:
+    """Engine finish reason → OpenAI's ("length" stays, EOS/stop strings/abort → "stop")."""
+    if finish_reason is None:
+        return None
+    if finish_reason in ("length", "content_filter", "tool_calls"):
+        return finish_reason  # type: ignore[return-value]
+    return "stop"
+
+
+def legacy_finish_reason(
+    finish_reason: str | None,
+) -> Literal["stop", "length", "content_filter"] | None:
+    """Engine finish reason → the legacy completions' set."""
+    if finish_reason is None:
+        return None
+    if finish_reason in ("length", "content_filter"):
+        return finish_reason  # type: ignore[return-value]
+    return "stop"
+
+
+def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """OpenAI usage: `prompt_tokens` includes `cached_tokens`."""
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def token_string(raw: bytes) -> str:
+    """A token's text for logprobs; a partial UTF-8 sequence is spelled "bytes:\\xe2\\x80"."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def chat_logprobs(entries: Sequence[Logprob], token_bytes: TokenBytes) -> ChoiceLogprobs:
+    """`choices[].logprobs` of a chat completion for `entries` (one per generated token)."""
+    content: list[TokenLogprob] = []
+    for entry in entries:
+        raw = token_bytes(entry.token_id)
+        top = []
+        for token_id, logprob in entry.top:
+            alt = token_bytes(token_id)
+            top.append(TopLogprob(token=token_string(alt), logprob=_finite(logprob),
+                                  bytes=list(alt)))
+        content.append(
+            TokenLogprob(
+                token=token_string(raw), logprob=_finite(entry.logprob), bytes=list(raw),
+                top_logprobs=top,
+            )
+        )
+    return ChoiceLogprobs(content=content)
+
+
+class OffsetCounter:
+    """Character offsets of successive tokens' text (partial UTF-8 sequences count once)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset where this token starts; moves past it."""
+        at = self.offset
+        self.offset += len(self._decoder.decode(raw))
+        return at
+
+
+def completion_logprobs_at(
+    entries: Sequence[Logprob], token_bytes: TokenBytes, offsets: OffsetCounter
+) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for entry in entries:
+        raw = token_bytes(entry.token_id)
+        out.tokens.append(token_string(raw))
+        out.token_logprobs.append(_finite(entry.logprob))
+        out.top_logprobs.append(
+            {token_string(token_bytes(t)): _finite(lp) for t, lp in entry.top}
+        )
+        out.text_offset.append(offsets.advance(raw))
+    return out
+
+
+def completion_logprobs(
+    entries: Sequence[Logprob], token_bytes: TokenBytes, text_offset: int = 0
+) -> CompletionLogprobs:
+    """Legacy `choices[].logprobs`; offsets count characters from `text_offset`."""
+    return completion_logprobs_at(entries, token_bytes, OffsetCounter(text_offset))
+
+
+def need_bytes(token_bytes: TokenBytes | None) -> TokenBytes:
+    if token_bytes is None:
+        raise ValueError("logprobs were computed but no token_bytes function was given")
+    return token_bytes
+
+
+# ---------------------------------------------------------------------------- bodies
+
+
+def build_chat_completion(
+    *,
+    id: str,
+    model: str,
+    created: int,
+    completions: Sequence[Completion],
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    token_bytes: TokenBytes | None = None,
+    system_fingerprint: str | None = None,
+) -> ChatCompletion:
+    """The non-streamed chat completion for finished `completions` (one per choice)."""
+    choices = []
+    for c in sorted(completions, key=lambda c: c.index):
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = chat_logprobs(c.logprobs, need_bytes(token_bytes))
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                logprobs=logprobs,
+                finish_reason=openai_finish_reason(c.finish_reason) or "stop",
+            )
+        )
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return ChatCompletion(
+        id=id, created=created, model=model, system_fingerprint=system_fingerprint,
+        choices=choices, usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),
+    )
+
+
+def build_text_completion(
+    *,
+    id: str,
+    model: str,
+    created: int,
+    completions: Sequence[Sequence[Completion]],
+    n: int,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    token_bytes: TokenBytes | None = None,
+    echo_prompts: Sequence[str] | None = None,
+    system_fingerprint: str | None = None,
+) -> TextCompletion:
+    """The non-streamed legacy completion.
+
+    `completions[i]` are the `n` finished completions of prompt `i`; `prompt_tokens` and
+    `cached_tokens` are totals over all prompts. With `echo_prompts`, each choice's text
+    starts with its prompt's text.
+    """
+    choices = []
+    for i, per_prompt in enumerate(completions):
+        prefix = echo_prompts[i] if echo_prompts is not None else ""
+        for c in sorted(per_prompt, key=lambda c: c.index):
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = completion_logprobs(c.logprobs, need_bytes(token_bytes), len(prefix))
+            choices.append(
+                CompletionChoice(
+                    index=i * n + c.index,
+                    text=prefix + c.text,
+                    logprobs=logprobs,
+                    finish_reason=legacy_finish_reason(c.finish_reason) or "stop",
+                )
+            )
+    completion_tokens = sum(len(c.token_ids) for per in completions for c in per)
+    return TextCompletion(
+        id=id, created=created, model=model, system_fingerprint=system_fingerprint,
+        choices=choices, usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),
+    )
+
+
+def build_model_list(models: Sequence[tuple[str, int, str]]) -> ModelList:
+    """GET /v1/models from (id, created, owned_by) triples."""
+    return ModelList(
+        data=[ModelCard(id=mid, created=created, owned_by=owner) for mid, created, owner in models]
+    )

@@ -1,0 +1,256 @@
+"""The OpenAI dialect's streams: the chunks of one streamed chat or legacy completion,
+and their `Format`s for the one response writer (`api/respond.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenyard.api.convert import now
+from tokenyard.api.openai.convert import (
+    OffsetCounter,
+    TokenBytes,
+    build_chat_completion,
+    build_text_completion,
+    chat_logprobs,
+    completion_logprobs_at,
+    legacy_finish_reason,
+    need_bytes,
+    new_chat_id,
+    new_completion_id,
+    openai_finish_reason,
+    openai_usage,
+)
+from tokenyard.api.openai.schemas import (
+    ChatCompletionChunk,
+    ChunkChoice,
+    ChunkDelta,
+    CompletionChoice,
+    TextCompletion,
+)
+from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
+from tokenyard.balancer.generation import Generation
+from tokenyard.errors import APIError
+from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
+
+#: The `system_fingerprint` of every OpenAI response.
+SYSTEM_FINGERPRINT = "tokenyard"
+
+
+@dataclass
+class ChatStream:
+    """Builds the chunks of one streamed chat completion.
+
+    Per choice: a role chunk (``delta: {"role": "assistant", "content": ""}``), content
+    chunks, then a finish chunk with an empty delta; after every choice, with include_usage,
+    `usage_chunk` (``choices: []``). Each chunk carries one choice, as OpenAI's do.
+    """
+
+    id: str
+    model: str
+    created: int
+    system_fingerprint: str | None = None
+    token_bytes: TokenBytes | None = None
+    _started: set[int] = field(default_factory=set)
+
+    def _chunk(self, choice: ChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model,
+            system_fingerprint=self.system_fingerprint, choices=[choice],
+        )
+
+    def role_chunk(self, index: int = 0) -> ChatCompletionChunk:
+        """The first chunk of choice `index`."""
+        self._started.add(index)
+        return self._chunk(
+            ChunkChoice(index=index, delta=ChunkDelta(role="assistant", content=""))
+        )
+
+    def role_chunks(self, n: int) -> list[ChatCompletionChunk]:
+        """Role chunks for choices 0..n-1 (send them before the first token arrives)."""
+        return [self.role_chunk(i) for i in range(n) if i not in self._started]
+
+    def delta_chunks(self, delta: CompletionDelta) -> list[ChatCompletionChunk]:
+        """Chunks for one engine delta: role (if not yet sent), content, finish."""
+        out: list[ChatCompletionChunk] = []
+        if delta.index not in self._started:
+            out.append(self.role_chunk(delta.index))
+        logprobs = None
+        if delta.logprobs:
+            logprobs = chat_logprobs(delta.logprobs, need_bytes(self.token_bytes))
+        if delta.text or logprobs is not None:
+            out.append(self._chunk(ChunkChoice(
+                index=delta.index, delta=ChunkDelta(content=delta.text), logprobs=logprobs,
+            )))
+        finish = openai_finish_reason(delta.finish_reason)
+        if finish is not None:
+            out.append(self._chunk(
+                ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=finish)
+            ))
+        return out
+
+    def output_chunks(self, output: RequestOutput) -> list[ChatCompletionChunk]:
+        """Chunks for every delta of one engine step's output."""
+        return [chunk for d in output.deltas for chunk in self.delta_chunks(d)]
+
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> ChatCompletionChunk:
+        """The final usage chunk (`choices` is empty)."""
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model,
+            system_fingerprint=self.system_fingerprint, choices=[],
+            usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),
+        )
+
+
+@dataclass
+class CompletionStream:
+    """Builds the chunks of one streamed legacy completion (object "text_completion").
+
+    Choice index is ``prompt_index * n + delta.index``; the finish reason rides on the
+    delta's own chunk, as the legacy API does.
+    """
+
+    id: str
+    model: str
+    created: int
+    n: int = 1
+    system_fingerprint: str | None = None
+    token_bytes: TokenBytes | None = None
+    _offsets: dict[int, OffsetCounter] = field(default_factory=dict)
+
+    def _chunk(self, choice: CompletionChoice) -> TextCompletion:
+        return TextCompletion(
+            id=self.id, created=self.created, model=self.model,
+            system_fingerprint=self.system_fingerprint, choices=[choice],
+        )
+
+    def echo_chunks(self, prompt_index: int, prompt_text: str) -> list[TextCompletion]:
+        """With `echo`: the prompt's text as the first chunk of each of its `n` choices."""
+        out = []
+        for j in range(self.n):
+            index = prompt_index * self.n + j
+            self._offsets[index] = OffsetCounter(len(prompt_text))
+            out.append(self._chunk(CompletionChoice(index=index, text=prompt_text)))
+        return out
+
+    def delta_chunks(self, delta: CompletionDelta, prompt_index: int = 0) -> list[TextCompletion]:
+        """The chunk for one engine delta of prompt `prompt_index` (none if nothing new)."""
+        index = prompt_index * self.n + delta.index
+        logprobs = None
+        if delta.logprobs:
+            offsets = self._offsets.setdefault(index, OffsetCounter())
+            logprobs = completion_logprobs_at(delta.logprobs, need_bytes(self.token_bytes),
+                                            offsets)
+        finish = legacy_finish_reason(delta.finish_reason)
+        if not delta.text and logprobs is None and finish is None:
+            return []
+        return [self._chunk(CompletionChoice(
+            index=index, text=delta.text, logprobs=logprobs, finish_reason=finish,
+        ))]
+
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> TextCompletion:
+        """The final usage chunk (`choices` is empty)."""
+        return TextCompletion(
+            id=self.id, created=self.created, model=self.model,
+            system_fingerprint=self.system_fingerprint, choices=[],
+            usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),
+        )
+
+
+# ---------------------------------------------------------------------------- formats
+
+
+class _OpenAIFormat:
+    """What both OpenAI responses share: bare ``data:`` events ending in ``[DONE]``, the
+    usage chunk last when the client asked for it, the error as ``data: {"error": …}``."""
+
+    terminator = SSE_DONE
+
+    def __init__(self, stream: ChatStream | CompletionStream, n: int, include_usage: bool,
+                 token_bytes: TokenBytes) -> None:
+        self.stream = stream
+        self.n = n
+        self.include_usage = include_usage
+        self.token_bytes = token_bytes
+
+    def tail(self, gens: Sequence[Generation]) -> list[BaseModel]:
+        if not self.include_usage:
+            return []
+        output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
+        return [self.stream.usage_chunk(sum(len(g.prompt) for g in gens), output_tokens,
+                                        sum(g.num_cached_tokens for g in gens))]
+
+    def encode(self, event: Any) -> bytes:
+        return sse_data(event)
+
+    def error(self, err: APIError) -> bytes:
+        return openai_stream_error(err)
+
+
+class ChatFormat(_OpenAIFormat):
+    """A chat completion of one prompt's n choices."""
+
+    def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes
+                 ) -> None:
+        self.stream: ChatStream = ChatStream(new_chat_id(), model, now(), SYSTEM_FINGERPRINT,
+                                             token_bytes)
+        super().__init__(self.stream, n, include_usage, token_bytes)
+
+    def body(
+        self, gens: Sequence[Generation], completions: Sequence[list[Completion]]
+    ) -> BaseModel:
+        gen, stream = gens[0], self.stream
+        return build_chat_completion(
+            id=stream.id, model=stream.model, created=stream.created,
+            completions=completions[0], prompt_tokens=len(gen.prompt),
+            cached_tokens=gen.num_cached_tokens, token_bytes=self.token_bytes,
+            system_fingerprint=SYSTEM_FINGERPRINT,
+        )
+
+    def head(self) -> list[BaseModel]:
+        # The role chunks go out with the first step's (already received) output.
+        return list(self.stream.role_chunks(self.n))
+
+    def events(self, index: int, out: RequestOutput) -> list[BaseModel]:
+        return list(self.stream.output_chunks(out))
+
+
+
+class CompletionFormat(_OpenAIFormat):
+    """A legacy completion of several prompts: choice i*n+j is completion j of prompt i;
+    every prompt streams at once and the choice indexes tell them apart."""
+
+    def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes,
+                 echo: list[str] | None) -> None:
+        self.stream: CompletionStream = CompletionStream(
+            new_completion_id(), model, now(), n, SYSTEM_FINGERPRINT, token_bytes)
+        super().__init__(self.stream, n, include_usage, token_bytes)
+        self.echo = echo
+
+    def body(
+        self, gens: Sequence[Generation], completions: Sequence[list[Completion]]
+    ) -> BaseModel:
+        stream = self.stream
+        return build_text_completion(
+            id=stream.id, model=stream.model, created=stream.created,
+            completions=completions, n=self.n,
+            prompt_tokens=sum(len(g.prompt) for g in gens),
+            cached_tokens=sum(g.num_cached_tokens for g in gens),
+            token_bytes=self.token_bytes, echo_prompts=self.echo,
+            system_fingerprint=SYSTEM_FINGERPRINT,
+        )
+
+    def head(self) -> list[BaseModel]:
+        return [chunk for i, text in enumerate(self.echo or [])
+                for chunk in self.stream.echo_chunks(i, text)]
+
+    def events(self, index: int, out: RequestOutput) -> list[BaseModel]:
+        return [chunk for d in out.deltas for chunk in self.stream.delta_chunks(d, index)]
+
