@@ -1,7 +1,21 @@
 """A tiny Prometheus registry (text exposition format 0.0.4) and tokenyard's metrics.
 
 No external dependency: counters, gauges and histograms with labels, rendered by `render`.
-Names follow vLLM's with the ``tokenyard:`` prefix so dashboards built for vLLM carry over.
+
+The metric names are vLLM's (v1) after the prefix, but a dashboard built for vLLM does not
+work unchanged. What differs:
+
+- the prefix: ``tokenyard:`` where vLLM has ``vllm:``;
+- no ``model_name`` label (one model per process): a selector such as
+  ``{model_name="$model"}`` matches nothing and has to be dropped;
+- the prefix-cache counters are ``prefix_cache_queries`` and ``prefix_cache_hits``, where
+  vLLM exposes ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``;
+- histogram buckets are tokenyard's (`TTFT_BUCKETS` and the others below), so panels that
+  read a given ``le`` differ; ``histogram_quantile`` queries work;
+- only the metrics of `TokenyardMetrics` exist; panels on any other vLLM metric are empty.
+
+The other names, types and units, and the ``finished_reason`` values (stop, length,
+abort), are vLLM's.
 
 Concurrency: no locks. Every update and every render runs on the HTTP process's single
 asyncio loop, where each method runs to completion without interleaving; updating from other
