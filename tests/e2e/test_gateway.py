@@ -712,3 +712,30 @@ def test_two_gateways_sharing_redis_admit_at_most_one_limit_together(redis_url: 
                 client.delete(*stale)
             client.close()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_an_idempotent_stream_that_failed_after_its_200_is_not_stored_for_replay() -> None:
+    with _mock_replica() as replica, running_server("--replica-url", replica) as (server, _):
+        url = server.base_url + "/v1/chat/completions"
+        body = {"model": server.model, "messages": HELLO, "max_tokens": 4, "stream": True}
+        headers = {**server.headers, "Idempotency-Key": f"idem-{uuid.uuid4().hex}"}
+
+        async def main() -> list[tuple[int, Any, bytes]]:
+            async with aiohttp.ClientSession() as session:
+                results = []
+                # The replica sends a first token, then fails; then it is healthy again.
+                for failure_rate in (1.0, 0.0):
+                    async with session.post(replica + "/mock/config",
+                                            json={"inject_stream_error": failure_rate}) as r:
+                        assert r.status == 200
+                    async with session.post(url, json=body, headers=headers) as r:
+                        results.append((r.status, r.headers, await r.read()))
+                return results
+
+        (status1, _, raw1), (status2, headers2, raw2) = asyncio.run(main())
+    assert status1 == 200
+    last = raw1.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b'data: {"error"'), raw1
+    # The retry ran (a replay would repeat the error): a fresh, complete stream.
+    assert status2 == 200 and "Idempotent-Replayed" not in headers2
+    assert raw2.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw2

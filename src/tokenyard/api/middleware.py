@@ -117,11 +117,13 @@ def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
 
 
 class RecordingStreamResponse(web.StreamResponse):
-    """A stream that keeps a copy of what it sent, for Idempotency-Key replays."""
+    """A stream that keeps a copy of what it sent, for Idempotency-Key replays; a stream
+    that ended in an error event says so in `failed`, and is not kept."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.recorded = bytearray()
+        self.failed = False
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         self.recorded += data
@@ -136,6 +138,12 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
     _add_headers(request, response)
     await response.prepare(request)
     return response
+
+
+def stream_failed(response: web.StreamResponse) -> None:
+    """Mark a stream that ended in an error event, after its 200 went out."""
+    if isinstance(response, RecordingStreamResponse):
+        response.failed = True
 
 
 async def _idempotent(
@@ -156,14 +164,11 @@ async def _idempotent(
         # A task of its own: a cancelled handler (client gone) must still free the key.
         asyncio.get_running_loop().create_task(store.idem_release(org_id, idem_key))
         raise
-    if 200 <= response.status < 300:
-        body = (
-            bytes(response.recorded) if isinstance(response, RecordingStreamResponse)
-            else bytes(cast(bytes, getattr(response, "body", b"")) or b"")
-        )
-        content_type = response.headers.get("Content-Type", "application/json")
-        await store.idem_complete(org_id, idem_key, response.status,
-                                  {"Content-Type": content_type}, body)
+    if isinstance(response, RecordingStreamResponse):
+        failed, body = response.failed, bytes(response.recorded)
     else:
-        await store.idem_release(org_id, idem_key)
+        failed, body = False, bytes(cast(bytes, getattr(response, "body", b"")) or b"")
+    content_type = response.headers.get("Content-Type", "application/json")
+    await idempotency.finish(store, org_id, idem_key, response.status,
+                             {"Content-Type": content_type}, body, failed=failed)
     return response

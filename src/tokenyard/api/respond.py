@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tokenyard.api.context import KEY, REQUEST_ID, STATE, TICKET, TIMELINE
-from tokenyard.api.middleware import open_stream
+from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.balancer.generation import Generation, finished_completions, merged
 from tokenyard.errors import APIError, internal_error
@@ -150,6 +150,7 @@ async def _stream(
         raise  # the client is gone: nothing to tell it
     except Exception as exc:
         pending.append(fmt.error(_stream_failure(request, exc)))
+        stream_failed(response)
     else:
         final.extend(fmt.tail(gens))
         if final:

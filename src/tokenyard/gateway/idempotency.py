@@ -4,12 +4,14 @@ A POST that carries the header claims the key for its org. The same key and the 
 again gets the stored response back (and is not charged again); the same key with another
 body is 422; a retry while the first is still running is 409. Only successful (2xx)
 responses are kept, for 24 hours; a request that failed releases its key so that the
-client's retry runs.
+client's retry runs — a stream that began with 200 and then ended in an error event
+failed too.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 from tokenyard.errors import APIError, invalid_request
 from tokenyard.store.records import IdempotencyRecord
@@ -49,3 +51,15 @@ async def claim(store: Store, org_id: str, key: str, body: bytes) -> Idempotency
         409, f"A request with this {HEADER} is still being processed; retry later.",
         param=HEADER, code="idempotency_key_in_use", headers={"retry-after": "1"},
     )
+
+
+async def finish(
+    store: Store, org_id: str, key: str, status: int, headers: Mapping[str, str],
+    body: bytes, *, failed: bool = False,
+) -> None:
+    """Keep the response of the request that claimed `key` for replays when it succeeded
+    (2xx and not `failed`, a stream's error after its 200); else free the key."""
+    if failed or not 200 <= status < 300:
+        await store.idem_release(org_id, key)
+    else:
+        await store.idem_complete(org_id, key, status, dict(headers), body)
