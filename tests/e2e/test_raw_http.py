@@ -419,29 +419,71 @@ def test_failure_after_the_stream_began_is_an_error_event() -> None:
     assert status == 200 and b"event: error\n" in raw
 
 
-def test_metrics_show_the_engine_idle_with_every_kv_block_free(server: Server) -> None:
-    async def scenario() -> str:
-        async with aiohttp.ClientSession(headers=AUTH) as session:
-            async with session.post(f"{server.base_url}/v1/chat/completions",
-                                    json=_chat(server)) as resp:
-                assert resp.status == 200
-            async with session.get(f"{server.base_url}/metrics") as resp:
-                assert resp.status == 200
-                assert resp.headers["Content-Type"].startswith("text/plain")
-                return await resp.text()
+def _metric_values(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text page, by series (name and labels)."""
+    return {line.split()[0]: float(line.split()[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
 
-    text = asyncio.run(scenario())
-    values = {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines() if line and not line.startswith("#")
-    }
-    assert values["tokenyard:num_requests_running"] == 0
-    assert values["tokenyard:kv_cache_usage_perc"] == 0
-    assert values["tokenyard:prefix_cache_queries"] > 0
-    # The HTTP process observes every request it served.
-    assert values["tokenyard:time_to_first_token_seconds_count"] >= 1
-    assert values["tokenyard:e2e_request_latency_seconds_count"] >= 1
-    assert values["tokenyard:request_queue_time_seconds_count"] >= 1
-    assert values["tokenyard:inter_token_latency_seconds_count"] >= 1
-    assert values["tokenyard:generation_tokens_total"] >= 4
-    assert values['tokenyard:request_success_total{finished_reason="length"}'] >= 1
+
+def test_metrics_show_the_replica_busy_then_idle_with_every_kv_block_free(
+    server: Server,
+) -> None:
+    async def scenario() -> tuple[dict[str, float], ...]:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
+            async def metrics() -> dict[str, float]:
+                async with session.get(f"{server.base_url}/metrics") as resp:
+                    assert resp.status == 200
+                    assert resp.headers["Content-Type"].startswith("text/plain")
+                    return _metric_values(await resp.text())
+
+            before = await metrics()
+            async with session.post(f"{server.base_url}/v1/chat/completions",
+                                    json=_chat(server, min_tokens=4)) as resp:
+                assert resp.status == 200
+                usage = (await resp.json())["usage"]
+            after = await metrics()
+            # A long stream, read while it runs, then dropped.
+            response = await session.post(
+                server.base_url + "/v1/chat/completions",
+                json=_chat(server, max_tokens=400, min_tokens=400, stream=True))
+            assert response.status == 200
+            chunks = 0
+            async for line in response.content:
+                chunks += line.startswith(b"data: ")
+                if chunks >= 3:
+                    break
+            busy = await metrics()
+            response.close()
+            replica = await _wait_idle(session, server.replica_url)
+            idle = await metrics()
+            return before, usage, after, busy, replica, idle
+
+    before, usage, after, busy, replica, idle = asyncio.run(scenario())
+
+    def added(name: str) -> float:
+        return after[name] - before.get(name, 0.0)  # a labelled series starts unseen
+
+    # The HTTP process observes each request it served, once, with its real counts.
+    assert added("tokenyard:e2e_request_latency_seconds_count") == 1
+    assert added("tokenyard:time_to_first_token_seconds_count") == 1
+    assert added("tokenyard:request_queue_time_seconds_count") == 1
+    assert added("tokenyard:inter_token_latency_seconds_count") == usage["completion_tokens"] - 1
+    assert added("tokenyard:prompt_tokens_total") == usage["prompt_tokens"]
+    assert added("tokenyard:generation_tokens_total") == usage["completion_tokens"] == 4
+    assert added('tokenyard:request_success_total{finished_reason="length"}') == 1
+    # The engine's figures are the replica's own: read while a stream runs, they show it in
+    # the batch holding KV blocks, and its prompt looked up in the prefix cache.
+    assert (busy["tokenyard:num_requests_running"], busy["tokenyard:num_requests_waiting"]) \
+        == (1, 0), busy
+    assert busy["tokenyard:kv_cache_usage_perc"] > 0, busy
+    assert busy["tokenyard:prefix_cache_queries"] > after["tokenyard:prefix_cache_queries"]
+    # Once the replica is idle with every block free, /metrics says so, and its cumulative
+    # counters are the replica's (GET /v1/engine/stats), not a count of the HTTP process's.
+    assert replica["num_running"] == 0, replica
+    assert replica["num_free_kv_blocks"] == replica["num_kv_blocks"] > 0, replica
+    assert idle["tokenyard:num_requests_running"] == idle["tokenyard:num_requests_waiting"] == 0
+    assert idle["tokenyard:kv_cache_usage_perc"] == 0
+    assert (idle["tokenyard:prefix_cache_queries"], idle["tokenyard:prefix_cache_hits"],
+            idle["tokenyard:num_preemptions_total"]) == (
+        replica["prefix_cache_queries"], replica["prefix_cache_hits"],
+        replica["num_preemptions"])
