@@ -33,37 +33,59 @@ def test_chat_non_stream(client: openai.OpenAI, server: Server) -> None:
 
 
 def test_chat_stream_with_usage(client: openai.OpenAI, server: Server) -> None:
+    # min_tokens = max_tokens: exactly 8 tokens, ended by the length limit.
     chunks = list(client.chat.completions.create(
         model=server.model, messages=HELLO, max_tokens=8, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_body={"min_tokens": 8},
     ))
     assert chunks[0].choices[0].delta.role == "assistant"
-    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finish) == 1
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
-    assert last.usage.completion_tokens == 8 or finish[0].choices[0].finish_reason == "stop"
+    prompt = client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=1)
+    assert prompt.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
+        prompt.usage.prompt_tokens, 8, prompt.usage.prompt_tokens + 8)
 
 
 def test_n_choices(client: openai.OpenAI, server: Server) -> None:
-    r = client.chat.completions.create(
-        model=server.model, messages=HELLO, max_tokens=6, n=2, temperature=1.0, seed=3
-    )
-    assert sorted(c.index for c in r.choices) == [0, 1]
-    assert r.usage is not None
-    assert r.usage.completion_tokens <= 12
+    def sample() -> tuple[list[str], int]:
+        r = client.chat.completions.create(
+            model=server.model, messages=HELLO, max_tokens=12, n=4, temperature=1.0, seed=3,
+            logprobs=True,
+        )
+        assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+        choices = sorted(r.choices, key=lambda c: c.index)
+        # Usage counts the tokens of every choice (one logprobs entry per token).
+        assert r.usage is not None
+        assert r.usage.completion_tokens == sum(
+            len(c.logprobs.content or []) for c in choices)  # type: ignore[union-attr]
+        return [c.message.content or "" for c in choices], r.usage.completion_tokens
+
+    texts, tokens = sample()
+    # Each choice is a sample of its own: four different texts, not one repeated...
+    assert len(set(texts)) == 4, texts
+    # ...and with a seed, the same four again.
+    assert sample() == (texts, tokens)
 
 
 def test_seed_reproducible_at_temperature_1(client: openai.OpenAI, server: Server) -> None:
-    def once() -> str | None:
+    def once(seed: int | None, temperature: float = 1.0) -> str | None:
         r = client.chat.completions.create(
-            model=server.model, messages=HELLO, max_tokens=12, temperature=1.0, seed=1234
+            model=server.model, messages=HELLO, max_tokens=12, temperature=temperature,
+            seed=seed,
         )
         return r.choices[0].message.content
 
-    assert once() == once()
+    seeded = once(1234)
+    assert seeded == once(1234)
+    # Temperature 1 samples: another seed, and greedy decoding, give other texts.
+    assert once(1235) != seeded
+    assert once(None, temperature=0) != seeded
 
 
 def test_logprobs(client: openai.OpenAI, server: Server) -> None:
