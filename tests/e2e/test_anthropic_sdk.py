@@ -57,12 +57,22 @@ def test_missing_max_tokens_is_bad_request(server: Server) -> None:
 
 
 def test_assistant_prefill_is_continued(client: anthropic.Anthropic, server: Server) -> None:
-    plain = client.messages.count_tokens(model=server.model, messages=HELLO)
-    prefilled = client.messages.count_tokens(
-        model=server.model, messages=[*HELLO, {"role": "assistant", "content": "Hello"}]
-    )
-    # The prefill adds the generation prompt's tokens plus "Hello", not a closed turn.
-    assert 0 < prefilled.input_tokens - plain.input_tokens <= 2
-    m = client.messages.create(model=server.model, max_tokens=4,
-                               messages=[*HELLO, {"role": "assistant", "content": "Hello"}])
+    question: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
+    prefill = "The capital of France is"
+    prefilled = [*question, {"role": "assistant", "content": prefill}]
+    plain = client.messages.count_tokens(model=server.model, messages=question).input_tokens
+    with_prefill = client.messages.count_tokens(model=server.model, messages=prefilled)
+    # The prefill's own tokens, counted with no template by the text-completion route.
+    raw: Any = client.post("/v1/completions", cast_to=object, body={
+        "model": server.model, "prompt": prefill, "max_tokens": 1})
+    # The prompt is the open assistant turn (counted in `plain`) plus the prefill: no
+    # end-of-turn token after it, and no second assistant header.
+    assert with_prefill.input_tokens == plain + raw["usage"]["prompt_tokens"]
+    m = client.messages.create(model=server.model, max_tokens=8, messages=prefilled,
+                               extra_body={"temperature": 0})
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) \
+        == with_prefill.input_tokens
+    # Greedy, the model finishes the sentence; in a fresh turn it starts one ("The capital
+    # of France is Paris."), which joined to the prefill would read "...isThe capital".
     assert m.content[0].type == "text"
+    assert (prefill + m.content[0].text).startswith("The capital of France is Paris"), m.content
