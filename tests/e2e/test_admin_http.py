@@ -33,11 +33,9 @@ def call(server: Server, method: str, path: str, key: str | None = None,
 
 @pytest.fixture
 def fresh_server() -> Iterator[Server]:
-    """A `tokenyard serve` of its own, which no other test has sent a request to.
-
-    A gateway reads the model prices once, at its first request, and then only every 10 s:
-    on the session's server a price set here is not charged yet if an earlier test made the
-    first request, and the test passed only when it ran first."""
+    """A `tokenyard serve` of its own, which no other test has sent a request to: the
+    figures below then owe nothing to the order of the tests (on the session's server the
+    test used to pass only when it ran first, before any request had read the prices)."""
     with running_server() as (srv, _):
         yield srv
 
@@ -55,6 +53,12 @@ def test_an_admin_key_creates_an_org_and_a_key_that_serves_and_is_billed(
     status, key = call(server, "POST", "/admin/v1/keys", body={
         "org_id": org["id"], "project_id": project["id"], "name": "app"})
     assert status == 201 and key["secret"].startswith("sk-ty-")
+    # A first request reads the (empty) price list; the price set next applies anyway, from
+    # the gateway's next request on.
+    admin = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key,
+                          max_retries=0)
+    admin.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Hello"}], max_tokens=1)
     status, _ = call(server, "PUT", f"/admin/v1/prices/{server.model}",
                      body={"input": "1", "output": "2"})
     assert status == 200
