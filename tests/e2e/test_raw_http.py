@@ -181,47 +181,52 @@ def test_operational_routes(server: Server) -> None:
     assert_openai_error(body)
 
 
-def test_disconnect_mid_stream_frees_the_replica(server: Server) -> None:
-    async def go() -> dict[str, Any]:
-        async with aiohttp.ClientSession(headers=AUTH) as session:
-            response = await session.post(
-                server.base_url + "/v1/chat/completions",
-                json=_chat(server, max_tokens=400, min_tokens=400, stream=True),
-            )
-            assert response.status == 200
-            chunks = 0
-            async for line in response.content:
-                if line.startswith(b"data: "):
-                    chunks += 1
-                if chunks >= 3:
-                    break
-            response.close()  # go away mid-stream
-            deadline = time.monotonic() + 2.0
-            while True:
-                async with session.get(server.replica_url + "/v1/engine/stats") as r:
-                    stats: dict[str, Any] = await r.json()
-                idle = (stats["num_running"] == 0 and stats["num_waiting"] == 0
-                        and stats["num_free_kv_blocks"] == stats["num_kv_blocks"])
-                if idle or time.monotonic() > deadline:
-                    return stats
-                await asyncio.sleep(0.05)
-
-    stats = asyncio.run(go())
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
+async def _replica_stats(session: aiohttp.ClientSession, server: Server) -> dict[str, Any]:
+    """The replica's own engine stats (GET /v1/engine/stats, with the replica's token)."""
+    async with session.get(server.replica_url + "/v1/engine/stats",
+                           headers=server.replica_headers) as r:
+        assert r.status == 200, await r.text()
+        stats: dict[str, Any] = await r.json()
+        return stats
 
 
-async def _wait_idle(session: aiohttp.ClientSession, replica_url: str) -> dict[str, Any]:
+async def _wait_idle(session: aiohttp.ClientSession, server: Server) -> dict[str, Any]:
     """The replica's stats once nothing runs and every KV block is free (or after 2 s)."""
     deadline = time.monotonic() + 2.0
     while True:
-        async with session.get(replica_url + "/v1/engine/stats") as r:
-            stats: dict[str, Any] = await r.json()
+        stats = await _replica_stats(session, server)
         idle = (stats["num_running"] == 0 and stats["num_waiting"] == 0
                 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"])
         if idle or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
+
+
+async def _long_stream(session: aiohttp.ClientSession, server: Server) -> aiohttp.ClientResponse:
+    """A streamed 400-token chat completion, once its first three events have arrived."""
+    response = await session.post(
+        server.base_url + "/v1/chat/completions",
+        json=_chat(server, max_tokens=400, min_tokens=400, stream=True),
+    )
+    assert response.status == 200
+    chunks = 0
+    async for line in response.content:
+        chunks += line.startswith(b"data: ")
+        if chunks >= 3:
+            break
+    return response
+
+
+def test_disconnect_mid_stream_frees_the_replica(server: Server) -> None:
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
+            response = await _long_stream(session, server)
+            response.close()  # go away mid-stream
+            return await _wait_idle(session, server)
+
+    stats = asyncio.run(go())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
 
 
 def test_disconnect_while_waiting_for_a_non_streamed_answer(server: Server) -> None:
@@ -232,12 +237,11 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(server: Server) -> N
                 json=_chat(server, max_tokens=400, min_tokens=400),
             ))
             await asyncio.sleep(0.7)
-            async with session.get(server.replica_url + "/v1/engine/stats") as r:
-                busy: dict[str, Any] = await r.json()
+            busy = await _replica_stats(session, server)
             request.cancel()  # closes the connection: the server's handler is cancelled
             with contextlib.suppress(asyncio.CancelledError):
                 await request
-            return busy, await _wait_idle(session, server.replica_url)
+            return busy, await _wait_idle(session, server)
 
     busy, stats = asyncio.run(go())
     assert busy["num_running"] == 1, busy
@@ -443,18 +447,10 @@ def test_metrics_show_the_replica_busy_then_idle_with_every_kv_block_free(
                 usage = (await resp.json())["usage"]
             after = await metrics()
             # A long stream, read while it runs, then dropped.
-            response = await session.post(
-                server.base_url + "/v1/chat/completions",
-                json=_chat(server, max_tokens=400, min_tokens=400, stream=True))
-            assert response.status == 200
-            chunks = 0
-            async for line in response.content:
-                chunks += line.startswith(b"data: ")
-                if chunks >= 3:
-                    break
+            response = await _long_stream(session, server)
             busy = await metrics()
             response.close()
-            replica = await _wait_idle(session, server.replica_url)
+            replica = await _wait_idle(session, server)
             idle = await metrics()
             return before, usage, after, busy, replica, idle
 
