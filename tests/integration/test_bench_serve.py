@@ -83,8 +83,11 @@ def test_bench_serve_reports_every_request_it_sent(
     report = level["report"]
     assert (report["sent"], report["completed"], report["failed"]) == (10, 10, 0)
     assert report["output_tokens"] == 10 * OUTPUT_LEN  # the mock stops before max_tokens
-    for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
         assert report[name]["count"] > 0 and report[name]["p50"] > 0, name
+    # tokenyard sends the replica steps already waiting in one write, so the client reads
+    # many tokens together and most gaps can be 0: some are not.
+    assert report["itl_ms"]["count"] > 0 and report["itl_ms"]["p99"] > 0, report["itl_ms"]
     assert report["e2e_ms"]["p50"] >= report["ttft_ms"]["p50"]
     assert report["request_rate"] > 0 and report["output_token_rate"] > 0
     assert {"tokenize", "decode"} <= set(report["server_timing_ms"])
