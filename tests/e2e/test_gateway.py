@@ -445,7 +445,7 @@ def test_billing_refuses_an_empty_balance_then_meters_every_request_exactly(gw: 
                 row["output_tokens"]) == (endpoint, prompt, cached, output)
         assert row["org_id"] == org_id and row["model"] == gw.model
         assert row["status"] in ("completed", "stopped")
-        cost = cost_micros(PRICES, prompt - cached, cached, 0, output)
+        cost = cost_micros(PRICES, prompt - cached, cached, output)
         assert cost > 0 and row["cost_micros"] == cost
         total += cost
     assert any(c for _, _, c, _ in seen), "no request read the prefix cache"
