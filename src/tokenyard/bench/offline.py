@@ -41,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-repeats", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-int8", action="store_true")
+    parser.add_argument("--compare-weights", default="q8_0,q4_1",
+                        help="weight formats whose one-stream decode is measured in the same "
+                        "rounds as the engine's own (comma-separated; '' for none)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the one-stream decode figures (and --compare-weights)")
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")
     parser.add_argument("--write", type=Path, help="rewrite this markdown report")
 
@@ -141,6 +146,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> list[Figure]
     vocab = llm.frontend.model_config.vocab_size
     prompts = random_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab)
     llm.generate(prompts[:2], greedy(4))  # warm-up
+    short = random_prompts(1, 45, 45, vocab, seed=1)[0]
+    if args.decode_only:
+        return decode_side_by_side(llm, args, engine_kwargs, short)
     runs = [throughput(llm, prompts, args.output_len) for _ in range(args.throughput_repeats)]
     figures.append(Figure(
         f"offline throughput, {args.num_prompts} prompts ({args.min_prompt_len}-"
@@ -148,7 +156,6 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> list[Figure]
         statistics.median(r[0] for r in runs), "output tok/s", ">= 200",
         f"all tokens (prompt + output): {statistics.median(r[1] for r in runs):.0f} tok/s",
     ))
-    short = random_prompts(1, 45, 45, vocab, seed=1)[0]
     rate = median_of(args.repeats, lambda: decode_rate(llm, short, args.output_len))
     figures.append(Figure("one stream, decode", rate, "tok/s", ">= 80"))
     long = random_prompts(1, args.long_prompt_len, args.long_prompt_len, vocab, seed=2)[0]
@@ -172,10 +179,38 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> list[Figure]
             "tokens", exact * 100, "% identical",
             note=f"{prefix * 100:.1f}% of tokens before the first divergence",
         ))
+    figures += decode_side_by_side(llm, args, engine_kwargs, short)[1:]
     if not args.skip_transformers:
         from tokenyard.bench.reference import transformers_figures
 
         figures += transformers_figures(llm, prompts, short, long, args)
+    return figures
+
+
+def decode_side_by_side(
+    llm: LLM, args: argparse.Namespace, engine_kwargs: dict[str, Any], prompt: list[int]
+) -> list[Figure]:
+    """One-stream decode of `llm` and of the same engine in each --compare-weights format,
+    measured in alternating rounds (medians of --repeats): [own rate, then one per format]."""
+    own = engine_kwargs.get("weights", "float32")
+    formats = [w for w in args.compare_weights.split(",") if w.strip() and w.strip() != own]
+    engines = {own: llm}
+    for w in formats:
+        engines[w.strip()] = LLM(show_progress=False, **{**engine_kwargs, "weights": w.strip()})
+        engines[w.strip()].generate([prompt], greedy(4))  # warm-up (kernel build, caches)
+    rates: dict[str, list[float]] = {w: [] for w in engines}
+    for _ in range(args.repeats):
+        for w, engine in engines.items():
+            rates[w].append(decode_rate(engine, prompt, args.output_len))
+    base = statistics.median(rates[own])
+    figures = [Figure(f"one stream, decode, {own} weights (rounds alternating with "
+                      f"{', '.join(formats) or 'nothing'})", base, "tok/s", ">= 80")]
+    for w in engines:
+        if w == own:
+            continue
+        rate = statistics.median(rates[w])
+        figures.append(Figure(f"one stream, decode, {w} weights", rate, "tok/s", ">= 80",
+                              f"{rate / base:.2f}x {own} in the same rounds"))
     return figures
 
 

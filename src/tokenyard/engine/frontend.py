@@ -64,13 +64,15 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
     model = build_model(loaded)
-    if config.weights == "int8":
+    if config.weights != "float32":
         if device.type != "cpu":
-            raise ValueError("int8 weights are a CPU mode; on CUDA the engine uses bf16")
-        from tokenyard.engine.models.quant import quantize_int8
+            raise ValueError(f"{config.weights} weights are a CPU mode; on CUDA the engine "
+                             "uses bf16")
+        from tokenyard.engine.models.quant import convert_weights
 
-        model = quantize_int8(model)
-    model = model.to(device=device, dtype=dtype) if config.weights != "int8" else model
+        model = convert_weights(model, loaded, config.weights)
+    else:
+        model = model.to(device=device, dtype=dtype)
     if device.type == "cpu":
         model.set_threads(torch.get_num_threads())
     tokenizer: Tokenizer = loaded.tokenizer

@@ -238,6 +238,31 @@ def iter_gguf_weights(
         yield hf_name, value
 
 
+#: GGUF block types the block-weight modes keep as they are (models/quant.py).
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def iter_gguf_blocks(
+    reader: GGUFReader, config: ModelConfig
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (HF name, type name, raw blocks uint8 [rows, bytes]) for every model weight
+    stored as Q4_0, Q4_1 or Q8_0, undequantized (q/k rows un-permuted, as whole rows)."""
+    gguf_arch = field_value(reader, "general.architecture")
+    permuted = gguf_arch in _PERMUTED_ARCHS
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        hf_name = gguf_hf_name(tensor.name)
+        if kind not in BLOCK_TYPES or hf_name is None:
+            continue
+        rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+        if permuted and ".self_attn.q_proj." in hf_name:
+            raw = unpermute_qk(raw, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            raw = unpermute_qk(raw, config.num_key_value_heads)
+        yield hf_name, kind, raw.contiguous()
+
+
 def load_gguf(
     path: str | Path, show_progress: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenyard.engine.attention_backend import AttentionBackend
+from tokenyard.engine.kernels.blocks import BlockWeight
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.rope import apply_rope, rope_tables
 
@@ -64,7 +65,8 @@ class Linear(nn.Module):
 
     `apply` is called directly (not through nn.Module.__call__, whose hooks cost a few
     microseconds per projection). With `packed` set (see models/quant.py) the projection
-    runs as an fbgemm int8 dynamic-quantized matmul instead of float32.
+    runs as an fbgemm int8 dynamic-quantized matmul instead of float32; with `blocks` set
+    it computes on Q8_0/Q4_1 blocks in place (kernels/blocks.py) and `weight` is empty.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -72,13 +74,17 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
         self.packed: object | None = None
+        self.blocks: BlockWeight | None = None
         self.parts = 1  # row slices for split_linear; set by LlamaForCausalLM.set_threads
 
     def apply_(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
-        if self.packed is not None:
+        if self.blocks is not None:
+            y = self.blocks.matmul(x)
+        elif self.packed is not None:
             return torch.ops.quantized.linear_dynamic(x, self.packed, True)
-        y = split_linear(x, self.weight, self.parts)
+        else:
+            y = split_linear(x, self.weight, self.parts)
         return y if self.bias is None else y.add_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.lm_head_packed: object | None = None  # int8 LM head (models/quant.py)
+        # Block weights (models/quant.py): the embedding table (its rows are dequantized
+        # as they are looked up) and the LM head (the same object when tied).
+        self.embed_blocks: BlockWeight | None = None
+        self.lm_head_blocks: BlockWeight | None = None
         self.parts = 1
 
     @torch.inference_mode()
@@ -201,7 +211,10 @@ class LlamaForCausalLM(nn.Module):
         # One gather per step; every layer reuses it. unsqueeze broadcasts over heads.
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_blocks is not None:
+            x = self.embed_blocks.embedding(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
         return _rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
@@ -209,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states [N, hidden] to float32 logits [N, vocab]."""
+        if self.lm_head_blocks is not None:
+            return self.lm_head_blocks.matmul(hidden)
         if self.lm_head_packed is not None:
             return torch.ops.quantized.linear_dynamic(hidden, self.lm_head_packed, True).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

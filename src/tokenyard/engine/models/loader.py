@@ -19,11 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tokenyard.config import default_cache_dir
 from tokenyard.engine.models.config import ModelConfig
-from tokenyard.engine.models.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
+from tokenyard.engine.models.gguf_loader import (
+    iter_gguf_blocks,
+    iter_gguf_weights,
+    open_gguf,
+    read_gguf_config,
+)
 from tokenyard.engine.models.hf_loader import load_hf_folder
 from tokenyard.engine.models.llama import LlamaForCausalLM
 from tokenyard.text.model_files import CACHE_MARKER, file_sha256, resolve_model_path
@@ -34,6 +40,7 @@ logger = logging.getLogger(__name__)
 #: Bump when the cache layout or the conversion changes; older entries are rebuilt.
 CACHE_FORMAT_VERSION = 1
 _WEIGHTS = "model.safetensors"
+_BLOCKS = "blocks.safetensors"  # the GGUF's Q4_0/Q4_1/Q8_0 tensors, undequantized
 _CONFIG = "config.json"
 _STALE_TMP_SECONDS = 3600.0
 
@@ -71,6 +78,43 @@ def load_model(
     if not _is_gguf(path):
         raise ValueError(f"{path} is not a GGUF file (missing 'GGUF' magic)")
     return _load_gguf_cached(path, cache_dir or default_cache_dir(), show_progress)
+
+
+def load_gguf_blocks(loaded: LoadedModel) -> dict[str, tuple[str, torch.Tensor]]:
+    """HF name -> (GGUF type name, raw blocks uint8 [rows, bytes]) for the tensors that
+    `loaded`'s GGUF keeps as Q4_0, Q4_1 or Q8_0; {} for a Hugging Face folder.
+
+    Read from `blocks.safetensors` in the model's cache entry, written there on first use
+    (opening the GGUF again takes seconds; reading the blocks back, milliseconds).
+    """
+    if loaded.source.is_dir() or not _is_gguf(loaded.source):
+        return {}
+    cached = None if loaded.cache_path is None else loaded.cache_path / _BLOCKS
+    if cached is not None and cached.exists():
+        try:
+            return _read_blocks(cached)
+        except Exception as exc:  # damaged: rebuild it below
+            logger.warning("block cache %s unreadable (%s); rebuilding it", cached, exc)
+    reader = open_gguf(loaded.source)
+    blocks = {name: (kind, raw) for name, kind, raw in iter_gguf_blocks(reader, loaded.config)}
+    if cached is not None:
+        tmp = cached.with_name(f".{_BLOCKS}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            kinds = {name: kind for name, (kind, _) in blocks.items()}
+            save_file({name: raw for name, (_, raw) in blocks.items()}, str(tmp),
+                      metadata={"types": json.dumps(kinds)})
+            os.replace(tmp, cached)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            logger.warning("could not write block cache %s: %s", cached, exc)
+    return blocks
+
+
+def _read_blocks(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        kinds = json.loads(metadata["types"])
+        return {name: (kinds[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
 
 
 def build_model(loaded: LoadedModel) -> LlamaForCausalLM:

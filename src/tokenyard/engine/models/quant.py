@@ -1,16 +1,120 @@
-"""int8 weights for the CPU: fbgemm dynamic quantization of every projection.
+"""CPU weight formats other than float32: block weights computed in place, and fbgemm int8.
 
-Weights are quantized once, per output channel (symmetric, scale = max|w| / 127), and
-packed for fbgemm; activations are quantized per call by fbgemm itself. On a CPU without
-fast bf16 this is the path that reads 4x fewer weight bytes per decoded token. The LM
-head gets an int8 copy too (the float32 embedding table stays for the input lookup).
+`q8_0` and `q4_1` (see kernels/blocks.py for the formats) keep every projection and the
+embedding / LM head as blocks of 32 with their own scales, multiplied by the C++ kernel
+with activations quantized per block of 32 too: no float32 copy stays behind.
+
+- `q8_0`: every matrix quantized to Q8_0 (8.5 bits a weight) from its float32 values;
+- `q4_1`: the GGUF's own blocks where it has them (Q4_1 and Q8_0 byte for byte, Q4_0 as
+  Q4_1 without loss); other GGUF tensors (F16/F32, K-quants) become Q8_0; a float
+  checkpoint (a Hugging Face folder) gets Q4_1 projections and a Q8_0 embedding.
+
+`int8` is fbgemm dynamic quantization: per output channel weights and activations
+quantized per tensor by fbgemm itself, which SmolLM2's outlier channels break.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from tokenyard.engine.models.llama import Linear, LlamaForCausalLM
+from tokenyard.engine.kernels import unavailable_reason
+from tokenyard.engine.kernels.blocks import Q4_1, Q8_0, BlockWeight, kernel_available, q4_0_to_q4_1
+from tokenyard.engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from tokenyard.engine.models.loader import LoadedModel, load_gguf_blocks
+
+log = logging.getLogger(__name__)
+
+BLOCK_FORMATS = ("q8_0", "q4_1")
+
+#: Fused projection -> the Hugging Face pieces stacked in its rows, in order.
+_FUSED = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
+
+
+def convert_weights(model: LlamaForCausalLM, loaded: LoadedModel, weights: str) -> LlamaForCausalLM:
+    """Switch `model` (float32, on the CPU) to the `weights` format, in place.
+
+    Block formats need the C++ kernel: without it (no compiler, a build error,
+    TOKENYARD_DISABLE_KERNELS=1) the model stays float32 and the reason is logged.
+    """
+    if weights == "int8":
+        return quantize_int8(model)
+    if weights not in BLOCK_FORMATS:
+        return model
+    if not kernel_available():
+        log.warning("--weights %s needs the quant_matmul kernel (%s); keeping float32 weights",
+                    weights, unavailable_reason("quant_matmul"))
+        return model
+    native = load_gguf_blocks(loaded) if weights == "q4_1" else {}
+    from_gguf = not loaded.source.is_dir()
+    return quantize_blocks(model, weights, native, from_gguf)
+
+
+def quantize_blocks(
+    model: LlamaForCausalLM,
+    weights: str,
+    native: dict[str, tuple[str, torch.Tensor]] | None = None,
+    from_gguf: bool = True,
+) -> LlamaForCausalLM:
+    """Replace every projection, the embedding and the LM head by block weights, in place.
+
+    `native`: GGUF blocks by HF name (loader.load_gguf_blocks) used as they are where a
+    fused projection's pieces all have one kept type; everything else is quantized from
+    the model's float32 values (Q8_0; Q4_1 projections for `q4_1` of a float checkpoint).
+    The float32 tensors are released.
+    """
+    native = native or {}
+    fallback = Q8_0 if weights == "q8_0" or from_gguf else Q4_1
+    for layer in model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        prefix = f"model.layers.{layer.index}."
+        for attr, pieces in _FUSED.items():
+            linear = getattr(layer, attr)
+            assert isinstance(linear, Linear)
+            names = [f"{prefix}{piece}.weight" for piece in pieces]
+            linear.blocks = _native(native, names, linear.weight.shape[1]) or BlockWeight.quantize(
+                linear.weight, fallback
+            )
+            linear.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    embed = _native(native, ["model.embed_tokens.weight"], model.embed_tokens.shape[1])
+    model.embed_blocks = embed or BlockWeight.quantize(model.embed_tokens, Q8_0)
+    model.embed_tokens = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    if model.lm_head is None:
+        model.lm_head_blocks = model.embed_blocks
+    else:
+        head = _native(native, ["lm_head.weight"], model.lm_head.shape[1])
+        model.lm_head_blocks = head or BlockWeight.quantize(model.lm_head, Q8_0)
+        model.lm_head = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return model
+
+
+def _native(
+    native: dict[str, tuple[str, torch.Tensor]], names: list[str], in_features: int
+) -> BlockWeight | None:
+    """The GGUF blocks of `names` stacked by rows, when all are there in one kept type."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for name in names:
+        entry = native.get(name)
+        if entry is None:
+            return None
+        found.append(entry)
+    kinds = {kind for kind, _ in found}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    raws = [raw for _, raw in found]
+    if kind == "Q4_0":
+        raws, kind = [q4_0_to_q4_1(raw) for raw in raws], "Q4_1"
+    qtype = {"Q8_0": Q8_0, "Q4_1": Q4_1}.get(kind)
+    if qtype is None:
+        return None
+    return BlockWeight(torch.cat(raws) if len(raws) > 1 else raws[0], qtype, in_features)
 
 
 def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:
