@@ -28,6 +28,8 @@ from tests.unit.test_ledger import (  # noqa: F401
     test_replaying_a_journal_twice_inserts_and_bills_nothing_twice,
 )
 from tests.unit.test_store import (  # noqa: F401
+    test_0002_keeps_rows_gives_them_normal_priority_and_drops_the_cache_write_price,
+    test_a_key_s_priority_is_its_own_else_its_org_s,
     test_downgrade_base_drops_every_table_and_upgrade_restores_them,
     test_first_start_creates_the_default_org_and_admin_key_once,
     test_idempotency_new_running_replay_mismatch_and_release,
