@@ -182,14 +182,14 @@ def _stream_failure(request: web.Request, exc: Exception) -> APIError:
 def _generation(
     request: web.Request, request_id: str, prompt: list[int], params: SamplingParams
 ) -> Generation:
-    """A generation on the replica for an admitted request: the key's org salts its
-    prefix-cache blocks and its priority class orders it in the scheduler."""
-    state, key = request.app[STATE], request.get(KEY)
+    """A generation on the replica for an admitted request, salted and prioritised as
+    its gateway ticket says (without a gateway: one tenant, no salt, normal priority)."""
+    state, ticket = request.app[STATE], request.get(TICKET)
     return Generation(
         state.client, state.tokenizer, request_id, prompt, params,
         timeline=request[TIMELINE], metrics=state.metrics,
-        cache_salt=key.cache_salt if key is not None else None,
-        priority=key.priority if key is not None else 0,
+        cache_salt=ticket.cache_salt if ticket is not None else None,
+        priority=ticket.priority if ticket is not None else 0,
     )
 
 

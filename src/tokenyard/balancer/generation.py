@@ -17,8 +17,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 from typing import cast
 
+from tokenyard.balancer.replica import Replica
 from tokenyard.balancer.replica_client import (
-    ReplicaClient,
     ReplicaConnectionError,
     ReplicaError,
     ReplicaOverloaded,
@@ -67,7 +67,7 @@ class Generation:
 
     def __init__(
         self,
-        replica: ReplicaClient,
+        replica: Replica,
         tokenizer: Tokenizer,
         request_id: str,
         prompt: list[int],

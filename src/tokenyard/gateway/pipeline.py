@@ -52,6 +52,17 @@ class Ticket:
     prices: Prices
     finished: bool = field(default=False)
 
+    @property
+    def cache_salt(self) -> str:
+        """The salt of the request's prefix-cache blocks: set here from the authenticated
+        key (its org), never from anything the client sends."""
+        return self.key.cache_salt
+
+    @property
+    def priority(self) -> int:
+        """The scheduler's class of the request (the key's, else its org's)."""
+        return self.key.priority
+
 
 def outcome(gens: Sequence[Generation]) -> tuple[Usage | None, str]:
     """What a request's generations used (None: none of them ran) and how it ended, as
