@@ -131,6 +131,7 @@ class ServeConfig(Settings):
     ledger_max_batch: int = 500  # usage rows per ledger transaction at most
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     replica_start_timeout_s: float = 600.0  # a first start converts the GGUF (tens of s)
+    max_body_bytes: int = 4 * 2**20  # request bodies above this are refused with 413
 
     _ENV: ClassVar[dict[str, str]] = {
         "state_dir": "TOKENYARD_STATE_DIR",
@@ -144,6 +145,7 @@ class ServeConfig(Settings):
         "ledger_max_batch": "TOKENYARD_LEDGER_MAX_BATCH",
         "drain_timeout_s": "TOKENYARD_DRAIN_TIMEOUT_S",
         "replica_start_timeout_s": "TOKENYARD_REPLICA_START_TIMEOUT_S",
+        "max_body_bytes": "TOKENYARD_MAX_BODY_BYTES",
     }
 
     def validate(self) -> None:
@@ -152,6 +154,8 @@ class ServeConfig(Settings):
             raise ValueError("gateway intervals and timeouts must be >= 0")
         if self.ledger_max_batch < 1:
             raise ValueError("ledger_max_batch must be positive")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be positive")
 
     @property
     def database(self) -> str:

@@ -739,3 +739,20 @@ def test_an_idempotent_stream_that_failed_after_its_200_is_not_stored_for_replay
     # The retry ran (a replay would repeat the error): a fresh, complete stream.
     assert status2 == 200 and "Idempotent-Replayed" not in headers2
     assert raw2.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw2
+
+
+def test_the_body_cap_is_the_one_configured() -> None:
+    env = {"TOKENYARD_MAX_BODY_BYTES": "4096"}
+    with _mock_replica() as replica, \
+            running_server("--replica-url", replica, env=env) as (server, _):
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key,
+                               max_retries=0)
+        fits = [{"role": "user", "content": "x" * 3000}]
+        assert client.chat.completions.create(model=server.model, messages=fits,
+                                              max_tokens=1).choices
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "x" * 5000}],
+                max_tokens=1)
+        assert refused.value.status_code == 413
+        assert "4096 bytes" in refused.value.message

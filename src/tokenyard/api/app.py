@@ -24,7 +24,7 @@ from aiohttp import web
 
 from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.anthropic.routes import add_anthropic_routes
-from tokenyard.api.context import KEY, MAX_BODY_BYTES, STATE, AppState
+from tokenyard.api.context import KEY, STATE, AppState
 from tokenyard.api.convert import now
 from tokenyard.api.middleware import middleware
 from tokenyard.api.openai.routes import add_openai_routes
@@ -75,7 +75,7 @@ def make_app(state: AppState) -> web.Application:
     """The aiohttp application over `state`."""
     # aiohttp's own cap sits just above ours, so an oversized body is refused while
     # reading it, and parse_body's check gives the same 413 for the rest.
-    app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[middleware], client_max_size=state.max_body_bytes)
     app[STATE] = state
     add_openai_routes(app)
     add_anthropic_routes(app)

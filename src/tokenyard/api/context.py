@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from tokenyard.api.errors import parse_body
 from tokenyard.balancer.replica_client import ReplicaClient
+from tokenyard.config import ServeConfig
 from tokenyard.errors import model_not_found, overloaded
 from tokenyard.gateway.pipeline import Gateway, Ticket
 from tokenyard.store.records import KeyContext
@@ -19,9 +20,6 @@ from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.protocol import ReplicaInfo
-
-#: Request bodies above this are refused with 413 before any parsing.
-MAX_BODY_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -36,6 +34,8 @@ class AppState:
     metrics: TokenyardMetrics = field(default_factory=TokenyardMetrics)
     #: Keys, limits, billing and the ledger; None serves without authentication.
     gateway: Gateway | None = None
+    #: Request bodies above this are refused with 413 before any parsing.
+    max_body_bytes: int = ServeConfig.max_body_bytes
     #: The prepare stage over the tokenizer and the replica's context window.
     prepare: Preparer = field(init=False)
 
@@ -62,7 +62,7 @@ async def read_request(request: web.Request, schema: type[_M]) -> _M:
     state = request.app[STATE]
     if not state.admitting:
         raise overloaded(1.0, "The server is shutting down.")
-    body = parse_body(schema, await request.read(), MAX_BODY_BYTES)
+    body = parse_body(schema, await request.read(), state.max_body_bytes)
     request[TIMELINE].mark("parsed")
     model = getattr(body, "model", None)
     if model != state.model:

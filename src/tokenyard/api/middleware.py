@@ -14,7 +14,6 @@ from aiohttp import web
 
 from tokenyard.api.context import (
     KEY,
-    MAX_BODY_BYTES,
     REQUEST_ID,
     STATE,
     TICKET,
@@ -84,7 +83,7 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
     except APIError as err:
         response = _error_response(request, err)
     except web.HTTPRequestEntityTooLarge:
-        response = _error_response(request, body_too_large(MAX_BODY_BYTES))
+        response = _error_response(request, body_too_large(request.app[STATE].max_body_bytes))
     except web.HTTPException as exc:
         http_err = (
             not_found(f"Unknown route {request.method} {request.path}.")

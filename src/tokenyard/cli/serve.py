@@ -161,6 +161,7 @@ async def run(
         except ReplicaError as exc:
             raise RuntimeError(f"cannot reach the replica at {replica_url}: {exc}") from exc
         state.gateway = gateway
+        state.max_body_bytes = config.max_body_bytes
         # handler_cancellation: a client that goes away cancels its handler, which closes
         # the replica stream, which aborts the request there and frees its blocks.
         runner = web.AppRunner(make_app(state), handler_cancellation=True,
