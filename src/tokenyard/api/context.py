@@ -13,8 +13,8 @@ from tokenyard.api.errors import parse_body
 from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.config import ServeConfig
 from tokenyard.errors import model_not_found, overloaded
+from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.pipeline import Gateway, Ticket
-from tokenyard.store.records import KeyContext
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.prepare import Preparer
