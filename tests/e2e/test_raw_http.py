@@ -111,10 +111,26 @@ def test_deep_nesting(server: Server) -> None:
     assert_openai_error(body)
 
 
-def test_unknown_fields_are_ignored(server: Server) -> None:
+def test_an_unknown_field_is_a_400_naming_it(server: Server) -> None:
     status, body, _ = post(server.base_url + "/v1/chat/completions",
-                           json.dumps(_chat(server, not_a_field=1, also={"x": [1]})))
-    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+                           json.dumps(_chat(server, not_a_field=1)))
+    assert status == 400
+    assert_openai_error(body, "not_a_field")
+    assert body["error"]["message"] == "Unrecognized request argument supplied: not_a_field"
+
+
+def test_ignore_eos_generates_the_whole_max_tokens(server: Server) -> None:
+    # "Say OK." ends early greedily; with ignore_eos it runs to max_tokens.
+    messages = [{"role": "user", "content": "Say OK."}]
+    plain = {"messages": messages, "max_tokens": 200, "temperature": 0}
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps(_chat(server, **plain)))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 200
+    status, body, _ = post(server.base_url + "/v1/chat/completions",
+                           json.dumps(_chat(server, **plain, ignore_eos=True)))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 200
 
 
 def test_empty_messages(server: Server) -> None:

@@ -257,10 +257,36 @@ def test_body_over_the_cap_is_413() -> None:
     assert json.loads(raw)["error"]["type"] == "request_too_large"
 
 
-def test_unknown_fields_and_harmless_values_are_accepted() -> None:
+def test_an_unknown_top_level_field_is_refused_by_name() -> None:
+    for schema, body in ((ChatCompletionRequest, chat(temprature=0.5)),
+                         (CompletionRequest, {"model": "m", "prompt": "p", "foo": 1}),
+                         (MessagesRequest, {"model": "m", "max_tokens": 1, "top_kk": 2,
+                                            "messages": [{"role": "user", "content": "Hi"}]})):
+        with pytest.raises(APIError) as refused:
+            parse_body(schema, json.dumps(body).encode())
+        assert refused.value.status == 400
+        assert refused.value.param in ("temprature", "foo", "top_kk")
+        assert refused.value.message.startswith("Unrecognized request argument supplied")
+
+
+def test_vllm_extras_reach_the_sampling_parameters() -> None:
+    req = parse_body(ChatCompletionRequest, json.dumps(
+        chat(ignore_eos=True, skip_special_tokens=False, min_tokens=3)).encode())
+    _, params = chat_request_to_engine(req)
+    assert params.ignore_eos and not params.skip_special_tokens and params.min_tokens == 3
+    _, default = chat_request_to_engine(parse_body(ChatCompletionRequest,
+                                                   json.dumps(chat()).encode()))
+    assert not default.ignore_eos and default.skip_special_tokens
+    _, anthropic = anthropic_request_to_engine(parse_body(MessagesRequest, json.dumps(
+        {"model": "m", "max_tokens": 5, "ignore_eos": True,
+         "messages": [{"role": "user", "content": "Hi"}]}).encode()))
+    assert anthropic.ignore_eos  # a tokenyard extension there too, for benchmarks
+
+
+def test_harmless_known_fields_and_values_are_accepted() -> None:
     body = chat(
-        metadata={"k": "v"}, store=True, service_tier="auto", foo={"bar": [1, 2]},
-        tools=[], tool_choice="none", response_format={"type": "text"},
+        metadata={"k": "v"}, store=True, service_tier="auto", user="u", prompt_cache_key="p",
+        safety_identifier="s", tools=[], tool_choice="none", response_format={"type": "text"},
         parallel_tool_calls=False, stream_options={"include_usage": True, "other": 1},
         stream=True, modalities=["text"],
     )
@@ -414,7 +440,7 @@ def test_messages_conversion() -> None:
         ],
         stop_sequences=["\n\nHuman:", ""], temperature=0, top_p=0.8, top_k=3,
         metadata={"user_id": "u-9"}, stream=True, tool_choice={"type": "auto"},
-        thinking={"type": "disabled"}, service_tier="auto", unknown=1,
+        thinking={"type": "disabled"}, service_tier="auto",
     )
     req = parse_body(MessagesRequest, json.dumps(body))
     messages, p = anthropic_request_to_engine(req)

@@ -3,13 +3,33 @@ text parts are joined into the chat template's single string."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
+
+from tokenyard.api.errors import schema_error
+from tokenyard.errors import UNSUPPORTED_PARAMETER
 
 #: How several text parts of one message are joined into the template's single string.
 TEXT_PART_SEPARATOR = "\n"
 
 
 class RequestModel(BaseModel):
-    """Base of every request body: strict types, finite numbers, unknown fields ignored."""
+    """Base of every request body: strict types, finite numbers. Unknown fields of nested
+    objects are ignored (an SDK's own response objects sent back as messages carry extra
+    ones); a request's top level refuses them (`reject_unknown`)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def reject_unknown(data: Any, known: Iterable[str]) -> None:
+    """Refuse a request whose top level has a field no route knows, naming it, as OpenAI
+    and Anthropic do: a misspelt or unsupported parameter is never silently dropped."""
+    if not isinstance(data, dict):
+        return
+    names = set(known)
+    for name in data:
+        if name not in names:
+            raise schema_error(UNSUPPORTED_PARAMETER, str(name),
+                               f"Unrecognized request argument supplied: {name}")

@@ -62,6 +62,7 @@ def anthropic_request_to_engine(
         "top_k": req.top_k or 0,
         "max_tokens": req.max_tokens,
         "stop": stop_list(req.stop_sequences),
+        "ignore_eos": bool(req.ignore_eos),
     }
     params = sampling_params({"stop": "stop_sequences"}, **kwargs)
     return anthropic_messages(req), params

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from tokenyard.api.errors import schema_error
-from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel
+from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
 
 # ---------------------------------------------------------------------------- requests
@@ -127,6 +127,7 @@ class _Conversation(RequestModel):
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         _reject_unsupported(data)
+        reject_unknown(data, [*cls.model_fields, *_MESSAGES_UNSUPPORTED])
         return data
 
     @model_validator(mode="after")
@@ -158,6 +159,9 @@ class MessagesRequest(_Conversation):
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool | None = None
+    service_tier: str | None = None  # one tier here: accepted, without effect
+    #: vLLM's extension, for benchmarks: generate past the end-of-sequence token.
+    ignore_eos: bool | None = None
 
 
 class CountTokensRequest(_Conversation):

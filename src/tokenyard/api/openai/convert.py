@@ -107,6 +107,8 @@ def _common_kwargs(req: SamplingFields, vocab_size: int | None) -> dict[str, Any
         "seed": req.seed,
         "stop": stop_list(req.stop),
         "min_tokens": req.min_tokens or 0,
+        "ignore_eos": bool(req.ignore_eos),
+        "skip_special_tokens": req.skip_special_tokens is not False,
     }
     return kwargs
 

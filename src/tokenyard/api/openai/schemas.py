@@ -1,7 +1,7 @@
 """Bodies of the OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
 
 Requests are validated strictly for types (a string where a number belongs is a 400, not a
-silent coercion) and leniently for unknown fields, which are ignored as OpenAI ignores them.
+silent coercion); an unknown top-level field is a 400 naming it, as OpenAI answers.
 Parameters this server does not implement yet (`tools`, `response_format` other than text,
 image/audio/file content parts, ...) are rejected with a 400 that names them, never dropped
 silently. Value ranges are checked once, by `SamplingParams`, when `api.openai.convert` builds the
@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from tokenyard.api.errors import schema_error
-from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel
+from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
 
 #: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
@@ -145,6 +145,8 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _is_none,
     "web_search_options": _is_none,
+    "reasoning_effort": _is_none,
+    "verbosity": _is_none,
 }
 
 
@@ -164,7 +166,16 @@ class SamplingFields(RequestModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    #: vLLM's extras: generate past the end-of-sequence token; keep special tokens in text.
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    #: Accepted and without effect on the answer: tags and hints for OpenAI's own platform.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching here is automatic, per org
+    safety_identifier: str | None = None
+    store: bool | None = None  # nothing is kept for later retrieval either way
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 
@@ -187,6 +198,7 @@ class ChatCompletionRequest(SamplingFields):
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         _reject_unsupported(data, _CHAT_UNSUPPORTED)
+        reject_unknown(data, [*cls.model_fields, *_CHAT_UNSUPPORTED, "parallel_tool_calls"])
         return data
 
 
@@ -214,6 +226,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         _reject_unsupported(data, _COMPLETION_UNSUPPORTED)
+        reject_unknown(data, [*cls.model_fields, *_COMPLETION_UNSUPPORTED])
         return data
 
     @model_validator(mode="after")
