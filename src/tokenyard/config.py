@@ -21,8 +21,10 @@ def kernels_disabled() -> bool:
     return value not in ("", "0", "false", "no")
 
 
-#: CPU weight formats (`--weights`): float32, block-quantized q8_0 / q4_1, fbgemm int8.
-WEIGHT_FORMATS = ("float32", "q8_0", "q4_1", "int8")
+#: Weight formats (`--weights`): auto, float32, block-quantized q8_0 / q4_1 and fbgemm int8
+#: (the last three CPU only). auto: q4_1 for a GGUF whose projections are Q4_0 / Q4_1 on
+#: the CPU, float32 otherwise (engine/models/quant.py `resolve_weights`).
+WEIGHT_FORMATS = ("auto", "float32", "q8_0", "q4_1", "int8")
 
 
 class Settings:
@@ -63,7 +65,7 @@ class EngineConfig(Settings):
     """How one engine replica loads its model and sizes its batch and KV cache."""
 
     model: str | None = None  # GGUF file or HF folder; None: the embedded SmolLM2
-    weights: str = "float32"  # one of WEIGHT_FORMATS (CPU only, except float32)
+    weights: str = "auto"  # one of WEIGHT_FORMATS (q8_0 / q4_1 / int8: CPU only)
     device: str = "auto"  # "auto", "cpu" or "cuda"
     cache_dir: Path = field(default_factory=default_cache_dir)
     block_size: int = 16  # tokens per KV block
@@ -194,8 +196,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (`generate`, `engine`, `serve`, `bench offline`)."""
     parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded)")
     parser.add_argument("--weights", choices=list(WEIGHT_FORMATS),
-                        help="CPU weight format: q8_0 / q4_1 keep blocks of 32 quantized "
-                        "(q4_1: the GGUF's own blocks), int8 is fbgemm's")
+                        help="weight format (default auto: q4_1 for a Q4_0/Q4_1 GGUF on "
+                        "the CPU, else float32); CPU only: q8_0 / q4_1 keep blocks of 32 "
+                        "quantized (q4_1: the GGUF's own blocks), int8 is fbgemm's")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")

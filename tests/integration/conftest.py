@@ -9,8 +9,9 @@ from tokenyard.engine.llm import LLM
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The embedded model, float32, default engine settings."""
-    return LLM()
+    """The embedded model, float32 (pinned: `auto` would serve its Q4_1 blocks), default
+    engine settings otherwise."""
+    return LLM(weights="float32")
 
 
 @pytest.fixture(scope="session")

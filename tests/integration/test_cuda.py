@@ -17,8 +17,9 @@ pytestmark = [
 def test_cuda_engine_agrees_with_the_cpu_engine() -> None:
     prompt = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    cpu = LLM(device="cpu").generate(prompt, params)[0]
+    cpu = LLM(device="cpu", weights="float32").generate(prompt, params)[0]
     gpu_llm = LLM(device="cuda")
+    assert gpu_llm.frontend.weights == "float32"  # `auto` on CUDA: bf16 from float32
     gpu = gpu_llm.generate(prompt, params)[0]
     assert gpu.token_ids[:3] == cpu.token_ids[:3]  # bf16 may flip a later near-tie
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)

@@ -86,7 +86,7 @@ def test_preemption_under_a_small_pool_gives_the_same_outputs_and_frees_all_bloc
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))] for _ in range(8)]
     expected = [r.token_ids for r in llm.generate(prompts, greedy(40))]
-    small = LLM(num_kv_blocks=24, enable_prefix_caching=False)
+    small = LLM(weights="float32", num_kv_blocks=24, enable_prefix_caching=False)
     got = [r.token_ids for r in small.generate(prompts, greedy(40))]
     stats = small.core.stats()
     assert stats.num_preemptions > 0
@@ -184,3 +184,17 @@ def test_async_consumer_that_stops_iterating_aborts_and_frees_blocks() -> None:
 def test_request_longer_than_the_context_is_refused(llm: LLM) -> None:
     with pytest.raises(ValueError, match="context window"):
         llm.generate([[5] * 9000], greedy(4))
+
+
+def test_default_weights_serve_the_embedded_gguf_q4_1_blocks(llm: LLM) -> None:
+    from tokenyard.engine.kernels.blocks import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the quant_matmul kernel is unavailable here (auto serves float32)")
+    default = LLM()
+    assert default.frontend.weights == "q4_1" and llm.frontend.weights == "float32"
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # Within 0.04 % of float32's top-1 tokens: a short greedy answer is the same.
+    expected = llm.generate(prompt, params)[0].token_ids
+    assert default.generate(prompt, params)[0].token_ids == expected

@@ -33,7 +33,7 @@ from tokenyard.balancer.replica_client import (
 )
 from tokenyard.engine.llm import LLM
 from tokenyard.engine.server import is_loopback
-from tokenyard.wire.protocol import CoreDelta, ReplicaStats
+from tokenyard.wire.protocol import CoreDelta, ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -83,6 +83,7 @@ def replica() -> Iterator[Replica]:
             [
                 sys.executable, "-m", "tokenyard.cli", "engine",
                 "--host", "127.0.0.1", "--port", "0",  # port 0: the OS picks a free one
+                "--weights", "float32",  # what the `llm` fixture it is compared with serves
                 "--kv-cache-gib", "0.05", "--max-num-seqs", "1",
                 "--max-waiting-requests", "1", "--drain-timeout", "20",
             ],
@@ -143,8 +144,18 @@ def test_info_and_health(replica: Replica) -> None:
         info = await client.info()
         assert info.max_model_len == 8192 and info.vocab_size == 49152
         assert info.block_size == 16 and info.num_kv_blocks > 0 and info.eos_token_ids
+        assert info.weights == "float32"
 
     run(replica.url, scenario)
+
+
+def test_replica_info_from_a_replica_without_the_weights_field_still_decodes() -> None:
+    body = {"model": "m", "max_model_len": 64, "vocab_size": 10, "eos_token_ids": [2],
+            "block_size": 16, "num_kv_blocks": 4}
+    assert ReplicaInfo.from_json(body).weights is None
+    assert ReplicaInfo.from_json({**body, "weights": "q4_1"}).weights == "q4_1"
+    with pytest.raises(KeyError):
+        ReplicaInfo.from_json({k: v for k, v in body.items() if k != "vocab_size"})
 
 
 def test_greedy_generate_matches_the_in_process_engine(replica: Replica, llm: LLM) -> None:

@@ -539,3 +539,101 @@ def test_cache_dir_defaults_to_env_then_home(
     assert default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("TOKENYARD_CACHE")
     assert default_cache_dir() == Path.home() / ".cache" / "tokenyard"
+
+
+# ------------------------------------------------------------ `--weights auto`
+
+CPU = torch.device("cpu")
+
+
+def _gguf_of_types(path: Path, projections: gguf.GGMLQuantizationType) -> Path:
+    """A header-complete GGUF: one layer's q projection stored as `projections`, its norm
+    F32 and the embedding Q8_0 (only the tensor types matter to `auto`)."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_token_list(_byte_tokens())
+    emb = rng.standard_normal((256, 64), dtype=np.float32)
+    writer.add_tensor("token_embd.weight", quantize(emb, Q8_0), raw_dtype=Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    q = rng.standard_normal((64, 64), dtype=np.float32)
+    if projections == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor("blk.0.attn_q.weight", q.astype(np.float16))
+    else:
+        writer.add_tensor("blk.0.attn_q.weight", quantize(q, projections), raw_dtype=projections)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_header_scan_reads_the_same_tensor_types_as_gguf_reader(tiny_gguf: Path) -> None:
+    from tokenyard.engine.models.gguf_loader import gguf_tensor_types
+
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    assert gguf_tensor_types(tiny_gguf) == {t.name: t.tensor_type.name for t in reader.tensors}
+
+
+def test_auto_weights_serve_the_embedded_q4_1_gguf_as_q4_1_on_the_cpu(
+    embedded_gguf_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenyard.engine.models import quant
+    from tokenyard.engine.models.gguf_loader import gguf_projection_type
+
+    assert gguf_projection_type(embedded_gguf_path) == "Q4_1"
+    monkeypatch.setattr(quant, "kernel_available", lambda: True)
+    assert quant.resolve_weights("auto", embedded_gguf_path, CPU) == "q4_1"
+    # CUDA keeps its own path (bf16 from float32 weights); explicit choices stay as given.
+    assert quant.resolve_weights("auto", embedded_gguf_path, torch.device("cuda")) == "float32"
+    assert quant.resolve_weights("float32", embedded_gguf_path, CPU) == "float32"
+    assert quant.resolve_weights("q8_0", embedded_gguf_path, CPU) == "q8_0"
+
+
+@pytest.mark.parametrize(
+    ("stored", "served"),
+    [
+        (gguf.GGMLQuantizationType.Q4_0, "q4_1"),
+        (gguf.GGMLQuantizationType.Q4_1, "q4_1"),
+        (gguf.GGMLQuantizationType.Q8_0, "float32"),
+        (gguf.GGMLQuantizationType.F16, "float32"),
+    ],
+)
+def test_auto_weights_follow_the_gguf_projection_type(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    stored: gguf.GGMLQuantizationType, served: str,
+) -> None:
+    from tokenyard.engine.models import quant
+
+    monkeypatch.setattr(quant, "kernel_available", lambda: True)
+    path = _gguf_of_types(tmp_path / f"{stored.name}.gguf", stored)
+    assert quant.resolve_weights("auto", path, CPU) == served
+
+
+def test_auto_weights_keep_float32_for_an_hf_folder_and_a_float_gguf(
+    tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenyard.engine.models import quant
+
+    monkeypatch.setattr(quant, "kernel_available", lambda: True)
+    folder = tmp_path / "hf"
+    _save_hf_folder(_tiny_hf("llama"), folder, tiny_gguf)
+    assert quant.resolve_weights("auto", folder, CPU) == "float32"
+    assert quant.resolve_weights("auto", tiny_gguf, CPU) == "float32"  # F32/F16 projections
+
+
+def test_auto_weights_fall_back_to_float32_when_kernels_are_disabled(
+    embedded_gguf_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tokenyard.engine.kernels import build
+    from tokenyard.engine.models import quant
+
+    # A fresh kernel registry, so the build is attempted (and refused) in this process.
+    monkeypatch.setattr(build, "_ops_loaded", {})
+    monkeypatch.setattr(build, "_reasons", {})
+    monkeypatch.setenv("TOKENYARD_DISABLE_KERNELS", "1")
+    with caplog.at_level(logging.WARNING, logger=quant.__name__):
+        assert quant.resolve_weights("auto", embedded_gguf_path, CPU) == "float32"
+        assert quant.resolve_weights("q4_1", embedded_gguf_path, CPU) == "float32"
+    warnings = [r.getMessage() for r in caplog.records if r.name == quant.__name__]
+    assert len(warnings) == 2 and all("TOKENYARD_DISABLE_KERNELS" in w for w in warnings)

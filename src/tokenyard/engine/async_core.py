@@ -117,6 +117,7 @@ class AsyncEngineCore:
         self.tokenizer: Tokenizer = built.tokenizer
         self.model_config: ModelConfig = built.model_config
         self.eos_token_ids: frozenset[int] = built.eos_token_ids
+        self.weights: str = built.weights  # the format served (`auto` resolved)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._owner: dict[str, CoreStream] = {}  # step thread only: request id -> its stream

@@ -50,6 +50,7 @@ class BuiltCore:
     tokenizer: Tokenizer
     model_config: ModelConfig
     eos_token_ids: frozenset[int]  # the tokenizer's and the model config's, together
+    weights: str  # the format served: config.weights with `auto` resolved (float32 on CUDA)
 
 
 def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
@@ -64,13 +65,14 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
     model = build_model(loaded)
-    if config.weights != "float32":
-        if device.type != "cpu":
-            raise ValueError(f"{config.weights} weights are a CPU mode; on CUDA the engine "
-                             "uses bf16")
-        from tokenyard.engine.models.quant import convert_weights
+    if config.weights not in ("auto", "float32") and device.type != "cpu":
+        raise ValueError(f"{config.weights} weights are a CPU mode; on CUDA the engine "
+                         "uses bf16")
+    from tokenyard.engine.models.quant import convert_weights, resolve_weights
 
-        model = convert_weights(model, loaded, config.weights)
+    weights = resolve_weights(config.weights, loaded.source, device)
+    if weights != "float32":
+        model = convert_weights(model, loaded, weights)
     else:
         model = model.to(device=device, dtype=dtype)
     if device.type == "cpu":
@@ -78,7 +80,7 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
     tokenizer: Tokenizer = loaded.tokenizer
     eos = frozenset(set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids))
     core = EngineCore(model, loaded.config, config, device, dtype)
-    return BuiltCore(core, tokenizer, loaded.config, eos)
+    return BuiltCore(core, tokenizer, loaded.config, eos, weights)
 
 
 def make_request(
@@ -109,6 +111,7 @@ class Frontend:
         self.model_name = built.model_config.name
         self.tokenizer: Tokenizer = built.tokenizer
         self.eos_token_ids = built.eos_token_ids
+        self.weights = built.weights  # the format served (`auto` resolved)
         self.core = built.core
         self.processor = OutputProcessor(self.tokenizer)
 

@@ -208,6 +208,7 @@ class ReplicaServer:
             eos_token_ids=sorted(self.engine.eos_token_ids),
             block_size=core.kv.block_size,
             num_kv_blocks=core.kv.num_blocks,
+            weights=self.engine.weights,
         )
         return _json(info.to_json())
 
@@ -379,6 +380,9 @@ def serve_engine(
     check_exposure(host, token)  # before the model loads: a refusal should be quick
     config = EngineConfig.from_env(**engine_config)
     engine = AsyncEngineCore(config, show_progress=show_progress)
+    # On stderr: stdout's one line is the ready mark that `tokenyard serve` waits for.
+    print(f"tokenyard engine: {engine.model_name} loaded with {engine.weights} weights",
+          file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
         print(f"tokenyard engine: {engine.model_name} serving at {url}", flush=True)

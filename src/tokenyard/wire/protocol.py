@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 
 from tokenyard.wire.outputs import EngineStats
@@ -379,6 +379,9 @@ class ReplicaInfo:
     eos_token_ids: list[int]
     block_size: int
     num_kv_blocks: int
+    #: The weight format served ("float32", "q4_1", ...: `--weights auto` resolved);
+    #: None from a replica older than the field.
+    weights: str | None = None
 
     def to_json(self) -> Json:
         """The wire body."""
@@ -386,7 +389,8 @@ class ReplicaInfo:
 
     @classmethod
     def from_json(cls, obj: Any) -> ReplicaInfo:
-        """Decode; unknown extra fields are ignored."""
+        """Decode; unknown extra fields are ignored, fields with a default may be absent."""
         obj = _object(obj, None)
-        return cls(**{f.name: obj[f.name] for f in fields(cls)})
+        return cls(**{f.name: obj[f.name] for f in fields(cls)
+                      if f.name in obj or f.default is MISSING})
 

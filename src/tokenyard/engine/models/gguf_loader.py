@@ -9,6 +9,7 @@ checkpoints and our rotate-half RoPE.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,77 @@ def iter_gguf_blocks(
         elif permuted and ".self_attn.k_proj." in hf_name:
             raw = unpermute_qk(raw, config.num_key_value_heads)
         yield hf_name, kind, raw.contiguous()
+
+
+#: Byte sizes of the fixed-size GGUF metadata value types.
+_SCALAR_SIZES = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}
+
+
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """GGUF tensor name -> type name ("Q4_1", "F32", ...), read from the file's header only.
+
+    Milliseconds where `GGUFReader` takes seconds (it decodes every metadata value, the
+    tokenizer's 49k strings included); used to pick the `auto` weight format.
+    Raises ValueError for a file that is not GGUF v2/v3.
+    """
+    with Path(path).open("rb") as f:
+
+        def read(fmt: str) -> int:
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: GGUF header ends early")
+            return int(struct.unpack(fmt, data)[0])
+
+        def skip_string() -> None:
+            f.seek(read("<Q"), 1)
+
+        def skip_value(kind: int) -> None:
+            vtype = GGUFValueType(kind)
+            if vtype == GGUFValueType.STRING:
+                skip_string()
+            elif vtype == GGUFValueType.ARRAY:
+                item, count = read("<I"), read("<Q")
+                if GGUFValueType(item) in _SCALAR_SIZES:
+                    f.seek(count * _SCALAR_SIZES[GGUFValueType(item)], 1)
+                else:
+                    for _ in range(count):
+                        skip_value(item)
+            else:
+                f.seek(_SCALAR_SIZES[vtype], 1)
+
+        if f.read(4) != b"GGUF" or read("<I") not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file")
+        n_tensors, n_kv = read("<Q"), read("<Q")
+        for _ in range(n_kv):
+            skip_string()
+            skip_value(read("<I"))
+        types: dict[str, str] = {}
+        for _ in range(n_tensors):
+            name = f.read(read("<Q")).decode("utf-8", errors="replace")
+            f.seek(8 * read("<I"), 1)  # the dimensions
+            kind = read("<I")
+            f.seek(8, 1)  # the data offset
+            try:
+                types[name] = GGMLQuantizationType(kind).name
+            except ValueError:
+                types[name] = f"type {kind}"
+        return types
+
+
+def gguf_projection_type(path: str | Path) -> str | None:
+    """The type most of the GGUF's decoder-layer matrices (`blk.N.*.weight`, not the
+    norms) are stored as, e.g. "Q4_1" for the embedded SmolLM2; None if it has none."""
+    counts: dict[str, int] = {}
+    for name, kind in gguf_tensor_types(path).items():
+        if name.startswith("blk.") and name.endswith(".weight") and "_norm" not in name:
+            counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else None
 
 
 def load_gguf(

@@ -11,16 +11,22 @@ with activations quantized per block of 32 too: no float32 copy stays behind.
 
 `int8` is fbgemm dynamic quantization: per output channel weights and activations
 quantized per tensor by fbgemm itself, which SmolLM2's outlier channels break.
+
+`auto` (the default, `resolve_weights`) serves a GGUF whose projections are stored as
+Q4_0 / Q4_1 with `q4_1` on the CPU: its own blocks, nothing requantized, within 0.04 % of
+float32's top-1 tokens and about 3x faster to decode; everything else stays float32.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from tokenyard.engine.kernels import unavailable_reason
 from tokenyard.engine.kernels.blocks import Q4_1, Q8_0, BlockWeight, kernel_available, q4_0_to_q4_1
+from tokenyard.engine.models.gguf_loader import gguf_projection_type
 from tokenyard.engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
 from tokenyard.engine.models.loader import LoadedModel, load_gguf_blocks
 
@@ -35,6 +41,38 @@ _FUSED = {
     "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "down_proj": ("mlp.down_proj",),
 }
+
+
+#: GGUF projection types `auto` serves as q4_1 (Q4_0 converts to Q4_1 without loss).
+AUTO_Q4_TYPES = ("Q4_0", "Q4_1")
+
+
+def resolve_weights(requested: str, source: Path, device: torch.device) -> str:
+    """The weight format a replica serves for `--weights requested`.
+
+    `auto`: q4_1 on the CPU for a GGUF whose decoder matrices are mostly Q4_0 / Q4_1,
+    float32 for anything else (a Hugging Face folder, F16/F32/Q8_0/K-quant GGUFs, CUDA,
+    which runs bf16 either way). A block format without the quant_matmul kernel (no
+    compiler, a build error, TOKENYARD_DISABLE_KERNELS=1) falls back to float32, logged.
+    """
+    weights = requested
+    if requested == "auto":
+        if device.type != "cpu" or source.is_dir():
+            return "float32"
+        try:
+            kind = gguf_projection_type(source)
+        except (OSError, ValueError) as exc:
+            log.warning("--weights auto: cannot read %s's tensor types (%s); using float32",
+                        source, exc)
+            return "float32"
+        if kind not in AUTO_Q4_TYPES:
+            return "float32"
+        weights = "q4_1"
+    if weights in BLOCK_FORMATS and not kernel_available():
+        log.warning("--weights %s needs the quant_matmul kernel (%s); keeping float32 weights",
+                    requested, unavailable_reason("quant_matmul"))
+        return "float32"
+    return weights
 
 
 def convert_weights(model: LlamaForCausalLM, loaded: LoadedModel, weights: str) -> LlamaForCausalLM:
