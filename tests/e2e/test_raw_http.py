@@ -330,7 +330,8 @@ def test_streamed_completions_of_several_prompts_run_and_arrive_together(
     server: Server,
 ) -> None:
     body = {"model": server.model, "prompt": ["The sky is", "Paris is the capital of"],
-            "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+            "max_tokens": 8, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     _, raw = asyncio.run(_raw_post(server.base_url + "/v1/completions", body))
     events = _sse_events(raw)
     order = [e["choices"][0]["index"] for e in events if e["choices"]]
