@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-repeats", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-int8", action="store_true")
-    parser.add_argument("--compare-weights", default="q8_0,q4_1",
+    parser.add_argument("--compare-weights", default="q8_0,q4_1",  # float32 always joins
                         help="weight formats whose one-stream decode is measured in the same "
                         "rounds as the engine's own (comma-separated; '' for none)")
     parser.add_argument("--decode-only", action="store_true",
@@ -192,8 +192,10 @@ def decode_side_by_side(
 ) -> list[Figure]:
     """One-stream decode of `llm` and of the same engine in each --compare-weights format,
     measured in alternating rounds (medians of --repeats): [own rate, then one per format]."""
-    own = engine_kwargs.get("weights", "float32")
-    formats = [w for w in args.compare_weights.split(",") if w.strip() and w.strip() != own]
+    own = llm.frontend.weights  # what `auto` (or the flag) resolved to
+    asked = [w.strip() for w in args.compare_weights.split(",") if w.strip()]
+    # float32 is always the reference beside a block format.
+    formats = [w for w in dict.fromkeys([*asked, "float32"]) if w != own]
     engines = {own: llm}
     for w in formats:
         engines[w.strip()] = LLM(show_progress=False, **{**engine_kwargs, "weights": w.strip()})
