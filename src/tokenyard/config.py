@@ -175,11 +175,6 @@ class ServeConfig(Settings):
         return self.state_dir / DEV_KEY_FILE
 
 
-def redis_url() -> str | None:
-    """`ServeConfig.from_env().redis_url`, for callers outside the gateway (tests)."""
-    return ServeConfig.from_env().redis_url
-
-
 def default_api_key() -> str | None:
     """`$TOKENYARD_API_KEY`, else the development key `tokenyard serve` keeps in the state
     directory (so `tokenyard chat` works beside `make serve` with no flags)."""
