@@ -130,6 +130,7 @@ class EngineCore:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_tokens=self.scheduler.num_computed_tokens_total,
+            num_pinned_kv_blocks=self.kv.num_pinned_blocks,
         )
 
 

@@ -5,14 +5,22 @@ whose prompts share a prefix of full blocks (and a salt) share those blocks. A f
 keeps its hash and stays findable until the pool hands it out again, least recently freed
 first. A hit is verified against the block's stored tokens, so a hash collision can only
 cost a miss, never a wrong answer.
+
+A request may pin prefixes of its prompt (Anthropic's `cache_control` breakpoints): the
+cached full blocks covering a pinned prefix stay out of the free queue until their pin's
+deadline, which every hit pushes back by the pin's TTL. A pin holds no reference, so
+preemption and abort never touch it; at most `max_pinned` blocks are pinned at once (a pin
+beyond that is plain LRU), and a request that could not run at all otherwise takes pinned
+blocks back (`release_pins`) rather than wait for a deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenyard.engine.request import Request
@@ -46,10 +54,25 @@ class KVBlock:
     tokens: tuple[int, ...] = ()  # stored for hit verification once the block is full
 
 
-class BlockPool:
-    """All KV blocks, the free queue (LRU order) and the hash → block map."""
+@dataclass
+class _Pin:
+    deadline: float  # clock seconds
+    ttl: float  # seconds; a hit moves the deadline to now + ttl
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+
+class BlockPool:
+    """All KV blocks, the free queue (LRU order), the hash → block map and the pins."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        *,
+        max_pinned: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`max_pinned`: the most blocks pinned at once (default: half the pool);
+        `clock`: seconds, for pin deadlines."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -57,6 +80,12 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
         self.enable_caching = enable_caching
+        self.max_pinned = num_blocks // 2 if max_pinned is None else max_pinned
+        self._clock = clock
+        self._pins: dict[int, _Pin] = {}  # block id → its pin
+        # Pinned blocks that no request holds: kept out of the free queue.
+        self._pinned_free: OrderedDict[int, None] = OrderedDict()
+        self._next_deadline = float("inf")  # no pin expires before this
 
     @property
     def num_blocks(self) -> int:
@@ -67,8 +96,15 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks whose pin has not expired. Read-only, so the stats may call it from
+        another thread than the step loop's (expired pins are dropped by the loop)."""
+        now = self._clock()
+        return sum(1 for pin in list(self._pins.values()) if pin.deadline > now)
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks held by running requests (0..1)."""
+        """Fraction of blocks held by running requests or pins (0..1)."""
         return 1.0 - len(self._free) / len(self.blocks)
 
     def lookup(self, block_hash: bytes, tokens: Sequence[int]) -> KVBlock | None:
@@ -91,10 +127,18 @@ class BlockPool:
         return out
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
-        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the queue."""
+        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the
+        queue; a hit on a pinned block refreshes its pin."""
+        now = self._clock()
         for block in blocks:
+            pin = self._pins.get(block.block_id)
+            if pin is not None:
+                pin.deadline = max(pin.deadline, now + pin.ttl)
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                if pin is not None:
+                    del self._pinned_free[block.block_id]
+                else:
+                    del self._free[block.block_id]
             block.ref_cnt += 1
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
@@ -106,7 +150,9 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if block.block_id in self._pins:
+                    self._pinned_free[block.block_id] = None
+                elif block.block_hash is None:
                     # Uncached blocks are worthless once free: reuse them first.
                     self._free[block.block_id] = None
                     self._free.move_to_end(block.block_id, last=False)
@@ -130,9 +176,69 @@ class BlockPool:
             block.tokens = ()
 
     def reset_prefix_cache(self) -> None:
+        self.release_pins(len(self._pins))
         for block in self.blocks:
             if block.ref_cnt == 0:
                 self._evict(block)
+
+    # -- pins ----------------------------------------------------------------------------
+    def pin(self, block_hash: bytes, ttl: float) -> bool:
+        """Keep the cached block of `block_hash` for `ttl` seconds (a pin already there
+        keeps the later deadline and the longer TTL). False when no such block is cached
+        or the pin cap is reached: the block then stays plain LRU."""
+        block = self._cached.get(block_hash)
+        if block is None:
+            return False
+        deadline = self._clock() + ttl
+        pin = self._pins.get(block.block_id)
+        if pin is not None:
+            pin.deadline, pin.ttl = max(pin.deadline, deadline), max(pin.ttl, ttl)
+            return True
+        if len(self._pins) >= self.max_pinned:
+            self.expire_pins()
+            if len(self._pins) >= self.max_pinned:
+                return False
+        self._pins[block.block_id] = _Pin(deadline, ttl)
+        self._next_deadline = min(self._next_deadline, deadline)
+        if block.ref_cnt == 0:
+            del self._free[block.block_id]
+            self._pinned_free[block.block_id] = None
+        return True
+
+    def expire_pins(self) -> int:
+        """Unpin the blocks whose deadline passed (they go back to LRU as its oldest
+        entries: nothing used them for a whole TTL). Returns how many; cheap when none
+        is due."""
+        now = self._clock()
+        if now < self._next_deadline:
+            return 0
+        due = [bid for bid, pin in self._pins.items() if pin.deadline <= now]
+        for block_id in due:
+            self._unpin(block_id)
+        self._next_deadline = min((p.deadline for p in self._pins.values()),
+                                  default=float("inf"))
+        return len(due)
+
+    def is_pinned(self, block: KVBlock) -> bool:
+        return block.block_id in self._pins
+
+    def release_pins(self, n: int, keep: Sequence[KVBlock] = ()) -> int:
+        """Unpin up to `n` pinned blocks that no request holds (except those in `keep`),
+        soonest deadline first, so a request that cannot run otherwise gets their memory.
+        Returns how many."""
+        kept = {b.block_id for b in keep}
+        order = sorted((bid for bid in self._pinned_free if bid not in kept),
+                       key=lambda bid: self._pins[bid].deadline)
+        for block_id in order[:n]:
+            self._unpin(block_id)
+        return min(n, len(order))
+
+    def _unpin(self, block_id: int) -> None:
+        del self._pins[block_id]
+        if block_id in self._pinned_free:
+            del self._pinned_free[block_id]
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
 
 
 @dataclass
@@ -148,6 +254,8 @@ class KVCacheManager:
     num_blocks: int
     block_size: int = 16
     enable_caching: bool = True
+    max_pinned: int | None = None  # default: half the pool
+    clock: Callable[[], float] = time.monotonic  # seconds, for pin deadlines
     pool: BlockPool = field(init=False)
     block_tables: dict[str, list[KVBlock]] = field(default_factory=dict)
     _hashes: dict[str, list[bytes]] = field(default_factory=dict)
@@ -155,7 +263,12 @@ class KVCacheManager:
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
-        self.pool = BlockPool(self.num_blocks, self.enable_caching)
+        self.pool = BlockPool(self.num_blocks, self.enable_caching,
+                              max_pinned=self.max_pinned, clock=self.clock)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self.pool.num_pinned_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -184,18 +297,28 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: Sequence[KVBlock] = (),
+        *,
+        unpin: bool = False,
     ) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False if the pool is short.
 
         `cached` are prefix-hit blocks for a request being scheduled for the first time (its
-        `num_computed_tokens` already counts them).
+        `num_computed_tokens` already counts them). `unpin`: the request cannot run
+        otherwise (nothing else holds blocks), so pinned blocks give way if short.
         """
+        self.pool.expire_pins()
         table = self.block_tables.get(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens
         need = self.blocks_needed(total) - len(table) - len(cached)
-        reclaimable = sum(1 for b in cached if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reclaimable:
+        short = need - self._num_free_for(cached)
+        if short > 0 and unpin:
+            self.pool.release_pins(short, keep=cached)
+            short = need - self._num_free_for(cached)
+        if short > 0:
             return False
         self.pool.touch(cached)
         table = self.block_tables.setdefault(request.request_id, table)
@@ -210,6 +333,11 @@ class KVCacheManager:
         self.pool.free(table[::-1])
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+
+    def _num_free_for(self, cached: Sequence[KVBlock]) -> int:
+        """Free blocks left once the hits in `cached` are taken out of the free queue."""
+        taken = sum(1 for b in cached if b.ref_cnt == 0 and not self.pool.is_pinned(b))
+        return self.pool.num_free_blocks - taken
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, [])]
@@ -238,4 +366,14 @@ class KVCacheManager:
             block = table[i]
             if block.block_hash is None:
                 self.pool.cache_full_block(block, hashes[i], tokens[i * bs:(i + 1) * bs])
+            ttl = self._pin_ttl(request, i)
+            if ttl is not None:
+                # By hash: a private copy of an already cached block pins the cached one.
+                self.pool.pin(hashes[i], ttl)
         self._num_registered[request.request_id] = max(start, end)
+
+    def _pin_ttl(self, request: Request, block_index: int) -> float | None:
+        """The longest TTL of the request's pins that cover the whole block, or None."""
+        end = (block_index + 1) * self.block_size
+        return max((ttl for num_tokens, ttl in request.pins if num_tokens >= end),
+                   default=None)

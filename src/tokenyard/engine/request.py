@@ -47,6 +47,8 @@ class Request:
     max_model_len: int = 8192
     cache_salt: str | None = None
     priority: int = 0  # lower runs first, as in vLLM
+    #: Prompt prefixes to keep in the KV cache: (number of tokens, TTL in seconds) each.
+    pins: tuple[tuple[int, float], ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
 

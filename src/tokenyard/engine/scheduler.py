@@ -5,7 +5,9 @@ chunks so a long prompt never stalls the streams), then waiting requests join wh
 token budget and the KV pool allow. A long prompt is prefilled in budget-sized chunks. When
 the pool runs out, the lowest-priority running request is preempted: its blocks are freed
 and it is recomputed later (its freed blocks keep their hashes, so the recompute is often
-a prefix-cache hit).
+a prefix-cache hit). Pinned prefix blocks give way only to a request that could not run
+at all otherwise: one alone in the running batch, or at the head of the queue while
+nothing runs.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            # Alone, the request cannot wait for anyone to finish: pins give way.
+            while not self.kv.allocate_slots(request, num_new, unpin=len(self.running) == 1):
                 victim = self._choose_victim(scheduled_ids)
                 self._preempt(victim, out)
                 if victim is request:
@@ -155,7 +158,7 @@ class Scheduler:
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
-            if not self.kv.allocate_slots(request, num_new, cached):
+            if not self.kv.allocate_slots(request, num_new, cached, unpin=not self.running):
                 request.num_computed_tokens = 0
                 break
             self._pop_waiting()

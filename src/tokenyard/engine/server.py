@@ -147,6 +147,7 @@ class ReplicaServer:
             wire.request_id, wire.prompt_token_ids, wire.params, self.engine.eos_token_ids,
             cache_salt=wire.cache_salt, priority=wire.priority,
         )
+        request.pins = tuple(wire.pins)
         try:
             stream = await self.engine.submit([request])
         except QueueFullError as exc:

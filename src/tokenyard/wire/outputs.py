@@ -116,3 +116,4 @@ class EngineStats:
     prefix_cache_hits: int  # tokens
     num_preemptions: int
     num_computed_tokens: int  # tokens run through the model since start
+    num_pinned_kv_blocks: int = 0  # blocks kept by prompt-cache pins (cache_control)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from tokenyard.wire.outputs import EngineStats
@@ -181,6 +181,42 @@ def params_from_json(obj: Any) -> SamplingParams:
 
 # -- generate -------------------------------------------------------------------------------
 
+#: A pinned prompt prefix: (number of prompt tokens, TTL in seconds). The replica keeps
+#: the cached full blocks of that prefix for the TTL, refreshed by every hit.
+Pin = tuple[int, float]
+#: Anthropic's two prompt-cache lifetimes, in seconds.
+TTL_5M, TTL_1H = 300.0, 3600.0
+MAX_PINS = 16
+
+
+def cache_writes(pins: Sequence[Pin], num_cached_tokens: int) -> tuple[int, int]:
+    """Prompt tokens a request's pins wrote to the cache: (kept 5 minutes, kept 1 hour).
+
+    The tokens of a pinned prefix past the `num_cached_tokens` read from the cache are
+    new writes; each is kept as long as the longest pin that covers it, and a TTL above
+    5 minutes counts as the 1-hour kind. Pins are in whole blocks (the caller rounds).
+    """
+    every = max((n for n, _ in pins), default=0)
+    long = max((n for n, ttl in pins if ttl > TTL_5M), default=0)
+    written, written_long = max(0, every - num_cached_tokens), max(0, long - num_cached_tokens)
+    return written - written_long, written_long
+
+
+def _pins(value: Any) -> list[Pin]:
+    if not isinstance(value, list) or len(value) > MAX_PINS:
+        raise ProtocolError("pins", f"pins must be a list of at most {MAX_PINS} pairs")
+    pins: list[Pin] = []
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ProtocolError("pins", "each pin is [num_tokens, ttl_seconds]")
+        num_tokens, ttl = _int(pair[0], "pins"), _float(pair[1], "pins")
+        if num_tokens < 0 or not 0 < ttl <= TTL_1H:
+            raise ProtocolError("pins", "a pin needs num_tokens >= 0 and a ttl_seconds "
+                                f"in (0, {TTL_1H:g}]")
+        pins.append((num_tokens, ttl))
+    return pins
+
+
 @dataclass
 class GenerateRequest:
     """The body of ``POST /v1/engine/generate``."""
@@ -190,6 +226,7 @@ class GenerateRequest:
     params: SamplingParams
     cache_salt: str | None = None
     priority: int = 0
+    pins: list[Pin] = field(default_factory=list)
 
     def to_json(self) -> Json:
         """The wire body."""
@@ -199,6 +236,7 @@ class GenerateRequest:
             "params": params_to_json(self.params),
             "cache_salt": self.cache_salt,
             "priority": self.priority,
+            "pins": [[n, ttl] for n, ttl in self.pins],
         }
 
     @classmethod
@@ -217,6 +255,7 @@ class GenerateRequest:
             params=params_from_json(obj.get("params", {})),
             cache_salt=salt,
             priority=_int(obj.get("priority", 0), "priority"),
+            pins=_pins(obj.get("pins", [])),
         )
 
 
@@ -364,9 +403,11 @@ ReplicaStats = EngineStats
 
 
 def stats_from_json(obj: Any) -> EngineStats:
-    """Decode a stats body; fields a newer replica adds beyond these are ignored."""
+    """Decode a stats body; fields a newer replica adds beyond these are ignored, and
+    fields with a default may be absent (an older replica)."""
     obj = _object(obj, None)
-    return EngineStats(**{f.name: obj[f.name] for f in fields(EngineStats)})
+    return EngineStats(**{f.name: obj[f.name] for f in fields(EngineStats)
+                          if f.name in obj or f.default is MISSING})
 
 
 @dataclass
