@@ -1,111 +1,151 @@
-"""The Prometheus registry's exposition text and tokenyard's metrics."""
+"""tokenyard's metrics through prometheus_client: names, help texts and values on the page,
+the engine's figures as the replica reports them, and multiprocess mode summing workers."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tokenyard.telemetry.metrics import (
-    Counter,
-    Gauge,
-    Histogram,
-    Registry,
+    MULTIPROC_DIR_ENV,
     TokenyardMetrics,
-    render,
+    mark_worker_dead,
+    render_engine_stats,
 )
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import EngineStats
 
-
-def test_exposition_text_is_exact_for_a_small_registry() -> None:
-    registry = Registry()
-    requests = registry.register(Counter("t:requests_total", "Requests.\nAll of them.",
-                                         labelnames=("reason",)))
-    running = registry.register(Gauge("t:running", "Running now."))
-    latency = registry.register(Histogram("t:latency_seconds", "Latency.", [0.1, 1.0]))
-    requests.labels(reason="stop").inc()
-    requests.labels(reason='say "hi"\\\n').inc(2)
-    running.set(3)
-    for value in (0.05, 0.1, 0.5, 5.0):
-        latency.observe(value)
-    assert render(registry) == (
-        "# HELP t:requests_total Requests.\\nAll of them.\n"
-        "# TYPE t:requests_total counter\n"
-        't:requests_total{reason="stop"} 1\n'
-        't:requests_total{reason="say \\"hi\\"\\\\\\n"} 2\n'
-        "# HELP t:running Running now.\n"
-        "# TYPE t:running gauge\n"
-        "t:running 3\n"
-        "# HELP t:latency_seconds Latency.\n"
-        "# TYPE t:latency_seconds histogram\n"
-        't:latency_seconds_bucket{le="0.1"} 2\n'
-        't:latency_seconds_bucket{le="1.0"} 3\n'
-        't:latency_seconds_bucket{le="+Inf"} 4\n'
-        "t:latency_seconds_sum 5.65\n"
-        "t:latency_seconds_count 4\n"
-    )
+STATS = EngineStats(
+    num_running=2, num_waiting=5, kv_cache_usage=0.25, num_kv_blocks=100,
+    num_free_kv_blocks=75, prefix_cache_queries=300, prefix_cache_hits=120,
+    num_preemptions=1, num_computed_tokens=1000)
 
 
-def test_labelled_histogram_puts_le_after_the_other_labels() -> None:
-    registry = Registry()
-    hist = registry.register(Histogram("h", "H.", [1.0], labelnames=("route",)))
-    hist.labels("chat").observe(2.0)
-    assert 'h_bucket{route="chat",le="1.0"} 0\nh_bucket{route="chat",le="+Inf"} 1\n' in (
-        render(registry))
-    assert 'h_count{route="chat"} 1\n' in render(registry)
-
-
-def test_counter_rejects_decrements_but_takes_absolute_totals() -> None:
-    counter = Counter("c", "C.")
-    with pytest.raises(ValueError):
-        counter.inc(-1)
-    counter.set_total(41)
-    counter.inc()
-    assert counter.value == 42
-
-
-def test_labelled_metric_needs_labels_and_names_are_unique() -> None:
-    registry = Registry()
-    counter = registry.register(Counter("c", "C.", labelnames=("a",)))
-    with pytest.raises(ValueError):
-        counter.inc()
-    with pytest.raises(ValueError):
-        counter.labels("x", "y")
-    with pytest.raises(ValueError):
-        registry.register(Counter("c", "again"))
+def samples(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text page, by series (name and labels)."""
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def test_tokenyard_metrics_follow_engine_stats_and_finished_requests() -> None:
     metrics = TokenyardMetrics()
-    metrics.update_from_stats(EngineStats(
-        num_running=2, num_waiting=5, kv_cache_usage=0.25, num_kv_blocks=100,
-        num_free_kv_blocks=75, prefix_cache_queries=300, prefix_cache_hits=120,
-        num_preemptions=1, num_computed_tokens=1000))
+    metrics.update_from_stats(STATS)
     tl = Timeline(received_ns=0)
     tl.mark("queued", now_ns=1_000_000)
     tl.mark("admitted", now_ns=3_000_000)
     tl.mark_token(now_ns=50_000_000)
     metrics.observe_inter_token(tl.mark_token(now_ns=60_000_000))
+    metrics.observe_inter_token(None)
     tl.mark("done", now_ns=100_000_000)
     metrics.observe_request(tl, num_prompt_tokens=7, num_generation_tokens=2,
                             finished_reasons="stop")
+    metrics.observe_finished(None, 0.5, None, 3, 4, ["stop", "length"])
     text = metrics.render()
-    for line in [
-        "tokenyard:num_requests_running 2",
-        "tokenyard:num_requests_waiting 5",
-        "tokenyard:kv_cache_usage_perc 0.25",
-        "tokenyard:prefix_cache_queries 300",
-        "tokenyard:prefix_cache_hits 120",
-        "tokenyard:num_preemptions_total 1",
-        "tokenyard:prompt_tokens_total 7",
-        "tokenyard:generation_tokens_total 2",
-        'tokenyard:request_success_total{finished_reason="stop"} 1',
-        "tokenyard:time_to_first_token_seconds_sum 0.05",
-        "tokenyard:e2e_request_latency_seconds_sum 0.1",
-        "tokenyard:request_queue_time_seconds_sum 0.002",
-        "tokenyard:inter_token_latency_seconds_count 1",
-        'tokenyard:inter_token_latency_seconds_bucket{le="0.01"} 1',
+    got = samples(text)
+    for series, value in {
+        "tokenyard:num_requests_running": 2,
+        "tokenyard:num_requests_waiting": 5,
+        "tokenyard:kv_cache_usage_perc": 0.25,
+        "tokenyard:prefix_cache_queries": 300,
+        "tokenyard:prefix_cache_hits": 120,
+        "tokenyard:num_preemptions_total": 1,
+        "tokenyard:prompt_tokens_total": 10,
+        "tokenyard:generation_tokens_total": 6,
+        'tokenyard:request_success_total{finished_reason="stop"}': 2,
+        'tokenyard:request_success_total{finished_reason="length"}': 1,
+        "tokenyard:time_to_first_token_seconds_sum": 0.05,
+        "tokenyard:time_to_first_token_seconds_count": 1,
+        "tokenyard:e2e_request_latency_seconds_sum": 0.6,
+        "tokenyard:e2e_request_latency_seconds_count": 2,
+        "tokenyard:request_queue_time_seconds_sum": 0.002,
+        "tokenyard:inter_token_latency_seconds_count": 1,
+        'tokenyard:inter_token_latency_seconds_bucket{le="0.005"}': 0,
+        'tokenyard:inter_token_latency_seconds_bucket{le="0.01"}': 1,
+        'tokenyard:inter_token_latency_seconds_bucket{le="+Inf"}': 1,
+        'tokenyard:e2e_request_latency_seconds_bucket{le="0.1"}': 1,
+        'tokenyard:e2e_request_latency_seconds_bucket{le="0.5"}': 2,
+        "tokenyard:http_workers": 1,
+    }.items():
+        assert got.get(series) == pytest.approx(value), series
+    # Every name, type and help text of the page before prometheus_client, unchanged.
+    for name, kind, doc in [
+        ("time_to_first_token_seconds", "histogram", "Time to first token in seconds."),
+        ("inter_token_latency_seconds", "histogram",
+         "Time between consecutive token arrivals in seconds."),
+        ("e2e_request_latency_seconds", "histogram", "End-to-end request latency in seconds."),
+        ("request_queue_time_seconds", "histogram",
+         "Time requests spent waiting in the queue in seconds."),
+        ("num_requests_running", "gauge", "Requests in the engine's running batch."),
+        ("num_requests_waiting", "gauge", "Requests waiting to be admitted."),
+        ("kv_cache_usage_perc", "gauge", "KV-cache usage; 1 means 100 percent."),
+        ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
+        ("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache."),
+        ("prompt_tokens_total", "counter", "Prompt tokens of finished requests."),
+        ("generation_tokens_total", "counter", "Generated tokens of finished requests."),
+        ("request_success_total", "counter", "Finished requests by finish reason."),
+        ("num_preemptions_total", "counter", "Requests preempted by the scheduler."),
     ]:
-        assert line + "\n" in text, line
-    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds", "request_queue_time_seconds"]:
-        assert f"# TYPE tokenyard:{name} histogram\n" in text
+        assert f"# HELP tokenyard:{name} {doc}\n# TYPE tokenyard:{name} {kind}\n" in text, name
+    assert "_created" not in text
+
+
+def test_engine_figures_are_the_snapshot_as_is() -> None:
+    assert render_engine_stats(STATS).splitlines()[-6:] == [
+        "# HELP tokenyard:prefix_cache_hits Prompt tokens served from the prefix cache.",
+        "# TYPE tokenyard:prefix_cache_hits counter",
+        "tokenyard:prefix_cache_hits 120",
+        "# HELP tokenyard:num_preemptions_total Requests preempted by the scheduler.",
+        "# TYPE tokenyard:num_preemptions_total counter",
+        "tokenyard:num_preemptions_total 1",
+    ]
+    # A replica that restarted reports smaller totals: shown as they are (a counter reset).
+    later = TokenyardMetrics()
+    later.update_from_stats(STATS)
+    later.update_from_stats(EngineStats(
+        num_running=0, num_waiting=0, kv_cache_usage=0.0, num_kv_blocks=100,
+        num_free_kv_blocks=100, prefix_cache_queries=3, prefix_cache_hits=0,
+        num_preemptions=0, num_computed_tokens=0))
+    assert samples(later.render())["tokenyard:prefix_cache_queries"] == 3
+
+
+_WORKER = """
+import sys
+from tokenyard.telemetry.metrics import TokenyardMetrics
+m = TokenyardMetrics()
+n = int(sys.argv[1])
+for _ in range(n):
+    m.observe_finished(0.01, 0.2, None, 5, 3, "stop")
+print("done", flush=True)
+"""
+
+
+def test_multiprocess_mode_sums_every_worker_and_counts_live_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two worker processes write their own files; a page rendered anywhere sums them.
+    env = {**os.environ, MULTIPROC_DIR_ENV: str(tmp_path)}
+    procs = [subprocess.run([sys.executable, "-c", _WORKER, str(n)], env=env, check=True,
+                            capture_output=True, text=True, timeout=60) for n in (2, 3)]
+    assert all(p.stdout.strip() == "done" for p in procs)
+    files = sorted(f.name for f in tmp_path.iterdir())
+    pids = sorted({int(name.rsplit("_", 1)[1].split(".")[0]) for name in files})
+    assert len(pids) == 2, files
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
+    page = TokenyardMetrics()  # this process is not in multiprocess mode: it only reads
+    got = samples(page.render())
+    assert got["tokenyard:prompt_tokens_total"] == 25
+    assert got["tokenyard:generation_tokens_total"] == 15
+    assert got['tokenyard:request_success_total{finished_reason="stop"}'] == 5
+    assert got["tokenyard:e2e_request_latency_seconds_count"] == 5
+    assert got['tokenyard:e2e_request_latency_seconds_bucket{le="0.1"}'] == 0
+    assert got['tokenyard:e2e_request_latency_seconds_bucket{le="0.25"}'] == 5
+    assert got["tokenyard:http_workers"] == 2
+    # A dead worker's live gauge goes; its counts stay in the sums.
+    mark_worker_dead(pids[0], str(tmp_path))
+    got = samples(page.render())
+    assert got["tokenyard:http_workers"] == 1
+    assert got["tokenyard:prompt_tokens_total"] == 25

@@ -1,6 +1,20 @@
-"""A tiny Prometheus registry (text exposition format 0.0.4) and tokenyard's metrics.
+"""tokenyard's metrics, kept by `prometheus_client` and rendered for ``/metrics``.
 
-No external dependency: counters, gauges and histograms with labels, rendered by `render`.
+Two kinds of figures share the page:
+
+- **per request**, observed by the HTTP process as requests finish and tokens arrive
+  (latency histograms, token counters, finished requests by reason): `prometheus_client`
+  counters and histograms. With several HTTP workers (`tokenyard serve --workers N`) they
+  run in prometheus_client's multiprocess mode: the parent sets ``PROMETHEUS_MULTIPROC_DIR``
+  (a fresh directory per serve) before it starts the workers, every worker writes its
+  values to its own files there, and whichever worker answers ``/metrics`` sums them all
+  (`MultiProcessCollector`), so the page covers every worker, including ones that died
+  and were replaced (a counter never goes back). The mode is chosen when prometheus_client
+  is imported, from that variable, as the library wants.
+- **engine-wide**, the replica's own figures (batch, queue, KV cache, prefix cache,
+  preemptions) from an `EngineStats` snapshot taken when the page is asked for: they are
+  not this process's to count or to sum across workers, so they are not kept in
+  prometheus_client at all; `render` writes them after the rest, each as one sample.
 
 The metric names are vLLM's (v1) after the prefix, but a dashboard built for vLLM does not
 work unchanged. What differs:
@@ -12,245 +26,34 @@ work unchanged. What differs:
   vLLM exposes ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``;
 - histogram buckets are tokenyard's (`TTFT_BUCKETS` and the others below), so panels that
   read a given ``le`` differ; ``histogram_quantile`` queries work;
-- only the metrics of `TokenyardMetrics` exist; panels on any other vLLM metric are empty.
+- only the metrics of `TokenyardMetrics` exist (and ``http_workers``, the live workers);
+  panels on any other vLLM metric are empty.
 
 The other names, types and units, and the ``finished_reason`` values (stop, length,
-abort), are vLLM's.
-
-Concurrency: no locks. Every update and every render runs on the HTTP process's single
-asyncio loop, where each method runs to completion without interleaving; updating from other
-threads would need a lock around each update and `render`.
+abort), are vLLM's. No ``_created`` series are written (`disable_created_metrics`, for
+the whole process: tokenyard's page never had them, and multiprocess mode has none).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
-from bisect import bisect_left
-from collections.abc import Iterator, Sequence
-from typing import Self, TypeVar
+from collections.abc import Sequence
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import EngineStats
 
-Number = int | float
-M = TypeVar("M", bound="_Metric")
+prometheus_client.disable_created_metrics()
 
-
-def _format_value(value: Number) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "+Inf" if value > 0 else "-Inf"
-    return repr(value)
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _label_text(pairs: Sequence[tuple[str, str]]) -> str:
-    if not pairs:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in pairs) + "}"
-
-
-class _Metric:
-    """Shared parts: a name, help text, label names and one child per label-value tuple."""
-
-    type_name = ""
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], Self] = {}
-
-    def labels(self, *values: str, **by_name: str) -> Self:
-        """The child for these label values (positional, or by name), created on first use."""
-        if by_name:
-            if values:
-                raise ValueError("give label values positionally or by name, not both")
-            values = tuple(by_name[n] for n in self.labelnames)
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-        key = tuple(str(v) for v in values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._new_child()
-            self._children[key] = child
-        return child
-
-    def _new_child(self) -> Self:
-        raise NotImplementedError
-
-    def _check_unlabelled(self) -> None:
-        if self.labelnames:
-            raise ValueError(f"{self.name} has labels {self.labelnames}: use .labels(...)")
-
-    def _series(self) -> Iterator[tuple[tuple[tuple[str, str], ...], _Metric]]:
-        if not self.labelnames:
-            yield (), self
-            return
-        for key, child in self._children.items():
-            yield tuple(zip(self.labelnames, key, strict=True)), child
-
-    def _samples(self, labels: tuple[tuple[str, str], ...]) -> list[str]:
-        raise NotImplementedError
-
-    def render(self) -> str:
-        """This metric's HELP and TYPE lines and its samples."""
-        lines = [
-            f"# HELP {self.name} {_escape_help(self.documentation)}",
-            f"# TYPE {self.name} {self.type_name}",
-        ]
-        for labels, child in self._series():
-            lines.extend(child._samples(labels))
-        return "\n".join(lines) + "\n"
-
-
-class Counter(_Metric):
-    """A monotonically increasing count. `set_total` takes a cumulative total from elsewhere."""
-
-    type_name = "counter"
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, labelnames)
-        self.value: Number = 0
-
-    def _new_child(self) -> Self:
-        return type(self)(self.name, self.documentation)
-
-    def inc(self, amount: Number = 1) -> None:
-        """Add `amount` (≥ 0)."""
-        self._check_unlabelled()
-        if amount < 0:
-            raise ValueError("a counter only goes up")
-        self.value += amount
-
-    def set_total(self, total: Number) -> None:
-        """Set the count to an absolute total, e.g. one the engine keeps since its start.
-
-        A smaller total (the engine restarted) is taken as is; Prometheus's `rate` treats a
-        drop as a counter reset.
-        """
-        self._check_unlabelled()
-        self.value = total
-
-    def _samples(self, labels: tuple[tuple[str, str], ...]) -> list[str]:
-        return [f"{self.name}{_label_text(labels)} {_format_value(self.value)}"]
-
-
-class Gauge(_Metric):
-    """A value that goes up and down."""
-
-    type_name = "gauge"
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, labelnames)
-        self.value: Number = 0
-
-    def _new_child(self) -> Self:
-        return type(self)(self.name, self.documentation)
-
-    def set(self, value: Number) -> None:
-        """Set the value."""
-        self._check_unlabelled()
-        self.value = value
-
-    def inc(self, amount: Number = 1) -> None:
-        """Add `amount` (may be negative)."""
-        self._check_unlabelled()
-        self.value += amount
-
-    def _samples(self, labels: tuple[tuple[str, str], ...]) -> list[str]:
-        return [f"{self.name}{_label_text(labels)} {_format_value(self.value)}"]
-
-
-class Histogram(_Metric):
-    """Observations counted into buckets with inclusive upper bounds (``le``), plus sum and count.
-
-    Buckets are stored per bucket and made cumulative only when rendered, so `observe` is one
-    binary search and two additions.
-    """
-
-    type_name = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        buckets: Sequence[float],
-        labelnames: Sequence[str] = (),
-    ) -> None:
-        super().__init__(name, documentation, labelnames)
-        bounds = sorted(float(b) for b in buckets if not math.isinf(b))
-        if not bounds or len(set(bounds)) != len(bounds):
-            raise ValueError("a histogram needs distinct finite bucket bounds")
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum: float = 0.0
-        self.count = 0
-
-    def _new_child(self) -> Self:
-        return type(self)(self.name, self.documentation, self.bounds)
-
-    def observe(self, value: float) -> None:
-        """Count one observation (in the metric's unit, seconds for latencies)."""
-        self._check_unlabelled()
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def _samples(self, labels: tuple[tuple[str, str], ...]) -> list[str]:
-        lines = []
-        cumulative = 0
-        for bound, n in zip([*self.bounds, math.inf], self.counts, strict=True):
-            cumulative += n
-            le = (*labels, ("le", _format_value(bound)))
-            lines.append(f"{self.name}_bucket{_label_text(le)} {cumulative}")
-        text = _label_text(labels)
-        lines.append(f"{self.name}_sum{text} {_format_value(self.sum)}")
-        lines.append(f"{self.name}_count{text} {self.count}")
-        return lines
-
-
-class Registry:
-    """The metrics one ``/metrics`` page shows, in registration order."""
-
-    def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
-
-    def register(self, metric: M) -> M:
-        """Add `metric` (names are unique) and return it."""
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name} is already registered")
-        self._metrics[metric.name] = metric
-        return metric
-
-    def __iter__(self) -> Iterator[_Metric]:
-        return iter(self._metrics.values())
-
-    def get(self, name: str) -> _Metric | None:
-        """The metric named `name`, if registered."""
-        return self._metrics.get(name)
-
-
-#: Content type of the text exposition format this module renders.
+#: The variable that puts prometheus_client in multiprocess mode (its directory of files).
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: Content type of the text exposition format `render` writes.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def render(registry: Registry) -> str:
-    """The registry in Prometheus text exposition format 0.0.4."""
-    return "".join(metric.render() for metric in registry)
-
-
-# -------------------------------------------------------------------- tokenyard's metrics
 
 PREFIX = "tokenyard:"
 # Seconds; spans a fast local GPU (ms) to a loaded CPU host (minutes).
@@ -261,60 +64,99 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
                    300.0, 600.0, 1800.0)
 
+#: The engine-wide figures: (name after the prefix, type, help, EngineStats field).
+ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("num_requests_running", "gauge", "Requests in the engine's running batch.",
+     "num_running"),
+    ("num_requests_waiting", "gauge", "Requests waiting to be admitted.", "num_waiting"),
+    ("kv_cache_usage_perc", "gauge", "KV-cache usage; 1 means 100 percent.",
+     "kv_cache_usage"),
+    ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
+     "prefix_cache_hits"),
+    ("num_preemptions_total", "counter", "Requests preempted by the scheduler.",
+     "num_preemptions"),
+)
+
+
+def multiprocess_dir() -> str | None:
+    """`$PROMETHEUS_MULTIPROC_DIR` when set: the values of every worker live there."""
+    return os.environ.get(MULTIPROC_DIR_ENV) or None
+
+
+def mark_worker_dead(pid: int, path: str | None = None) -> None:
+    """Forget a dead worker's live gauges (its counters and histograms stay in the sums).
+    The parent calls it for each worker that exits."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, path)
+
+
+def _format_value(value: float) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def render_engine_stats(stats: EngineStats) -> str:
+    """The engine-wide metrics of one snapshot in the text exposition format, each with
+    its HELP and TYPE lines and one unlabelled sample."""
+    lines = []
+    for name, kind, doc, attr in ENGINE_METRICS:
+        full = PREFIX + name
+        lines += [f"# HELP {full} {doc}", f"# TYPE {full} {kind}",
+                  f"{full} {_format_value(getattr(stats, attr))}"]
+    return "\n".join(lines) + "\n"
+
 
 class TokenyardMetrics:
-    """tokenyard's metrics in their own registry.
+    """tokenyard's metrics, in a registry of their own.
 
-    Per-request figures are observed by the HTTP process as requests finish
-    (`observe_finished`) and as tokens arrive (`observe_inter_token`); engine-wide figures
-    arrive as `EngineStats` snapshots whose counts are totals since the engine started
-    (`update_from_stats`).
+    Per-request figures are observed as requests finish (`observe_finished`) and as tokens
+    arrive (`observe_inter_token`); engine-wide figures arrive as `EngineStats` snapshots
+    whose counts are totals since the engine started (`update_from_stats`). In multiprocess
+    mode the metrics' values go to this worker's files, and `render` sums every worker's.
     """
 
-    def __init__(self, registry: Registry | None = None) -> None:
-        self.registry = registry if registry is not None else Registry()
-        r = self.registry
-        p = PREFIX
-        self.time_to_first_token = r.register(Histogram(
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.stats: EngineStats | None = None
+        r, p = self.registry, PREFIX
+        self.time_to_first_token = Histogram(
             f"{p}time_to_first_token_seconds", "Time to first token in seconds.",
-            TTFT_BUCKETS))
-        self.inter_token_latency = r.register(Histogram(
+            buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
             f"{p}inter_token_latency_seconds", "Time between consecutive token arrivals "
-            "in seconds.", ITL_BUCKETS))
-        self.e2e_request_latency = r.register(Histogram(
+            "in seconds.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
             f"{p}e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-            REQUEST_BUCKETS))
-        self.request_queue_time = r.register(Histogram(
+            buckets=REQUEST_BUCKETS, registry=r)
+        self.request_queue_time = Histogram(
             f"{p}request_queue_time_seconds", "Time requests spent waiting in the queue "
-            "in seconds.", REQUEST_BUCKETS))
-        self.num_requests_running = r.register(Gauge(
-            f"{p}num_requests_running", "Requests in the engine's running batch."))
-        self.num_requests_waiting = r.register(Gauge(
-            f"{p}num_requests_waiting", "Requests waiting to be admitted."))
-        self.kv_cache_usage = r.register(Gauge(
-            f"{p}kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."))
-        self.prefix_cache_queries = r.register(Counter(
-            f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache."))
-        self.prefix_cache_hits = r.register(Counter(
-            f"{p}prefix_cache_hits", "Prompt tokens served from the prefix cache."))
-        self.prompt_tokens = r.register(Counter(
-            f"{p}prompt_tokens_total", "Prompt tokens of finished requests."))
-        self.generation_tokens = r.register(Counter(
-            f"{p}generation_tokens_total", "Generated tokens of finished requests."))
-        self.request_success = r.register(Counter(
+            "in seconds.", buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(
+            f"{p}prompt_tokens_total", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(
+            f"{p}generation_tokens_total", "Generated tokens of finished requests.",
+            registry=r)
+        self.request_success = Counter(
             f"{p}request_success_total", "Finished requests by finish reason.",
-            labelnames=("finished_reason",)))
-        self.num_preemptions = r.register(Counter(
-            f"{p}num_preemptions_total", "Requests preempted by the scheduler."))
+            labelnames=("finished_reason",), registry=r)
+        # livesum: the workers alive now (a dead worker's file is removed by its parent).
+        self.http_workers = Gauge(
+            f"{p}http_workers", "HTTP worker processes serving.", registry=r,
+            multiprocess_mode="livesum")
+        self.http_workers.set(1)
+        # labels() takes a lock and builds a key each call: keep each reason's child.
+        self._success_by_reason: dict[str, Counter] = {}
 
     def update_from_stats(self, stats: EngineStats) -> None:
-        """Set the engine-wide gauges and cumulative counters from one snapshot."""
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.set_total(stats.prefix_cache_queries)
-        self.prefix_cache_hits.set_total(stats.prefix_cache_hits)
-        self.num_preemptions.set_total(stats.num_preemptions)
+        """Keep the replica's snapshot for the engine-wide figures of the next `render`."""
+        self.stats = stats
 
     def observe_inter_token(self, interval_ns: int | None) -> None:
         """One inter-token latency sample, as `Timeline.mark_token` returns it (None: skip)."""
@@ -342,7 +184,10 @@ class TokenyardMetrics:
         self.generation_tokens.inc(num_generation_tokens)
         reasons = [finished_reasons] if isinstance(finished_reasons, str) else finished_reasons
         for reason in reasons:
-            self.request_success.labels(finished_reason=reason).inc()
+            child = self._success_by_reason.get(reason)
+            if child is None:
+                child = self._success_by_reason[reason] = self.request_success.labels(reason)
+            child.inc()
 
     def observe_request(
         self,
@@ -367,5 +212,15 @@ class TokenyardMetrics:
         )
 
     def render(self) -> str:
-        """The ``/metrics`` page."""
-        return render(self.registry)
+        """The ``/metrics`` page: the per-request metrics (every worker's, summed, in
+        multiprocess mode), then the engine-wide ones of the last snapshot."""
+        path = multiprocess_dir()
+        if path is None:
+            source = self.registry
+        else:
+            source = CollectorRegistry()
+            MultiProcessCollector(source, path)
+        text = generate_latest(source).decode()
+        if self.stats is not None:
+            text += render_engine_stats(self.stats)
+        return text
