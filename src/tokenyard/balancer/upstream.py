@@ -1,0 +1,628 @@
+"""External OpenAI-compatible upstreams: vLLM, SGLang, llama.cpp's llama-server, another
+tokenyard. Text in, text out.
+
+`UpstreamClient` speaks the upstream's streamed ``/chat/completions`` and ``/completions``
+over one pooled aiohttp session and maps its refusals to the replica errors of
+`replica_client` (429/503 → overloaded, 401/403 → unauthorized, other 4xx → the request's
+fault, 5xx and connection failures → unreachable, so a balancer may fail over).
+
+`UpstreamGeneration` has the public surface of `generation.Generation` (start, iterate
+`RequestOutput`s, close, finish and stop reasons, the last output's counts), so the
+dialects' formats and the gateway's settlement work on it unchanged. Its deltas carry text
+and no token ids: the upstream tokenizes, applies stop strings and counts; its `usage`,
+which arrives at the end, replaces our own tokenizer's estimate of the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import replace
+from types import TracebackType
+from typing import Any, Protocol, cast
+
+import aiohttp
+
+from tokenyard.balancer.generation import replica_error
+from tokenyard.balancer.replica_client import (
+    ReplicaConnectionError,
+    ReplicaError,
+    ReplicaOverloaded,
+    ReplicaRequestError,
+    ReplicaStreamError,
+    ReplicaUnauthorized,
+)
+from tokenyard.telemetry.metrics import TokenyardMetrics
+from tokenyard.telemetry.timeline import Timeline
+from tokenyard.text.content import TemplateMessage, openai_content
+from tokenyard.wire.outputs import CompletionDelta, Logprob, RequestOutput
+from tokenyard.wire.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenyard.balancer")
+
+CHAT_PATH = "/chat/completions"
+COMPLETIONS_PATH = "/completions"
+MODELS_PATH = "/models"
+#: The stream error code of an upstream stream that broke off or ended unfinished.
+STREAM_BROKEN = "upstream_stream_broken"
+#: Finish reasons that pass through as they are; any other non-null one becomes "stop".
+_FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
+#: How long `close` lets a finished stream read its ``[DONE]``, so its connection goes
+#: back to the pool instead of being closed.
+_DONE_GRACE_S = 0.1
+
+Chunk = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+class UpstreamClient:
+    """One OpenAI-compatible server, `base_url` including its ``/v1``.
+
+    The aiohttp session is created on first use, in the running event loop, and pools
+    connections (each open stream holds one); `close` it when done.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 60.0,
+        max_connections: int = 0,
+    ) -> None:
+        """`model`: the upstream's own name of the model, put in every body that names
+        none. `request_timeout` bounds a health check, the wait for a stream's answer and
+        any silence between two of its chunks; a stream has no total timeout. `api_key`
+        is sent as a bearer token. `max_connections` 0 means unbounded."""
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Accept": "application/json", **auth}
+        self._stream_headers = {"Content-Type": "application/json",
+                                "Accept": "text/event-stream", **auth}
+        self._connect_timeout = connect_timeout
+        self._request_timeout = request_timeout
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=self._connect_timeout,
+                    sock_connect=self._connect_timeout, sock_read=self._request_timeout,
+                ),
+            )
+        return self._session
+
+    def open_chat(self, body: Mapping[str, Any]) -> AsyncIterator[Chunk]:
+        """``POST /chat/completions`` streamed: the upstream's chunks (usage included)
+        until ``[DONE]``. See `_open` for the errors."""
+        return self._open(CHAT_PATH, body)
+
+    def open_completion(self, body: Mapping[str, Any]) -> AsyncIterator[Chunk]:
+        """``POST /completions`` streamed (a text prompt), as `open_chat`."""
+        return self._open(COMPLETIONS_PATH, body)
+
+    async def _open(self, path: str, body: Mapping[str, Any]) -> AsyncGenerator[Chunk, None]:
+        """The stream's chunks. The first `__anext__` sends the request and waits for the
+        first chunk, so refusals surface before the caller writes anything: before it,
+        ReplicaOverloaded (429, 503), ReplicaUnauthorized (401, 403), ReplicaRequestError
+        (other 4xx), ReplicaConnectionError (5xx, unreachable, silent); after it,
+        ReplicaStreamError (an error event, a broken or unfinished stream). Closing the
+        iterator early closes the connection, which is how the upstream learns to abort."""
+        url = self.base_url + path
+        options = {**(body.get("stream_options") or {}), "include_usage": True}
+        payload = {"model": self.model, **body, "stream": True, "stream_options": options}
+        try:
+            response = await self._get_session().post(
+                url, data=json.dumps(payload, ensure_ascii=False).encode(),
+                headers=self._stream_headers,
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ReplicaConnectionError(f"{url}: {exc!r}") from exc
+        started = ended = done = False
+        try:
+            if response.status != 200:
+                raise _refusal(response.status, _error_of(await response.text(errors="replace")),
+                               response.headers, url)
+            async for data in _sse_data(response.content):
+                if data == "[DONE]":
+                    done = True
+                    return
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"an event is not a JSON object: {data[:200]}")
+                error = chunk.get("error")
+                if error is not None:
+                    message, param, code = _error_fields(error)
+                    if not started:
+                        raise _refusal(_status_of(error), (message, param, code), {}, url)
+                    raise ReplicaStreamError(f"the upstream failed: {message}", code)
+                started = True
+                ended = ended or chunk.get("usage") is not None or any(
+                    isinstance(c, dict) and c.get("finish_reason")
+                    for c in chunk.get("choices") or ())
+                yield chunk
+            if not ended:  # no [DONE] and no end seen: cut off
+                raise ValueError("the stream ended before it finished")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if started:
+                raise ReplicaStreamError(f"{url}: {exc!r}", STREAM_BROKEN) from exc
+            raise ReplicaConnectionError(f"{url}: {exc!r}") from exc
+        finally:
+            if done:
+                # Read the stream's end, so its connection goes back to the pool.
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    await response.read()
+                response.release()
+            else:
+                # Closing (not releasing) the connection tells the upstream nobody reads.
+                response.close()
+
+    async def health(self) -> bool:
+        """True if the upstream answers ``GET /models`` with 200."""
+        try:
+            async with self._get_session().get(
+                self.base_url + MODELS_PATH, headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self._request_timeout),
+            ) as response:
+                await response.read()
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        """Close the pooled connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The `data` of each event of an event stream (several data lines joined with a line
+    feed); event names, ids and comments are ignored, as OpenAI's streams need none."""
+    data: list[str] = []
+    async for raw in content:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith("data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+def _error_fields(error: Any) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of an error object: OpenAI's ``{"message", "param",
+    "code", "type"}``, or a bare message."""
+    if not isinstance(error, dict):
+        return str(error)[:500], None, None
+    param, code = error.get("param"), error.get("code")
+    return (str(error.get("message") or error.get("type") or "unknown error"),
+            param if isinstance(param, str) else None, code if isinstance(code, str) else None)
+
+
+def _error_of(text: str) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of an error body: ``{"error": {...}}`` (OpenAI, llama-server,
+    vLLM), the fields at the top (older vLLM), or plain text."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500] or "no message", None, None
+    if isinstance(body, dict) and "error" in body:
+        return _error_fields(body["error"])
+    return _error_fields(body)
+
+
+def _status_of(error: Any) -> int:
+    """The HTTP status an in-stream error stands for (its numeric `code`, else 500)."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and 400 <= code <= 599 else 500
+
+
+def _refusal(
+    status: int, fields: tuple[str, str | None, str | None], headers: Mapping[str, str],
+    url: str,
+) -> ReplicaError:
+    """The replica error an upstream's refusal maps to."""
+    message, param, code = fields
+    if status in (429, 503):
+        return ReplicaOverloaded(_retry_after(headers), message, code)
+    if status in (401, 403):
+        return ReplicaUnauthorized(f"{url}: the upstream refused this deployment's key "
+                                   f"({status}: {message})")
+    if 400 <= status < 500:
+        return ReplicaRequestError(status, message, param, code)
+    return ReplicaConnectionError(f"{url} answered {status}: {message}")
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait, from ``retry-after-ms`` or ``Retry-After`` (seconds or a date)."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            return max(0.0, float(raw) * scale)
+        except ValueError:
+            pass
+        with contextlib.suppress(TypeError, ValueError):
+            return max(0.0, email.utils.parsedate_to_datetime(raw).timestamp() - time.time())
+    return None
+
+
+# ---------------------------------------------------------------------------- the body
+
+
+def request_body(
+    params: SamplingParams,
+    model: str,
+    *,
+    messages: Sequence[TemplateMessage] | None = None,
+    prompt: str | None = None,
+    user: str | None = None,
+) -> dict[str, Any]:
+    """The OpenAI body (without `stream`) of a chat (`messages`) or a completion
+    (`prompt`); a message with images sends them as our re-encodings (`openai_content`).
+    Temperature and top_p are always sent (vLLM otherwise applies the model's
+    own defaults); vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens,
+    ignore_eos, ...) only when set, so a plain OpenAI-compatible server is not sent
+    fields it may refuse."""
+    body: dict[str, Any] = {"model": model}
+    if messages is not None:
+        body["messages"] = [{"role": m["role"], "content": openai_content(m)}
+                            for m in messages]
+    else:
+        body["prompt"] = prompt
+    p = params
+    body["temperature"] = p.temperature
+    body["top_p"] = p.top_p
+    optional: dict[str, Any] = {
+        "max_tokens": p.max_tokens,
+        "n": p.n if p.n != 1 else None,
+        "stop": list(p.stop) or None,
+        "seed": p.seed,
+        "presence_penalty": p.presence_penalty or None,
+        "frequency_penalty": p.frequency_penalty or None,
+        "logit_bias": {str(t): b for t, b in p.logit_bias.items()} if p.logit_bias else None,
+        "user": user,
+        "top_k": p.top_k if p.top_k > 0 else None,
+        "min_p": p.min_p or None,
+        "repetition_penalty": p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+        "min_tokens": p.min_tokens or None,
+        "stop_token_ids": list(p.stop_token_ids) or None,
+        "ignore_eos": p.ignore_eos or None,
+        "skip_special_tokens": False if not p.skip_special_tokens else None,
+        "include_stop_str_in_output": p.include_stop_str_in_output or None,
+    }
+    if p.logprobs is not None:
+        if messages is not None:
+            optional["logprobs"], optional["top_logprobs"] = True, p.logprobs
+        else:
+            optional["logprobs"] = p.logprobs
+    body.update((k, v) for k, v in optional.items() if v is not None)
+    return body
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+class TokenTable:
+    """Upstream tokens (their bytes) as small ids, for `Logprob.token_id`: the formats
+    spell a logprob's token with a `token_bytes(id)` function, and this table is the one
+    for an upstream's tokens (pass it, or a generation's `token_bytes`, to the format)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[bytes, int] = {}
+        self._bytes: list[bytes] = []
+
+    def intern(self, raw: bytes) -> int:
+        """The id of the token `raw` (a new one the first time)."""
+        found = self._ids.get(raw)
+        if found is None:
+            found = self._ids[raw] = len(self._bytes)
+            self._bytes.append(raw)
+        return found
+
+    def __call__(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+
+def _token_bytes(entry: Mapping[str, Any]) -> bytes:
+    raw = entry.get("bytes")
+    if isinstance(raw, list):
+        return bytes(raw)
+    return str(entry.get("token", "")).encode("utf-8")
+
+
+def _chat_logprobs(raw: Any, table: TokenTable) -> list[Logprob] | None:
+    """A chat chunk's ``logprobs.content`` entries as Logprobs (None: none given)."""
+    content = raw.get("content") if isinstance(raw, dict) else None
+    if not content:
+        return None
+    return [
+        Logprob(table.intern(_token_bytes(e)), float(e.get("logprob", 0.0)),
+                [(table.intern(_token_bytes(t)), float(t.get("logprob", 0.0)))
+                 for t in e.get("top_logprobs") or ()])
+        for e in content
+    ]
+
+
+def _completion_logprobs(raw: Any, table: TokenTable) -> list[Logprob] | None:
+    """A completion chunk's ``logprobs`` (tokens, token_logprobs, top_logprobs)."""
+    if not isinstance(raw, dict) or not raw.get("tokens"):
+        return None
+    tokens, lps = raw["tokens"], raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or []
+    out = []
+    for i, token in enumerate(tokens):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        lp = lps[i] if i < len(lps) and lps[i] is not None else 0.0
+        out.append(Logprob(table.intern(str(token).encode("utf-8")), float(lp),
+                           [(table.intern(str(t).encode("utf-8")), float(v))
+                            for t, v in top.items()]))
+    return out
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+class UpstreamTarget(Protocol):
+    """Where an upstream generation goes: an `UpstreamClient`, or a pool of them that
+    fails over between its members before their first chunk."""
+
+    def open_chat(self, body: Mapping[str, Any]) -> AsyncIterator[Chunk]:
+        ...
+
+    def open_completion(self, body: Mapping[str, Any]) -> AsyncIterator[Chunk]:
+        ...
+
+
+class UpstreamGeneration:
+    """One API request on an upstream, with `generation.Generation`'s public surface.
+
+    `start` sends it and waits for the first chunk (refusals raise the API error before
+    any byte is written); iterating yields `RequestOutput`s of text deltas; the finishing
+    output is held until the upstream's usage arrives, so `last` carries its prompt,
+    cached and output token counts; `close` closes the upstream stream if still open.
+    """
+
+    def __init__(
+        self,
+        target: UpstreamTarget,
+        request_id: str,
+        *,
+        messages: Sequence[TemplateMessage] | None = None,
+        prompt: str | None = None,
+        params: SamplingParams,
+        model: str,
+        timeline: Timeline | None = None,
+        metrics: TokenyardMetrics | None = None,
+        prompt_tokens_estimate: int,
+        user: str | None = None,
+        tokens: TokenTable | None = None,
+    ) -> None:
+        """A chat (`messages`, the templates' messages) or a completion (`prompt`, text),
+        exactly one. `model`: the upstream's name of the model. `prompt_tokens_estimate`:
+        our tokenizer's count, reported until the upstream's usage arrives. `tokens`: the
+        table logprob tokens are interned in (default: one of its own, `token_bytes`)."""
+        if (messages is None) == (prompt is None):
+            raise ValueError("an upstream generation needs messages or a prompt, not both")
+        self.target = target
+        self.request_id = request_id
+        self.messages = messages
+        self.prompt_text = prompt
+        self.params = params
+        self.model = model
+        self.user = user
+        self.timeline = timeline if timeline is not None else Timeline()
+        self.metrics = metrics
+        self.prompt_tokens_estimate = prompt_tokens_estimate
+        #: Spells the ids of the deltas' logprobs (the formats' `token_bytes`).
+        self.token_bytes = tokens if tokens is not None else TokenTable()
+        #: Each choice's finish reason once it has one ("abort" is set by close()).
+        self.finish_reasons: list[str | None] = [None] * params.n
+        #: The stop string (or stop token id) that ended each choice, when the upstream
+        #: says (vLLM's `stop_reason`, SGLang's `matched_stop`).
+        self.stop_reasons: list[int | str | None] = [None] * params.n
+        #: The last RequestOutput yielded.
+        self.last: RequestOutput | None = None
+        self.failed = False
+        self._usage: dict[str, Any] | None = None
+        self._counted_tokens = 0  # tokens seen before usage arrives (an estimate)
+        self._queue: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._observed = False
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI body sent upstream."""
+        return request_body(self.params, self.model, messages=self.messages,
+                            prompt=self.prompt_text, user=self.user)
+
+    async def start(self) -> None:
+        target = self.target
+        opened = target.open_chat if self.messages is not None else target.open_completion
+        stream = cast(AsyncGenerator[Chunk, None], opened(self.body()))
+        self.timeline.mark("queued")
+        try:
+            first = await stream.__anext__()
+        except BaseException as exc:
+            self.failed = True
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            if isinstance(exc, StopAsyncIteration):
+                exc = ReplicaConnectionError("the upstream's stream ended before its first chunk")
+            if isinstance(exc, ReplicaError):
+                raise replica_error(exc) from None
+            raise
+        # An upstream does not say how long it queued: its first chunk ends both stages.
+        stamp = self.timeline.mark("first_token")
+        self.timeline.mark("admitted", stamp)
+        self._task = asyncio.create_task(self._pump(stream, first))
+
+    async def _pump(self, stream: AsyncGenerator[Chunk, None], first: Chunk) -> None:
+        try:
+            await self._queue.put(first)
+            async for chunk in stream:
+                await self._queue.put(chunk)
+            await self._queue.put(None)
+        except Exception as exc:  # delivered to the consumer, which turns it into an error
+            await self._queue.put(exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        held: RequestOutput | None = None  # the finishing output, waiting for usage
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.failed = True
+                raise replica_error(item) if isinstance(item, ReplicaError) else item
+            if item is None and held is None:
+                self.failed = True
+                raise replica_error(ReplicaStreamError(
+                    "the upstream's stream ended before every choice finished", STREAM_BROKEN))
+            out = self._output(item) if item is not None else None
+            if out is not None and out.finished:
+                held = out
+            elif out is not None:
+                self.last = out
+                yield out
+            if held is not None and (item is None or self._usage is not None):
+                self.last = final = replace(
+                    held, num_prompt_tokens=self.num_prompt_tokens,
+                    num_cached_tokens=self.num_cached_tokens,
+                    num_output_tokens=self.num_output_tokens)
+                self.timeline.mark("done")
+                yield final
+                return
+
+    def _output(self, chunk: Chunk) -> RequestOutput | None:
+        """The deltas of one chunk (None: nothing moved); records usage and finishes."""
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self._usage = usage
+        chat = self.messages is not None
+        deltas: list[CompletionDelta] = []
+        arrived = 0
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            if not isinstance(index, int) or not 0 <= index < self.params.n:
+                raise ReplicaStreamError(f"the upstream sent choice {index!r} of "
+                                         f"{self.params.n}", STREAM_BROKEN)
+            if self.finish_reasons[index] is not None:
+                continue
+            if chat:
+                text = (choice.get("delta") or {}).get("content") or ""
+                logprobs = _chat_logprobs(choice.get("logprobs"), self.token_bytes)
+            else:
+                text = choice.get("text") or ""
+                logprobs = _completion_logprobs(choice.get("logprobs"), self.token_bytes)
+            finish = _finish_reason(choice.get("finish_reason"))
+            if not text and logprobs is None and finish is None:
+                continue
+            stop: int | str | None = None
+            if finish == "stop":
+                matched = choice.get("stop_reason", choice.get("matched_stop"))
+                stop = matched if isinstance(matched, int | str) else None
+                self.stop_reasons[index] = stop
+            self.finish_reasons[index] = finish
+            arrived += len(logprobs) if logprobs is not None else bool(text)
+            deltas.append(CompletionDelta(index, text, [], logprobs, finish, stop))
+        if arrived:
+            self._counted_tokens += arrived
+            interval = self.timeline.mark_token(arrived)
+            if self.metrics is not None:
+                self.metrics.observe_inter_token(interval)
+        if not deltas:
+            return None
+        return RequestOutput(
+            self.request_id, deltas, all(r is not None for r in self.finish_reasons),
+            self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens,
+        )
+
+    async def close(self) -> None:
+        """Close the upstream stream if still open (the upstream aborts the request), then
+        record the request in the metrics once."""
+        task = self._task
+        if task is not None:
+            if self.last is not None and self.last.finished and not task.done():
+                await asyncio.wait([task], timeout=_DONE_GRACE_S)
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if self._observed:
+            return
+        self._observed = True
+        reasons = [reason or "abort" for reason in self.finish_reasons]
+        self.finish_reasons = list(reasons)
+        if self.failed or self.last is None or self.metrics is None:
+            return
+        self.metrics.observe_request(self.timeline, self.num_prompt_tokens,
+                                     self.num_output_tokens, reasons)
+
+    def _usage_count(self, *path: str) -> int | None:
+        value: Any = self._usage
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value if isinstance(value, int) else None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The upstream's prompt count once its usage arrived; our estimate until then."""
+        count = self._usage_count("prompt_tokens")
+        return count if count is not None else self.prompt_tokens_estimate
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the upstream served from its cache (its usage's
+        prompt_tokens_details.cached_tokens; 0 until usage arrives or if it has none)."""
+        return self._usage_count("prompt_tokens_details", "cached_tokens") or 0
+
+    #: Prompt-cache writes (5 min, 1 h): an upstream pins nothing for us.
+    cache_writes = (0, 0)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The upstream's completion count once its usage arrived; until then the tokens
+        seen (logprob entries, else one per chunk with text)."""
+        count = self._usage_count("completion_tokens")
+        return count if count is not None else self._counted_tokens
+
+    @property
+    def backlog(self) -> bool:
+        """Whether more chunks have already arrived (the stream writes them together)."""
+        return not self._queue.empty()
+
+
+def _finish_reason(raw: Any) -> str | None:
+    """An upstream's finish reason as ours: stop, length, content_filter and tool_calls
+    pass; the legacy function_call is tool_calls; anything else non-null is stop."""
+    if not raw:
+        return None
+    if raw == "function_call":
+        return "tool_calls"
+    return raw if raw in _FINISH_REASONS else "stop"
