@@ -79,10 +79,11 @@ class UpstreamClient:
         request_timeout: float = 60.0,
         max_connections: int = 0,
     ) -> None:
-        """`model`: the upstream's own name of the model, put in every body that names
-        none. `request_timeout` bounds a health check, the wait for a stream's answer and
-        any silence between two of its chunks; a stream has no total timeout. `api_key`
-        is sent as a bearer token. `max_connections` 0 means unbounded."""
+        """`model`: this server's own name of the model, put in every body (servers of
+        one deployment may name it differently). `request_timeout` bounds a health
+        check, the wait for a stream's answer and any silence between two of its chunks;
+        a stream has no total timeout. `api_key` is sent as a bearer token.
+        `max_connections` 0 means unbounded."""
         self.base_url = base_url.rstrip("/")
         self.model = model
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -123,7 +124,7 @@ class UpstreamClient:
         iterator early closes the connection, which is how the upstream learns to abort."""
         url = self.base_url + path
         options = {**(body.get("stream_options") or {}), "include_usage": True}
-        payload = {"model": self.model, **body, "stream": True, "stream_options": options}
+        payload = {**body, "model": self.model, "stream": True, "stream_options": options}
         try:
             response = await self._get_session().post(
                 url, data=json.dumps(payload, ensure_ascii=False).encode(),
