@@ -1,0 +1,517 @@
+"""Image input at the gateway: an image part's source checked, fetched, decoded and
+re-encoded before it may go to a vision deployment.
+
+A source is an http(s) URL or a base64 data URI (OpenAI's `image_url.url`; Anthropic's
+base64 and url sources become one of these). The rules:
+
+- formats: PNG, JPEG, GIF (its first frame) and WebP, decoded only by those Pillow
+  plugins; at most `ImageLimits.max_bytes` encoded, `max_side` pixels a side and
+  `max_pixels` in all, checked from the header before any pixel is decoded;
+- what goes on is our re-encoding (JPEG stays JPEG, anything else becomes PNG), EXIF
+  orientation applied and metadata dropped: never the client's bytes or URL;
+- URLs: http and https only; the host is resolved once, here, and refused if any of its
+  addresses is not public (`is_public_address`: loopback, private, link-local and the
+  cloud metadata address, CGNAT, multicast, reserved, and IPv6 forms embedding those);
+  the connection goes to exactly those addresses, so a second lookup cannot rebind it;
+  redirects are followed by hand, at most `max_redirects`, each hop checked afresh; the
+  whole fetch has a deadline and the body a byte cap enforced while it streams.
+
+The address policy and the resolver are parameters, so tests can serve images from
+127.0.0.1 and point names anywhere without touching the default, which refuses both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import ipaddress
+import socket
+import warnings
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from PIL import Image, ImageOps, UnidentifiedImageError
+from pydantic import Discriminator
+from yarl import URL
+
+from tokenyard.api.errors import schema_error
+from tokenyard.errors import INVALID_VALUE, APIError, invalid_request
+from tokenyard.text.content import (
+    ImagePart,
+    NormalisedImage,
+    NormalisedType,
+    TemplateMessage,
+    image_parts,
+    require_vision,
+)
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: Whether the gateway may connect to an address.
+AddressPolicy = Callable[[IPAddress], bool]
+#: (host, port) → every address the host resolves to, as strings.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+#: Media type → the Pillow format that decodes it; nothing else is ever opened.
+MEDIA_TYPES: dict[str, str] = {
+    "image/png": "PNG",
+    "image/jpeg": "JPEG",
+    "image/gif": "GIF",
+    "image/webp": "WEBP",
+}
+_FORMAT_TYPES = {fmt: media for media, fmt in MEDIA_TYPES.items()}
+_SCHEMES = frozenset({"http", "https"})
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+#: Longest URL (or data URI prefix) accepted.
+MAX_URL_CHARS = 8192
+_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Caps on one image and on a request's images; times in seconds."""
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_side: int = 8000
+    max_pixels: int = 8000 * 8000
+    max_images: int = 20
+    timeout_s: float = 10.0
+    max_redirects: int = 3
+
+
+DEFAULT_LIMITS = ImageLimits()
+
+
+class ImageRejected(ValueError):
+    """An image source or its bytes broke a rule; the message says which, for the client."""
+
+
+# ---------------------------------------------------------------------------- addresses
+
+_CGNAT = ipaddress.ip_network("100.64.0.0/10")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_public_address(address: IPAddress) -> bool:
+    """Whether `address` is a public unicast address (the default policy).
+
+    IPv6 addresses that carry an IPv4 one (mapped, 6to4, Teredo, NAT64) are judged by
+    the IPv4 address they reach."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded: list[ipaddress.IPv4Address] = []
+        if address.ipv4_mapped is not None:
+            embedded.append(address.ipv4_mapped)
+        if address.sixtofour is not None:
+            embedded.append(address.sixtofour)
+        if address.teredo is not None:
+            embedded.extend(address.teredo)
+        if address in _NAT64:
+            embedded.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+        if embedded:
+            return all(is_public_address(a) for a in embedded)
+    elif address in _CGNAT:
+        return False
+    return address.is_global and not (
+        address.is_multicast or address.is_reserved or address.is_loopback
+        or address.is_link_local or address.is_private or address.is_unspecified
+    )
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """Every address of `host` from the system's resolver (getaddrinfo)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    )
+    return [str(info[4][0]) for info in infos]
+
+
+class _PinnedResolver(AbstractResolver):
+    """aiohttp's resolver for one connection: the addresses we already checked, only."""
+
+    def __init__(self, host: str, addresses: Sequence[IPAddress]) -> None:
+        self._host = host
+        self._addresses = addresses
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        if host != self._host:
+            raise OSError(f"{host!r} was not resolved for this fetch")
+        return [
+            ResolveResult(
+                hostname=host, host=str(a), port=port,
+                family=socket.AF_INET6 if a.version == 6 else socket.AF_INET,
+                proto=0, flags=socket.AI_NUMERICHOST,
+            )
+            for a in self._addresses
+        ]
+
+    async def close(self) -> None:
+        return None
+
+
+async def _checked_addresses(
+    url: URL, allow: AddressPolicy, resolve: Resolver
+) -> list[IPAddress]:
+    host = url.raw_host
+    if not host:
+        raise ImageRejected("the image URL has no host.")
+    try:
+        found = await resolve(host, url.port or 0)
+    except OSError as exc:
+        raise ImageRejected(f"the image URL's host {host!r} does not resolve.") from exc
+    addresses = [ipaddress.ip_address(a.split("%", 1)[0]) for a in found]
+    if not addresses:
+        raise ImageRejected(f"the image URL's host {host!r} does not resolve.")
+    for address in addresses:
+        if not allow(address):
+            raise ImageRejected(
+                f"the image URL's host {host!r} resolves to {address}, which is not a "
+                "public address."
+            )
+    return addresses
+
+
+# ---------------------------------------------------------------------------- fetching
+
+
+def check_url(url: str) -> URL:
+    """`url` parsed, when it is an http(s) URL with a host; ImageRejected otherwise."""
+    if len(url) > MAX_URL_CHARS:
+        raise ImageRejected(f"the image URL is longer than {MAX_URL_CHARS} characters.")
+    try:
+        parsed = URL(url)
+    except ValueError as exc:
+        raise ImageRejected("the image URL is not a valid URL.") from exc
+    if parsed.scheme not in _SCHEMES:
+        raise ImageRejected("image URLs must use http or https (or be a base64 data URI).")
+    if not parsed.raw_host:
+        raise ImageRejected("the image URL has no host.")
+    return parsed
+
+
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    too_big = f"the image is larger than {max_bytes} bytes."
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise ImageRejected(too_big)
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(_CHUNK):
+        body += chunk
+        if len(body) > max_bytes:
+            raise ImageRejected(too_big)
+    return bytes(body)
+
+
+def _joined(base: URL, location: str) -> str:
+    try:
+        return str(base.join(URL(location)))
+    except ValueError as exc:
+        raise ImageRejected("the image URL redirects to an invalid URL.") from exc
+
+
+async def _fetch_hops(
+    url: str, allow: AddressPolicy, resolve: Resolver, limits: ImageLimits
+) -> bytes:
+    current = check_url(url)
+    for _ in range(limits.max_redirects + 1):
+        addresses = await _checked_addresses(current, allow, resolve)
+        assert current.raw_host is not None  # checked by check_url
+        connector = aiohttp.TCPConnector(
+            resolver=_PinnedResolver(current.raw_host, addresses), use_dns_cache=False,
+            force_close=True,
+        )
+        # No proxies from the environment, no transparent decompression (a gzip bomb).
+        async with aiohttp.ClientSession(
+            connector=connector, trust_env=False, auto_decompress=False
+        ) as session, session.get(
+            current, allow_redirects=False,
+            headers={"Accept": "image/*", "Accept-Encoding": "identity"},
+        ) as response:
+            if response.status in _REDIRECTS:
+                location = response.headers.get("Location")
+                if not location:
+                    raise ImageRejected("the image URL redirects without a Location.")
+                current = check_url(_joined(current, location))
+                continue
+            if response.status != 200:
+                raise ImageRejected(f"fetching the image URL answered HTTP {response.status}.")
+            return await _read_capped(response, limits.max_bytes)
+    raise ImageRejected(f"the image URL redirects more than {limits.max_redirects} times.")
+
+
+async def fetch_image_bytes(
+    url: str,
+    *,
+    allow: AddressPolicy = is_public_address,
+    resolve: Resolver = system_resolver,
+    limits: ImageLimits = DEFAULT_LIMITS,
+) -> bytes:
+    """The body at `url`, fetched under the rules above (deadline: `limits.timeout_s`)."""
+    try:
+        async with asyncio.timeout(limits.timeout_s):
+            return await _fetch_hops(url, allow, resolve, limits)
+    except TimeoutError:
+        raise ImageRejected(
+            f"fetching the image URL took longer than {limits.timeout_s:g} s."
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise ImageRejected(f"the image URL could not be fetched ({type(exc).__name__}).") \
+            from None
+
+
+# ---------------------------------------------------------------------------- data URIs
+
+_SIGNATURES: tuple[tuple[bytes, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+def sniff_media_type(data: bytes) -> str | None:
+    """The image type `data` starts like (PNG, JPEG, GIF, WebP), or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    for signature, media_type in _SIGNATURES:
+        if data.startswith(signature):
+            return media_type
+    return None
+
+
+def parse_data_uri(uri: str, max_bytes: int = DEFAULT_LIMITS.max_bytes) -> tuple[str, bytes]:
+    """(media type, bytes) of a ``data:image/...;base64,...`` URI whose bytes start like
+    the image type it declares; ImageRejected otherwise."""
+    head, comma, payload = uri.partition(",")
+    if not comma or not head.startswith("data:") or len(head) > MAX_URL_CHARS:
+        raise ImageRejected("an image data URI looks like 'data:image/png;base64,...'.")
+    media_type, *params = (p.strip().lower() for p in head[len("data:"):].split(";"))
+    if media_type not in MEDIA_TYPES:
+        raise ImageRejected(
+            f"image type {media_type or '(none)'!r} is not supported; send one of "
+            f"{', '.join(MEDIA_TYPES)}."
+        )
+    if "base64" not in params:
+        raise ImageRejected("image data URIs must be base64-encoded (';base64,').")
+    if len(payload) // 4 * 3 > max_bytes:
+        raise ImageRejected(f"the image is larger than {max_bytes} bytes.")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageRejected("the image data is not valid base64.") from exc
+    found = sniff_media_type(data)
+    if found is None:
+        raise ImageRejected("the image data is not a PNG, JPEG, GIF or WebP image.")
+    if found != media_type:
+        raise ImageRejected(f"the image data is {found}, not the declared {media_type}.")
+    return media_type, data
+
+
+def source_problem(source: str) -> str | None:
+    """Why `source` (an image URL or data URI) is refused before any fetch, or None.
+
+    For the request schemas: cheap checks only (syntax, scheme, declared type, base64,
+    the bytes' signature); decoding and fetching wait until a vision deployment is chosen."""
+    try:
+        if source.startswith("data:"):
+            parse_data_uri(source)
+        else:
+            check_url(source)
+    except ImageRejected as exc:
+        return str(exc)
+    return None
+
+
+def anthropic_source_uri(source: dict[str, Any]) -> str:
+    """Anthropic's ``{"type": "base64", "media_type", "data"}`` or ``{"type": "url",
+    "url"}`` as the data URI or URL it stands for."""
+    kind = source.get("type")
+    if kind == "base64":
+        return f"data:{source.get('media_type')};base64,{source.get('data')}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise ImageRejected("an image source is {'type': 'base64', ...} or {'type': 'url', ...}.")
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def _encode(image: Image.Image, source_format: str) -> tuple[NormalisedType, bytes]:
+    out = io.BytesIO()
+    if source_format == "JPEG":
+        image.convert("RGB").save(out, format="JPEG", quality=90)
+        return "image/jpeg", out.getvalue()
+    if image.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):
+        image = image.convert("RGBA")
+    image.save(out, format="PNG", optimize=False)
+    return "image/png", out.getvalue()
+
+
+def normalise_image(
+    data: bytes, declared: str | None = None, limits: ImageLimits = DEFAULT_LIMITS
+) -> NormalisedImage:
+    """`data` decoded (first frame) and re-encoded; ImageRejected for bytes over the cap,
+    another format than `declared`, a format not allowed, or too many pixels (checked
+    from the header, before decoding: a small file declaring a huge size is refused)."""
+    if len(data) > limits.max_bytes:
+        raise ImageRejected(f"the image is larger than {limits.max_bytes} bytes.")
+    try:
+        with warnings.catch_warnings():
+            # Pillow's own decompression-bomb guard stays on, its warning an error.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=list(MEDIA_TYPES.values())) as image:
+                fmt = str(image.format)
+                media_type = _FORMAT_TYPES[fmt]
+                if declared is not None and declared != media_type:
+                    raise ImageRejected(
+                        f"the image data is {media_type}, not the declared {declared}."
+                    )
+                width, height = image.size
+                if max(width, height) > limits.max_side or width * height > limits.max_pixels:
+                    raise ImageRejected(
+                        f"the image is {width}x{height} pixels; at most {limits.max_side} a "
+                        f"side and {limits.max_pixels} in all are accepted."
+                    )
+                image.seek(0)
+                image.load()
+                upright = ImageOps.exif_transpose(image)
+                encoded_type, encoded = _encode(upright, fmt)
+                return NormalisedImage(encoded_type, encoded, upright.width, upright.height)
+    except ImageRejected:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageRejected(f"the image declares too many pixels ({exc}).") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise ImageRejected(
+            f"the image data could not be decoded as PNG, JPEG, GIF or WebP ({exc})."
+        ) from None
+
+
+async def load_image(
+    source: str | dict[str, Any],
+    *,
+    allow: AddressPolicy = is_public_address,
+    resolve: Resolver = system_resolver,
+    limits: ImageLimits = DEFAULT_LIMITS,
+) -> NormalisedImage:
+    """One image from a URL, a data URI or an Anthropic source dict, fetched (URLs, under
+    `allow` and `resolve`), decoded and re-encoded off the event loop; ImageRejected."""
+    uri = anthropic_source_uri(source) if isinstance(source, dict) else source
+    declared: str | None = None
+    if uri.startswith("data:"):
+        declared, data = parse_data_uri(uri, limits.max_bytes)
+    else:
+        data = await fetch_image_bytes(uri, allow=allow, resolve=resolve, limits=limits)
+    return await asyncio.to_thread(normalise_image, data, declared, limits)
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+def text_or_image(image_type: str) -> Discriminator:
+    """The discriminator of a dialect's content-part union: tag "Image" for parts of
+    `image_type`, "Text" for any other (the text model then names the types it refuses).
+    Capitalised tags stay out of the parameter paths of validation errors."""
+
+    def kind(data: Any) -> str:
+        found = data.get("type") if isinstance(data, dict) else getattr(data, "type", None)
+        return "Image" if found == image_type else "Text"
+
+    return Discriminator(kind)
+
+
+@runtime_checkable
+class ImageInput(Protocol):
+    """A dialect's image part or block: it knows its source."""
+
+    def image_part(self, param: str) -> ImagePart: ...
+
+
+def only_from_user(role: str, content: object, what: str) -> None:
+    """A schema error naming the first image part of a message that is not the user's
+    (`what`: how the dialect calls its image parts)."""
+    if role == "user" or not isinstance(content, list):
+        return
+    for i, part in enumerate(content):
+        if isinstance(part, ImageInput):
+            raise schema_error(INVALID_VALUE, f"content.{i}.type",
+                               f"{what} are only allowed in 'user' messages, not in "
+                               f"'{role}' messages.")
+
+
+def template_message(role: str, text: str, content: object, param: str) -> TemplateMessage:
+    """A template message of `role` and `text`; when `content` (the client's list of
+    parts) holds an image part, with `parts` in order: text parts as strings, image parts
+    as `ImagePart`s named "<param>.content.<i>" (`param`: the message's own path)."""
+    message: TemplateMessage = {"role": role, "content": text}
+    if isinstance(content, list) and any(isinstance(p, ImageInput) for p in content):
+        message["parts"] = [
+            p.image_part(f"{param}.content.{i}") if isinstance(p, ImageInput) else str(p.text)
+            for i, p in enumerate(content)
+        ]
+    return message
+
+
+def image_error(part: ImagePart, reason: str) -> APIError:
+    """400 naming the image part that broke a rule."""
+    return invalid_request(f"Invalid image in '{part.param}': {reason}", param=part.param,
+                           code=INVALID_VALUE)
+
+
+async def load_images(
+    messages: Sequence[TemplateMessage],
+    *,
+    allow: AddressPolicy = is_public_address,
+    resolve: Resolver = system_resolver,
+    limits: ImageLimits = DEFAULT_LIMITS,
+) -> list[TemplateMessage]:
+    """`messages` with every image part loaded (concurrently), for a vision deployment;
+    an APIError (400) naming the first part that broke a rule."""
+    pending = image_parts(messages)
+    if len(pending) > limits.max_images:
+        raise image_error(pending[limits.max_images],
+                          f"at most {limits.max_images} images are accepted per request.")
+
+    async def one(part: ImagePart) -> ImagePart:
+        try:
+            image = await load_image(part.source, allow=allow, resolve=resolve, limits=limits)
+        except ImageRejected as exc:
+            raise image_error(part, str(exc)) from None
+        return replace(part, image=image)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = {id(p): group.create_task(one(p)) for p in pending}
+    except* APIError as failed:
+        raise failed.exceptions[0] from None
+    out: list[TemplateMessage] = []
+    for message in messages:
+        parts = message.get("parts")
+        if parts is None:
+            out.append(message)
+            continue
+        loaded = [p if isinstance(p, str) else tasks[id(p)].result() for p in parts]
+        out.append({**message, "parts": loaded})
+    return out
+
+
+async def admit_images(
+    messages: Sequence[TemplateMessage],
+    *,
+    model: str,
+    vision: bool,
+    allow: AddressPolicy = is_public_address,
+    resolve: Resolver = system_resolver,
+    limits: ImageLimits = DEFAULT_LIMITS,
+) -> list[TemplateMessage]:
+    """The messages a deployment (`model`, with or without `vision`) gets: text-only ones
+    as they are; with images, a 400 naming the first image part when it has no vision,
+    else every image loaded (`load_images`)."""
+    require_vision(messages, model, vision)
+    if not image_parts(messages):
+        return list(messages)
+    return await load_images(messages, allow=allow, resolve=resolve, limits=limits)
