@@ -77,6 +77,7 @@ def running_server(
     env: dict[str, str] | None = None,
     state_dir: str | None = None,
     check_exit: bool = True,
+    embeddings: bool = False,
 ) -> Iterator[tuple[Server, subprocess.Popen[str]]]:
     """`tokenyard serve` on a free port with `extra_args`; SIGTERM must end it with 0.
 
@@ -84,7 +85,8 @@ def running_server(
     TOKENYARD_REPLICA_TOKEN: a fresh random one). `state_dir`: serve on
     this state directory, which the caller owns (kept afterwards); default: a fresh
     temporary one, removed afterwards. `check_exit=False`: a test that killed the process
-    itself skips the exit-code check."""
+    itself skips the exit-code check. `embeddings`: also start the embeddings pool (off
+    by default: most tests do not need its process)."""
     # Each server gets its own state directory: its SQLite file, journal and dev key.
     state = state_dir if state_dir is not None else tempfile.mkdtemp(prefix="tokenyard-e2e-")
     base = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENYARD_STATE_DIR": state}
@@ -93,7 +95,7 @@ def running_server(
     base["TOKENYARD_REPLICA_TOKEN"] = secrets.token_urlsafe(16)
     env = {**base, **(env or {})}
     cmd = [sys.executable, "-m", "tokenyard.cli", "serve", "--port", "0",
-           "--drain-timeout", "5", *extra_args]
+           "--drain-timeout", "5", *extra_args, *([] if embeddings else ["--no-embeddings"])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     found: dict[str, str] = {}

@@ -46,7 +46,9 @@ def small_replica() -> Iterator[tuple[Server, subprocess.Popen[str]]]:
                 break
         if url is None:
             pytest.fail("tokenyard engine did not start:\n" + "".join(seen[-40:]))
-        with running_server("--replica-url", url, "--no-auth", env=token) as (server, _):
+        # No waiting at the balancer: the replica's own full queue is what is tested.
+        with running_server("--replica-url", url, "--no-auth", "--queue-timeout", "0",
+                            env=token) as (server, _):
             yield server, engine
     finally:
         if engine.poll() is None:

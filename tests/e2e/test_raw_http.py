@@ -168,7 +168,7 @@ def test_request_id_echoed_or_generated(server: Server) -> None:
     stages = [entry.split(";")[0] for entry in timing.split(", ")]
     # With the gateway on: authenticate first, then authorize, limit, billing pre-check.
     assert stages == ["auth", "parse", "template", "tokenize", "authorize", "limit",
-                      "billing", "queue", "prefill", "decode", "detokenize"]
+                      "billing", "queue", "prefill", "decode", "balance", "detokenize"]
     _, _, headers = post(server.base_url + "/v1/chat/completions", b"{")
     assert headers["x-request-id"]
 
@@ -303,7 +303,7 @@ def test_stream_header_has_the_stages_before_the_first_byte_and_the_last_event_a
     assert headers["content-type"].startswith("text/event-stream")
     header_stages = [e.split(";")[0] for e in headers["Server-Timing"].split(", ")]
     assert header_stages == ["auth", "parse", "template", "tokenize", "authorize", "limit",
-                             "billing", "queue", "prefill"]
+                             "billing", "queue", "prefill", "balance"]
     assert raw.endswith(b"data: [DONE]\n\n")
     events = _sse_events(raw)
     assert all("timings" not in e for e in events[:-1])
@@ -374,19 +374,27 @@ def _fake_replica(mode: str) -> web.Application:
     app = web.Application()
     app.router.add_get("/v1/engine/info", info)
     app.router.add_post("/v1/engine/generate", generate)
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app.router.add_get("/healthz", health)
     return app
 
 
 async def _with_fake(mode: str, path: str, body: dict[str, Any]) -> tuple[int, Any, bytes]:
     from tokenyard.api.app import build_state, make_app
     from tokenyard.config import default_cache_dir
+    from tokenyard.deployments import BalancerSpec
 
     replica = web.AppRunner(_fake_replica(mode))
     await replica.setup()
     site = web.TCPSite(replica, "127.0.0.1", 0)
     await site.start()
     replica_url = f"http://127.0.0.1:{replica.addresses[0][1]}"
-    front = web.AppRunner(make_app(await build_state(replica_url, None, default_cache_dir())))
+    # No waiting at the balancer: the fake's own refusal is what the client must see.
+    state = await build_state(replica_url, None, default_cache_dir(),
+                              balancer=BalancerSpec(queue_timeout_s=0))
+    front = web.AppRunner(make_app(state))
     await front.setup()
     await web.TCPSite(front, "127.0.0.1", 0).start()
     try:

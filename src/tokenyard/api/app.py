@@ -18,48 +18,88 @@ every route here validates its own body with `parse_body` anyway.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.anthropic.routes import add_anthropic_routes
-from tokenyard.api.context import KEY, STATE, AppState
+from tokenyard.api.context import KEY, STATE, AppState, Served
 from tokenyard.api.convert import now
 from tokenyard.api.middleware import middleware
+from tokenyard.api.openai.embeddings import add_embeddings_routes
 from tokenyard.api.openai.routes import add_openai_routes
 from tokenyard.api.ops import add_ops_routes
+from tokenyard.balancer.affinity import AffinityTable
+from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import ReplicaClient
+from tokenyard.deployments import BalancerSpec, DeploymentSpec
 from tokenyard.errors import not_found
 from tokenyard.gateway.admin import Admin
 from tokenyard.gateway.auth import require_admin
 from tokenyard.text.model_files import load_tokenizer
+from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.protocol import ReplicaInfo
 
-__all__ = ["AppState", "build_state", "make_app"]
+__all__ = ["AppState", "Served", "build_served", "build_state", "make_app"]
+
+
+async def build_served(
+    spec: DeploymentSpec,
+    clients: Sequence[tuple[str, Any]],
+    cache_dir: Path,
+    *,
+    balancer: BalancerSpec | None = None,
+    affinity: AffinityTable | None = None,
+    tokenizers: dict[str | None, Tokenizer] | None = None,
+) -> Served:
+    """One deployment over its replicas' `clients` (id, client): an engine's model facts
+    are asked of its first replica that answers, and its tokenizer is loaded (in a
+    thread: a GGUF read takes seconds); an upstream gets the embedded tokenizer for its
+    admission estimates. `tokenizers` shares loaded tokenizers between deployments."""
+    tokenizers = {} if tokenizers is None else tokenizers
+    info: ReplicaInfo | None = None
+    if spec.kind == "engine":
+        pool = Pool(spec.name, clients, balancer, affinity=affinity)
+        info = await pool.info()
+        pool.block_size = info.block_size
+    else:
+        pool = Pool(spec.name, clients, balancer, affinity=affinity)
+    tokenizer = None
+    if spec.kind != "embeddings":
+        key = spec.model if spec.kind == "engine" else None
+        if key not in tokenizers:
+            tokenizers[key] = await asyncio.to_thread(load_tokenizer, key, cache_dir)
+        tokenizer = tokenizers[key]
+    if info is not None and tokenizer is not None and tokenizer.vocab_size > info.vocab_size:
+        # A replica serving another model than `model` would get ids it cannot embed.
+        raise ValueError(
+            f"the tokenizer of {spec.model or 'the embedded model'} has "
+            f"{tokenizer.vocab_size} tokens but the replica's model {info.model} only "
+            f"{info.vocab_size}: pass the replica's --model"
+        )
+    return Served(spec, pool, now(), tokenizer, info)
 
 
 async def build_state(
-    replica_url: str, model: str | None, cache_dir: Path, *, replica_token: str | None = None
+    replica_url: str, model: str | None, cache_dir: Path, *, replica_token: str | None = None,
+    balancer: BalancerSpec | None = None,
 ) -> AppState:
-    """Ask the replica for its model, and load the matching tokenizer (in a thread: a
-    GGUF read takes seconds and the loop may already serve other things).
+    """The state of one running replica serving `model` (its own name), no aliases.
     `replica_token`: the replica's shared secret (TOKENYARD_REPLICA_TOKEN)."""
     client = ReplicaClient(replica_url, token=replica_token)
     try:
         info = await client.info()
+        spec = DeploymentSpec(info.model, "engine", urls=(replica_url,), model=model,
+                              capabilities=frozenset({"chat", "completions"}))
+        served = await build_served(spec, [(replica_url, client)], cache_dir,
+                                    balancer=balancer)
     except BaseException:
         await client.close()
         raise
-    tokenizer = await asyncio.to_thread(load_tokenizer, model, cache_dir)
-    if tokenizer.vocab_size > info.vocab_size:
-        # A replica serving another model than `model` would get ids it cannot embed.
-        await client.close()
-        raise ValueError(
-            f"the tokenizer of {model or 'the embedded model'} has {tokenizer.vocab_size} "
-            f"tokens but the replica's model {info.model} only {info.vocab_size}: pass the "
-            "replica's --model"
-        )
-    return AppState(client, tokenizer, info, now())
+    return AppState.single(served, now())
 
 
 def _admin_of(request: web.Request) -> Admin:
@@ -78,12 +118,20 @@ def make_app(state: AppState) -> web.Application:
     app = web.Application(middlewares=[middleware], client_max_size=state.max_body_bytes)
     app[STATE] = state
     add_openai_routes(app)
+    add_embeddings_routes(app)
     add_anthropic_routes(app)
     add_ops_routes(app)
     add_admin_routes(app, _admin_of)
 
-    async def close_client(app: web.Application) -> None:
-        await app[STATE].client.close()
+    async def start_pools(app: web.Application) -> None:
+        for served in app[STATE].deployments.values():
+            served.pool.start()
 
-    app.on_cleanup.append(close_client)
+    async def close_pools(app: web.Application) -> None:
+        state = app[STATE]
+        for pool in [*(s.pool for s in state.deployments.values()), *state.retired]:
+            await pool.close()
+
+    app.on_startup.append(start_pools)
+    app.on_cleanup.append(close_pools)
     return app

@@ -24,16 +24,17 @@ async def healthz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text; the engine's figures are read from the replica."""
     state = request.app[STATE]
-    state.metrics.update_from_stats(await state.client.stats())
+    state.metrics.update_from_stats(await state.default.pool.stats())
     return web.Response(
         body=state.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE}
     )
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """GET /readyz: 200 only while admitting and the replica is healthy."""
+    """GET /readyz: 200 only while admitting and the default deployment has a healthy
+    replica."""
     state = request.app[STATE]
-    ready = state.admitting and await state.client.health()
+    ready = state.admitting and await state.default.pool.health()
     return json_response({"status": "ready" if ready else "unavailable"}, 200 if ready else 503)
 
 

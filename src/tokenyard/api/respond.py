@@ -19,18 +19,21 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from aiohttp import web
 from pydantic import BaseModel
 
-from tokenyard.api.context import KEY, REQUEST_ID, STATE, TICKET, TIMELINE
+from tokenyard.api.context import KEY, REQUEST_ID, ROUTE, STATE, TICKET, TIMELINE, Served
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.balancer.generation import Generation, finished_completions, merged
-from tokenyard.errors import APIError, internal_error
+from tokenyard.errors import APIError, internal_error, invalid_request
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.text.prepare import Preparer
+from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import Completion, RequestOutput
+from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.api")
@@ -86,16 +89,38 @@ def with_timings(event: BaseModel, timeline: Timeline) -> dict[str, Any]:
     return body
 
 
+def prepared(served: Served) -> tuple[Preparer, Tokenizer]:
+    """The deployment's prepare stage and tokenizer (400 for a kind that has none)."""
+    if served.prepare is None or served.tokenizer is None:
+        raise invalid_request(f"The model `{served.name}` does not generate text.",
+                              param="model", code="model_not_supported")
+    return served.prepare, served.tokenizer
+
+
+def first_user_text(messages: Sequence[Any]) -> str | None:
+    """The first user message's text (what a conversation's canary draw sticks to)."""
+    for message in messages:
+        if message.get("role") == "user":
+            return str(message.get("content") or "")
+    return None
+
+
 async def generate(
-    request: web.Request, model: str, prompts: Sequence[list[int]],
+    request: web.Request, served: Served, prompts: Sequence[list[int]],
     params: Sequence[SamplingParams], fmt: Format, *, stream: bool,
+    messages: Sequence[Any] | None = None, texts: Sequence[str | None] | None = None,
+    pins: Sequence[Pin] = (),
 ) -> web.StreamResponse:
-    """Admit a request of `prompts` (each with its fitted `params`), answer it in `fmt`'s
-    shape, then settle it whatever happened (client gone, engine failure, refusal)."""
-    await _admit(request, model, prompts, params)
+    """Admit a request of `prompts` (each with its fitted `params`) for deployment
+    `served`, answer it in `fmt`'s shape, then settle it whatever happened (client gone,
+    engine failure, refusal). `messages` / `texts`: the chat messages or prompt texts,
+    for a deployment that takes text rather than token ids (an upstream); `pins`: prompt
+    prefixes the replica keeps cached (Anthropic's cache_control)."""
+    await _admit(request, served, prompts, params)
     base_id = request[REQUEST_ID]
     gens = [
-        _generation(request, base_id if len(prompts) == 1 else f"{base_id}-{i}", p, fp)
+        _generation(request, served, base_id if len(prompts) == 1 else f"{base_id}-{i}", p,
+                    fp, messages=messages, text=texts[i] if texts else None, pins=pins)
         for i, (p, fp) in enumerate(zip(prompts, params, strict=True))
     ]
     try:
@@ -180,32 +205,47 @@ def _stream_failure(request: web.Request, exc: Exception) -> APIError:
 
 
 def _generation(
-    request: web.Request, request_id: str, prompt: list[int], params: SamplingParams
+    request: web.Request, served: Served, request_id: str, prompt: list[int],
+    params: SamplingParams, *, messages: Sequence[Any] | None, text: str | None,
+    pins: Sequence[Pin] = (),
 ) -> Generation:
-    """A generation on the replica for an admitted request, salted and prioritised as
-    its gateway ticket says (without a gateway: one tenant, no salt, normal priority)."""
+    """A generation on the deployment's pool for an admitted request, salted and
+    prioritised as its gateway ticket says (without a gateway: one tenant, no salt,
+    normal priority)."""
     state, ticket = request.app[STATE], request.get(TICKET)
+    priority = ticket.priority if ticket is not None else 0
+    if served.kind == "upstream":
+        from tokenyard.balancer.upstream import UpstreamGeneration
+
+        return cast(Generation, UpstreamGeneration(
+            served.pool, request_id, messages=messages, prompt=text, params=params,
+            model=served.spec.model or served.name, timeline=request[TIMELINE],
+            metrics=state.metrics, prompt_tokens_estimate=len(prompt),
+        ))
+    assert served.tokenizer is not None
     return Generation(
-        state.client, state.tokenizer, request_id, prompt, params,
+        served.pool, served.tokenizer, request_id, prompt, params,
         timeline=request[TIMELINE], metrics=state.metrics,
-        cache_salt=ticket.cache_salt if ticket is not None else None,
-        priority=ticket.priority if ticket is not None else 0,
+        cache_salt=ticket.cache_salt if ticket is not None else None, priority=priority,
+        pins=pins,
     )
 
 
 async def _admit(
-    request: web.Request, model: str, prompts: Sequence[list[int]],
+    request: web.Request, served: Served, prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
 ) -> None:
     """The gateway's stages 4–6 (no-op without a gateway); the ticket waits in the
-    request for `_settle`."""
+    request for `_settle`. Scopes may name the alias the client used or the deployment;
+    prices and the ledger use the deployment."""
     gateway = request.app[STATE].gateway
     if gateway is None:
         return
+    chosen = request.get(ROUTE)
     request[TICKET] = await gateway.admit_prompts(
-        request[KEY], model=model, endpoint=request.path,
+        request[KEY], model=served.name, endpoint=request.path,
         request_id=f"req_{uuid.uuid4().hex}", prompts=prompts, params=params,
-        timeline=request[TIMELINE],
+        timeline=request[TIMELINE], alias=chosen.alias if chosen is not None else None,
     )
 
 

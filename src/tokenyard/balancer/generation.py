@@ -31,7 +31,7 @@ from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.output_processor import OutputProcessor, child_params
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import Completion, EngineCoreOutput, RequestOutput
-from tokenyard.wire.protocol import CoreDelta
+from tokenyard.wire.protocol import CoreDelta, Pin, cache_writes
 from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.balancer")
@@ -77,13 +77,16 @@ class Generation:
         metrics: TokenyardMetrics | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        pins: Sequence[Pin] = (),
     ) -> None:
         """`cache_salt`: the tenant's prefix-cache salt (blocks are shared only within
-        one salt); `priority`: the scheduler's class, lower first."""
+        one salt); `priority`: the scheduler's class, lower first; `pins`: prompt
+        prefixes the replica keeps cached, (tokens, TTL seconds) each."""
         self.replica = replica
         self.metrics = metrics
         self.cache_salt = cache_salt
         self.priority = priority
+        self.pins = list(pins)
         self.timeline = timeline if timeline is not None else Timeline()
         # The replica's id must be unique even when clients reuse an x-request-id; the
         # client's id stays as a prefix so replica logs can be matched to it.
@@ -109,10 +112,14 @@ class Generation:
         # matching happen here, on text the replica never sees.
         wire = replace(self.params, n=1, stop=[])
         # generate() is an async generator; its annotation is the narrower AsyncIterator.
+        # A pool reports its decision's time as the timeline's `balance` stage.
+        extra = {"timeline": self.timeline} if getattr(self.replica, "takes_timeline",
+                                                        False) else {}
         streams = [
             cast(AsyncGenerator[CoreDelta, None],
                  self.replica.generate(cid, self.prompt, child_params(wire, i),
-                                     cache_salt=self.cache_salt, priority=self.priority))
+                                     cache_salt=self.cache_salt, priority=self.priority,
+                                     pins=self.pins, **extra))
             for i, cid in enumerate(ids)
         ]
         self.timeline.mark("queued")
@@ -213,8 +220,17 @@ class Generation:
         )
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
     def num_cached_tokens(self) -> int:
         return self.last.num_cached_tokens if self.last is not None else 0
+
+    @property
+    def cache_writes(self) -> tuple[int, int]:
+        """Prompt tokens its pins wrote to the cache: (kept 5 minutes, kept 1 hour)."""
+        return cache_writes(self.pins, self.num_cached_tokens) if self.last else (0, 0)
 
     @property
     def backlog(self) -> bool:

@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tokenyard.cli.admin import add_admin_parser, run_admin
+from tokenyard.cli.embed import add_embed_parser, embed_kwargs
 from tokenyard.config import add_engine_args, engine_kwargs, replica_token
 
 
@@ -56,6 +58,12 @@ def _engine(args: argparse.Namespace) -> int:
     )
 
 
+def _embed(args: argparse.Namespace) -> int:
+    from tokenyard.engine.embed.server import serve_embeddings
+
+    return serve_embeddings(token=replica_token(), **embed_kwargs(args))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tokenyard.cli.serve import serve
     from tokenyard.config import ServeConfig
@@ -70,7 +78,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return serve(
             args.host, args.port, engine_args, model=args.model, config=config,
-            replica_url=args.replica_url, auth=args.auth,
+            replica_url=args.replica_url, auth=args.auth, fleet_file=args.config,
+            replicas=args.replicas, embeddings=args.embeddings, policy=args.policy,
+            queue_timeout_s=args.queue_timeout,
         )
     except (RuntimeError, OSError) as exc:  # the replica failed to start, port in use, ...
         print(f"error: {exc}", file=sys.stderr)
@@ -137,6 +147,20 @@ def _add_serve_parser(sub: Any) -> None:
                        "(default 30, $TOKENYARD_DRAIN_TIMEOUT_S)")
     serve.add_argument("--no-auth", dest="auth", action="store_false",
                        help="no API keys, limits, billing or ledger: anyone may call")
+    serve.add_argument("--config", type=Path,
+                       help="the fleet file (TOML: deployments, aliases, balancer); "
+                       "reloaded on SIGHUP. Without it: the embedded model, as flags say")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="local engine replicas of the model (default 1)")
+    serve.add_argument("--policy", choices=["affinity", "least", "round_robin"],
+                       default="affinity",
+                       help="how the balancer picks a replica (default: prefix affinity, "
+                       "then least outstanding work)")
+    serve.add_argument("--queue-timeout", type=float, default=5.0,
+                       help="seconds a request may wait at the balancer when every replica "
+                       "is full, before 503/529 (default 5; 0: refuse at once)")
+    serve.add_argument("--no-embeddings", dest="embeddings", action="store_false",
+                       help="do not start the embeddings pool (/v1/embeddings)")
     add_engine_args(serve)
 
 
@@ -166,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(engine)
 
     _add_serve_parser(sub)
+    add_embed_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -194,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: Subcommands parsed without the full parser, which imports the benchmarks (and torch).
 _LIGHT_PARSERS = {"serve": _add_serve_parser, "chat": _add_chat_parser,
-                  "admin": add_admin_parser}
+                  "admin": add_admin_parser, "embed": add_embed_parser}
 
 
 def _light_parser(command: str) -> argparse.ArgumentParser:
@@ -213,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_generate(args))
         if args.command == "engine":
             return _engine(args)
+        if args.command == "embed":
+            return _embed(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":

@@ -12,37 +12,39 @@ aborts in-flight requests within its bound), lets the open responses end, and ex
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.app import build_state, make_app
+from tokenyard.api.app import make_app
+from tokenyard.api.context import AppState, Served
+from tokenyard.api.convert import now
 from tokenyard.balancer.replica_client import ReplicaError
-from tokenyard.config import REPLICA_TOKEN_ENV, ServeConfig, default_cache_dir
+from tokenyard.cli.fleet import Fleet, Starter, reload
+from tokenyard.cli.processes import start_child
+from tokenyard.config import ServeConfig, default_cache_dir
+from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.pipeline import Gateway
+from tokenyard.gateway.routing import Router
 
 logger = logging.getLogger("tokenyard.serve")
 
-#: The replica's ready line, printed by `tokenyard engine` once it listens.
-_READY_MARK = " serving at "
-#: After the replica has drained, how long open HTTP responses may take to finish.
+#: After the replicas have drained, how long open HTTP responses may take to finish.
 HTTP_SHUTDOWN_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG = 1
 #: Connections the kernel queues before accept (aiohttp's default, 128, overflows in bursts
 #: at ~1,000 requests/s and each dropped client waits a second to retry; capped by somaxconn).
 LISTEN_BACKLOG = 1024
-
+#: The embeddings deployment `serve` adds unless --no-embeddings.
+EMBEDDINGS_MODEL = "all-minilm-l6-v2"
 
 
 def make_limiter(redis_url: str | None) -> Limiter:
@@ -54,51 +56,18 @@ def make_limiter(redis_url: str | None) -> Limiter:
     return RedisLimiter(redis_url)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel sends it SIGTERM when this process dies, so a
-    crashed or SIGKILLed server never leaves an orphan replica holding the model."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-async def _forward_output(stream: asyncio.StreamReader) -> None:
-    """Copy the replica's remaining output to our stderr (its logs stay visible)."""
-    while line := await stream.readline():
-        sys.stderr.write(line.decode("utf-8", "replace"))
-        sys.stderr.flush()
-
-
-async def start_replica(
-    engine_args: Sequence[str], config: ServeConfig, token: str
-) -> tuple[asyncio.subprocess.Process, str, asyncio.Task[None]]:
-    """Start `tokenyard engine` on a free 127.0.0.1 port, requiring `token` of its callers
-    (passed in its environment: argv is visible to every user of the machine); return it
-    once it listens."""
-    cmd = [sys.executable, "-m", "tokenyard.cli", "engine", "--host", "127.0.0.1",
-           "--port", "0", "--drain-timeout", str(config.drain_timeout_s), *engine_args]
-    proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=None, preexec_fn=_die_with_parent,
-        env={**os.environ, REPLICA_TOKEN_ENV: token},
-    )
-    assert proc.stdout is not None
-    try:
-        async with asyncio.timeout(config.replica_start_timeout_s):
-            while True:
-                raw = await proc.stdout.readline()
-                if not raw:
-                    code = await proc.wait()
-                    raise RuntimeError(f"the engine replica exited with code {code} before "
-                                       "it was ready (see its output above)")
-                line = raw.decode("utf-8", "replace")
-                if _READY_MARK in line:
-                    url = line.rsplit(_READY_MARK, 1)[1].strip()
-                    break
-                sys.stderr.write(line)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        raise
-    return proc, url, asyncio.create_task(_forward_output(proc.stdout))
+def make_starter(engine_args: Sequence[str], config: ServeConfig) -> Starter:
+    """How the fleet starts a local replica of a deployment: `tokenyard engine` with the
+    serve command's engine flags, the deployment's own and its model; `tokenyard embed`."""
+    async def start(spec: DeploymentSpec, token: str, port: int) -> tuple[
+            asyncio.subprocess.Process, str, asyncio.Task[None]]:
+        if spec.kind == "embeddings":
+            return await start_child(["embed", *spec.engine_args], config, token, port=port,
+                                     what="embeddings replica")
+        model = ["--model", spec.model] if spec.model and "--model" not in engine_args else []
+        return await start_child(["engine", *engine_args, *spec.engine_args, *model], config,
+                                 token, port=port)
+    return start
 
 
 def banner(base_url: str, model: str, replica_url: str, api_key: str | None = None) -> str:
@@ -139,29 +108,46 @@ async def run(
     replica_url: str | None = None,
     cache_dir: Path | None = None,
     auth: bool = True,
+    fleet_file: Path | None = None,
+    replicas: int = 1,
+    embeddings: bool = True,
+    policy: str = "affinity",
+    queue_timeout_s: float = 5.0,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0. `auth`: API keys, limits,
-    billing and the ledger (the gateway); off, anyone may call. `replica_url`: a running
-    replica, called with `config.replica_token`; None starts a child replica."""
-    proc: asyncio.subprocess.Process | None = None
-    forward: asyncio.Task[None] | None = None
+    billing and the ledger (the gateway); off, anyone may call. `fleet_file`: the
+    deployments (reloaded on SIGHUP); without it, one engine deployment of `replicas`
+    local replicas (or the running `replica_url`, called with `config.replica_token`),
+    plus the embeddings pool unless `embeddings` is False."""
     gateway: Gateway | None = None
     api_key: str | None = None
-    token = config.replica_token
+    if fleet_file is not None:
+        spec = load_fleet(fleet_file)
+    else:
+        spec = single_fleet(
+            "", replicas=replicas, urls=[replica_url] if replica_url else [], model=model,
+            embeddings=EMBEDDINGS_MODEL if embeddings else None, policy=policy,
+            queue_timeout_s=queue_timeout_s)
+    fleet = Fleet(spec, make_starter(engine_args, config), config,
+                  cache_dir or default_cache_dir())
     if auth:
         gateway, api_key = await open_gateway(config)
     runner: web.AppRunner | None = None
     try:
-        if replica_url is None:
-            token = token or secrets.token_urlsafe(32)
-            proc, replica_url, forward = await start_replica(engine_args, config, token)
         try:
-            state = await build_state(replica_url, model, cache_dir or default_cache_dir(),
-                                      replica_token=token)
+            deployments = await fleet.build()
         except ReplicaError as exc:
-            raise RuntimeError(f"cannot reach the replica at {replica_url}: {exc}") from exc
+            raise RuntimeError(f"cannot reach a replica: {exc}") from exc
+        if fleet_file is None:
+            deployments = _name_default(fleet, deployments)
+        if gateway is not None:
+            await gateway.set_prices({n: s.spec.prices for n, s in deployments.items()
+                                      if s.spec.prices is not None})
+        state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
         state.max_body_bytes = config.max_body_bytes
+        state.embeddings = {n: s.pool for n, s in deployments.items()
+                            if s.kind == "embeddings"}
         # handler_cancellation: a client that goes away cancels its handler, which closes
         # the replica stream, which aborts the request there and frees its blocks.
         runner = web.AppRunner(make_app(state), handler_cancellation=True,
@@ -171,43 +157,49 @@ async def run(
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
-        print(banner(f"http://{shown}:{bound}", state.model, replica_url, api_key), flush=True)
+        replica_urls = ", ".join(m.id for m in state.default.pool.members)
+        print(banner(f"http://{shown}:{bound}", state.model, replica_urls, api_key),
+              flush=True)
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        child_exit = asyncio.ensure_future(proc.wait()) if proc is not None else None
-        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
-        if child_exit is not None:
-            waiters.append(child_exit)
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if not stop.is_set():
-            logger.error("the engine replica exited unexpectedly")
-            print("tokenyard serve: the engine replica exited; stopping", file=sys.stderr)
-            return 1
-        # Stop admitting new requests; in-flight ones go on while the replica drains.
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(
+            _reload(fleet, state)))
+        await stop.wait()
+        # Stop admitting new requests; in-flight ones go on while the replicas drain.
         state.admitting = False
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), config.drain_timeout_s + 10.0)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await fleet.stop(config.drain_timeout_s)
         return 0
     finally:
         if runner is not None:
             await runner.cleanup()
         if gateway is not None:
             await gateway.close()
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-        if forward is not None:
-            forward.cancel()
+        fleet.kill()
+        await fleet.stop(0.0)
+
+
+def _name_default(fleet: Fleet, deployments: dict[str, Served]) -> dict[str, Served]:
+    """Without a fleet file the engine deployment is named after the model its replica
+    reports (as before deployments existed)."""
+    served = deployments.pop("")
+    assert served.info is not None
+    served.spec = replace(served.spec, name=served.info.model)
+    served.pool.name = served.spec.name
+    out = {served.name: served, **deployments}
+    fleet.spec = replace(fleet.spec, deployments={n: s.spec for n, s in out.items()})
+    return out
+
+
+async def _reload(fleet: Fleet, state: AppState) -> None:
+    try:
+        print(f"tokenyard serve: {await reload(fleet, state)}", file=sys.stderr, flush=True)
+    except Exception as exc:  # a bad file keeps the running fleet
+        logger.error("reload failed, keeping the running fleet: %s", exc)
+        print(f"tokenyard serve: reload failed, keeping the running fleet: {exc}",
+              file=sys.stderr, flush=True)
 
 
 async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None]:
@@ -235,17 +227,7 @@ async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None]:
         return gateway, None
 
 
-def serve(
-    host: str,
-    port: int,
-    engine_args: Sequence[str],
-    *,
-    model: str | None,
-    config: ServeConfig,
-    replica_url: str | None = None,
-    auth: bool = True,
-) -> int:
-    """Blocking entry point of `tokenyard serve`."""
+def serve(host: str, port: int, engine_args: Sequence[str], **kwargs: Any) -> int:
+    """Blocking entry point of `tokenyard serve` (keyword arguments: `run`'s)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return asyncio.run(run(host, port, engine_args, model=model, config=config,
-                           replica_url=replica_url, auth=auth))
+    return asyncio.run(run(host, port, engine_args, **kwargs))

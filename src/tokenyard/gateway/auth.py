@@ -132,10 +132,12 @@ def _masked(secret: str) -> str:
     return secret[:6] + "*" * 4 + secret[-4:] if len(secret) > 12 else "*" * len(secret)
 
 
-def authorize(key: KeyContext, model: str, context_tokens: int) -> None:
-    """Stage 4: the key's scopes allow `model` and `context_tokens` (prompt + max_tokens)."""
+def authorize(key: KeyContext, model: str, context_tokens: int,
+              alias: str | None = None) -> None:
+    """Stage 4: the key's scopes allow `model` (or the `alias` the client named for it)
+    and `context_tokens` (prompt + max_tokens)."""
     scopes = key.scopes
-    if not scopes.allows_model(model):
+    if not scopes.allows_model(model) and not (alias and scopes.allows_model(alias)):
         raise permission_denied(
             f"The API key {key.prefix}… may not use model '{model}' (scope 'models' allows "
             f"{', '.join(scopes.models)})."

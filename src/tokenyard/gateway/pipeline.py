@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tokenyard.balancer.generation import Generation
 from tokenyard.config import ServeConfig
+from tokenyard.deployments import PriceSpec
 from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
 from tokenyard.gateway.billing import Billing, Usage
@@ -71,9 +72,11 @@ def outcome(gens: Sequence[Generation]) -> tuple[Usage | None, str]:
     else completed."""
     ran = [gen for gen in gens if gen.last is not None]
     usage = Usage(
-        prompt_tokens=sum(len(gen.prompt) for gen in ran),
+        prompt_tokens=sum(gen.num_prompt_tokens for gen in ran),
         cached_tokens=sum(gen.num_cached_tokens for gen in ran),
         output_tokens=sum(gen.last.num_output_tokens for gen in ran if gen.last is not None),
+        cache_write_5m_tokens=sum(gen.cache_writes[0] for gen in ran),
+        cache_write_1h_tokens=sum(gen.cache_writes[1] for gen in ran),
     ) if ran else None
     reasons = [reason for gen in gens for reason in gen.finish_reasons]
     if any(gen.failed for gen in gens):
@@ -142,6 +145,12 @@ class Gateway:
         await self.limiter.close()
         await self.store.db.close()
 
+    async def set_prices(self, prices: Mapping[str, PriceSpec]) -> None:
+        """Write the fleet file's prices (per deployment) into the price list."""
+        for model, spec in prices.items():
+            await self.store.set_price(model, input=spec.input,
+                                       cached_input=spec.cached_input, output=spec.output)
+
     async def authenticate(self, headers: Mapping[str, str], timeline: Timeline) -> KeyContext:
         try:
             key = await self.auth.authenticate(headers)
@@ -163,14 +172,16 @@ class Gateway:
         max_tokens: int,
         timeline: Timeline,
         context_tokens: int | None = None,
+        alias: str | None = None,
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
         from the token buckets) and the billing pre-check. `context_tokens`: the longest
         single sequence (prompt + its max_tokens), which the key's context scope caps;
-        default prompt + max_tokens."""
+        default prompt + max_tokens. `model` is the deployment; `alias`, the name the
+        client asked for, which a key's model scope may name instead."""
         authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
-                  else context_tokens)
+                  else context_tokens, alias=alias)
         timeline.mark("authorized")
         try:
             admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens)
@@ -199,6 +210,7 @@ class Gateway:
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         timeline: Timeline,
+        alias: str | None = None,
     ) -> Ticket:
         """`admit` for a request of `prompts`, each with its fitted `params`: it reserves
         every prompt token and every token the n completions of each may generate, and
@@ -209,7 +221,7 @@ class Gateway:
             max_tokens=sum((p.max_tokens or 0) * p.n for p in params),
             context_tokens=max(len(p) + (fp.max_tokens or 0)
                                for p, fp in zip(prompts, params, strict=True)),
-            timeline=timeline,
+            timeline=timeline, alias=alias,
         )
 
     def settle(self, ticket: Ticket, gens: Sequence[Generation]) -> None:

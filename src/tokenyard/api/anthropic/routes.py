@@ -5,35 +5,51 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tokenyard.api.anthropic.convert import anthropic_messages, anthropic_request_to_engine
+from tokenyard.api.anthropic.convert import (
+    anthropic_messages,
+    anthropic_request_to_engine,
+    cache_pins,
+)
 from tokenyard.api.anthropic.schemas import (
     CountTokensRequest,
     CountTokensResponse,
     MessagesRequest,
 )
 from tokenyard.api.anthropic.stream import MessagesFormat
-from tokenyard.api.context import REQUEST_ID, STATE, TIMELINE, read_request
-from tokenyard.api.respond import generate, json_response
+from tokenyard.api.context import REQUEST_ID, TIMELINE, read_request, route
+from tokenyard.api.images import admit_images
+from tokenyard.api.respond import first_user_text, generate, json_response, prepared
+from tokenyard.text.content import require_vision
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    state, timeline = request.app[STATE], request[TIMELINE]
+    timeline = request[TIMELINE]
     req = await read_request(request, MessagesRequest)
     template_messages, params = anthropic_request_to_engine(req)
-    prompt = state.prepare.conversation(template_messages, timeline, prefill=True)
-    params = state.prepare.fit(len(prompt), params, "max_tokens")
-    fmt = MessagesFormat(state.model, req.stop_sequences or [], request[REQUEST_ID])
-    return await generate(request, req.model, [prompt], [params], fmt,
-                          stream=bool(req.stream))
+    served = route(request, req.model, "chat",
+                   first_user_text=first_user_text(template_messages))
+    template_messages = await admit_images(template_messages, model=served.name,
+                                           vision="vision" in served.spec.capabilities)
+    prepare, _ = prepared(served)
+    prompt = prepare.conversation(template_messages, timeline, prefill=True)
+    params = prepare.fit(len(prompt), params, "max_tokens")
+    # cache_control breakpoints: the prompt prefixes the replica pins (none upstream).
+    pins = cache_pins(prepare, req, prompt,
+                      served.info.block_size if served.info is not None else None)
+    fmt = MessagesFormat(served.name, req.stop_sequences or [], request[REQUEST_ID], pins)
+    return await generate(request, served, [prompt], [params], fmt,
+                          stream=bool(req.stream), messages=template_messages, pins=pins)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the templated prompt's length."""
-    state = request.app[STATE]
     req = await read_request(request, CountTokensRequest)
-    prompt = state.prepare.conversation(anthropic_messages(req), request[TIMELINE],
-                                        prefill=True)
+    served = route(request, req.model, "chat")
+    template_messages = anthropic_messages(req)
+    require_vision(template_messages, served.name, "vision" in served.spec.capabilities)
+    prepare, _ = prepared(served)
+    prompt = prepare.conversation(template_messages, request[TIMELINE], prefill=True)
     return json_response(CountTokensResponse(input_tokens=len(prompt)))
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tokenyard.api.context import STATE, TIMELINE, read_request
+from tokenyard.api.context import STATE, TIMELINE, read_request, route
+from tokenyard.api.images import admit_images
 from tokenyard.api.openai.convert import (
     build_model_list,
     chat_request_to_engine,
@@ -14,42 +15,50 @@ from tokenyard.api.openai.convert import (
 )
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
-from tokenyard.api.respond import generate, json_response
+from tokenyard.api.respond import generate, json_response, prepared
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    state, timeline = request.app[STATE], request[TIMELINE]
+    timeline = request[TIMELINE]
     req = await read_request(request, ChatCompletionRequest)
-    messages, params = chat_request_to_engine(req, state.info.vocab_size)
-    prompt = state.prepare.conversation(messages, timeline, prefill=False)
+    served = route(request, req.model, "chat",
+                   first_user_text=next((m.text for m in req.messages if m.role == "user"), None))
+    messages, params = chat_request_to_engine(req, served.vocab_size)
+    messages = await admit_images(messages, model=served.name,
+                                  vision="vision" in served.spec.capabilities)
+    prepare, tok = prepared(served)
+    prompt = prepare.conversation(messages, timeline, prefill=False)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
-    params = state.prepare.fit(len(prompt), params, param)
-    fmt = ChatFormat(state.model, params.n, req.include_usage,
-                     state.tokenizer.id_to_token_bytes)
-    return await generate(request, req.model, [prompt], [params], fmt,
-                          stream=bool(req.stream))
+    params = prepare.fit(len(prompt), params, param)
+    fmt = ChatFormat(served.name, params.n, req.include_usage, tok.id_to_token_bytes)
+    return await generate(request, served, [prompt], [params], fmt,
+                          stream=bool(req.stream), messages=messages)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (several prompts: choice i*n+j is completion j of prompt i)."""
-    state, timeline = request.app[STATE], request[TIMELINE]
+    timeline = request[TIMELINE]
     req = await read_request(request, CompletionRequest)
-    prompts, params = completion_request_to_engine(req, state.info.vocab_size)
-    ids = [state.prepare.encode_prompt(p) for p in prompts]
+    served = route(request, req.model, "completions")
+    prompts, params = completion_request_to_engine(req, served.vocab_size)
+    prepare, tok = prepared(served)
+    ids = [prepare.encode_prompt(p) for p in prompts]
     timeline.mark("tokenized")
-    fitted = [state.prepare.fit(len(p), params, "max_tokens") for p in ids]
-    tok = state.tokenizer
+    fitted = [prepare.fit(len(p), params, "max_tokens") for p in ids]
     echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
-    fmt = CompletionFormat(state.model, params.n, req.include_usage,
+    fmt = CompletionFormat(served.name, params.n, req.include_usage,
                            tok.id_to_token_bytes, echo)
-    return await generate(request, req.model, ids, fitted, fmt, stream=bool(req.stream))
+    return await generate(request, served, ids, fitted, fmt, stream=bool(req.stream),
+                          texts=[p if isinstance(p, str) else None for p in prompts])
 
 
 async def models(request: web.Request) -> web.Response:
-    """GET /v1/models: the replica's model."""
+    """GET /v1/models: every deployment, then every alias."""
     state = request.app[STATE]
-    return json_response(build_model_list([(state.model, state.created, "tokenyard")]))
+    return json_response(build_model_list(
+        [(s.name, s.created, "tokenyard") for s in state.deployments.values()]
+        + [(alias, state.created, "tokenyard") for alias in state.router.fleet.aliases]))
 
 
 def add_openai_routes(app: web.Application) -> None:

@@ -1,0 +1,489 @@
+"""Stage 12: one deployment's replicas behind one object — health, selection, failover.
+
+- **Health**: every replica's health route is polled (`health_interval_s`); a replica that
+  fails it takes no new work until it passes again. **Outlier ejection** is passive:
+  `eject_after` consecutive failures (connection errors, 5xx, broken streams) eject a
+  replica for `eject_base_s`, doubled for each ejection in a row (capped at a minute); it
+  comes back when the time is up and its health check passes. A connection refused
+  before the first byte marks the replica down at once: the process is gone.
+- **Selection**: with the `affinity` policy, the replica that most recently served the
+  longest prefix of the prompt (its block hashes, `balancer/affinity.py`) wins, unless it
+  carries far more outstanding work than the least loaded one; otherwise (and with
+  `least`) the replica with the fewest tokens in flight from this gateway, then the
+  fewest running and waiting requests in its own stats; `round_robin` is the control.
+- **Failover**: a request that has not received its first byte is tried on the next
+  replica (each at most once); one that has, ends with the error (the caller's stream
+  gets a clean error event). A replica that answers "draining" is skipped the same way.
+- **Queue**: when every available replica answered "full", the request waits here, in
+  priority order (lower first), for up to `queue_timeout_s`, woken whenever a request
+  of this pool ends; then, or when `queue_max` already wait, 503 with retry-after.
+
+The pool serves three kinds of members with one mechanism (`_stream`): engine replicas
+(`ReplicaClient`: the pool is itself a `Replica`), external upstreams (`open_chat`,
+`open_completion`) and embeddings replicas (`call`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tokenyard.balancer.affinity import AffinityTable, LocalAffinity, prefix_hashes
+from tokenyard.balancer.replica_client import (
+    ReplicaConnectionError,
+    ReplicaError,
+    ReplicaOverloaded,
+    ReplicaStreamError,
+    ReplicaUnauthorized,
+)
+from tokenyard.deployments import BalancerSpec
+from tokenyard.telemetry.timeline import Timeline
+from tokenyard.wire.outputs import EngineStats
+from tokenyard.wire.protocol import CoreDelta, ReplicaInfo, ReplicaStats
+from tokenyard.wire.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenyard.balancer")
+
+_T = TypeVar("_T")
+#: Work the preferred (affinity) replica may carry beyond the least loaded one's
+#: (tokens: the factor on the minimum plus this) before the prefix stops deciding.
+AFFINITY_SLACK_TOKENS = 2048
+AFFINITY_SLACK_FACTOR = 2.0
+MAX_EJECTION_S = 60.0
+
+
+@dataclass(eq=False)
+class Member:
+    """One replica of the pool and what the balancer knows of it."""
+
+    id: str
+    client: Any
+    healthy: bool = True
+    draining: bool = False
+    ejected_until: float = 0.0
+    ejections: int = 0
+    failures: int = 0
+    inflight: int = 0
+    inflight_tokens: int = 0
+    served: int = 0
+    failed: int = 0
+    stats: EngineStats | None = None
+
+    def available(self, now: float) -> bool:
+        return self.healthy and not self.draining and now >= self.ejected_until
+
+    def load(self) -> tuple[int, int]:
+        remote = self.stats.num_running + self.stats.num_waiting if self.stats else 0
+        return self.inflight_tokens, remote
+
+    def state(self, now: float) -> str:
+        if self.draining:
+            return "draining"
+        if now < self.ejected_until:
+            return "ejected"
+        return "healthy" if self.healthy else "unhealthy"
+
+
+@dataclass(eq=False)
+class Lease:
+    """A request's hold on a member until it ends."""
+
+    pool: Pool
+    member: Member
+    cost: int
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.member.inflight -= 1
+            self.member.inflight_tokens -= self.cost
+            self.pool._wake()
+
+
+class Pool:
+    """One deployment's replicas (see the module's docstring)."""
+
+    #: `Generation` passes its timeline to `generate` (the `balance` stage).
+    takes_timeline = True
+
+    def __init__(
+        self,
+        name: str,
+        members: Sequence[tuple[str, Any]],
+        spec: BalancerSpec | None = None,
+        *,
+        affinity: AffinityTable | None = None,
+        block_size: int = 16,
+        info: ReplicaInfo | None = None,
+    ) -> None:
+        self.name = name
+        self.spec = spec or BalancerSpec()
+        self.members = [Member(mid, client) for mid, client in members]
+        self.affinity: AffinityTable = affinity or LocalAffinity(self.spec.affinity_entries)
+        self.block_size = block_size
+        self.info_cache = info
+        self._rr = itertools.count()
+        self._seq = itertools.count()
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._owner: dict[str, Member] = {}
+        self._health_task: asyncio.Task[None] | None = None
+        self._memo: tuple[int, int, str | None, list[int]] = (0, -1, None, [])
+        self.inflight = 0
+        #: Decisions taken and how long they took (ns), for the `balance` stage.
+        self.decisions = 0
+        self.affinity_hits = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Begin polling health (idempotent)."""
+        if self._health_task is None and self.spec.health_interval_s > 0:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._health_task
+            self._health_task = None
+        for member in self.members:
+            with contextlib.suppress(Exception):
+                await member.client.close()
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Wait until no request of this pool is in flight (a removed deployment drains)."""
+        deadline = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def check_health(self) -> None:
+        """One round of health checks (also each tick of the loop)."""
+        results = await asyncio.gather(*(self._probe(m) for m in self.members))
+        for member, (ok, stats) in zip(self.members, results, strict=True):
+            if ok and not member.healthy:
+                logger.info("replica %s of %s is healthy again", member.id, self.name)
+                forget = getattr(self.affinity, "forget", None)
+                if forget is not None:  # it may have restarted with an empty cache
+                    forget(member.id)
+            elif not ok and member.healthy:
+                logger.warning("replica %s of %s failed its health check", member.id,
+                               self.name)
+            member.healthy = ok
+            if stats is not None:
+                member.stats = stats
+        self._wake()
+
+    async def _probe(self, member: Member) -> tuple[bool, EngineStats | None]:
+        timeout = max(0.5, self.spec.health_interval_s)
+        try:
+            async with asyncio.timeout(timeout):
+                ok = bool(await member.client.health())
+                stats = None
+                stats_fn = getattr(member.client, "stats", None)
+                if ok and stats_fn is not None and isinstance(self.info_cache, ReplicaInfo):
+                    with contextlib.suppress(ReplicaError):
+                        stats = await stats_fn()
+                return ok, stats
+        except (TimeoutError, ReplicaError, OSError):
+            return False, None
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # never let the loop die
+                logger.exception("health checks of %s failed", self.name)
+
+    # ------------------------------------------------------------------ admin
+
+    def drain(self, member_id: str, draining: bool = True) -> bool:
+        """Stop (or resume) sending new work to a member; running requests go on."""
+        for member in self.members:
+            if member.id == member_id:
+                member.draining = draining
+                return True
+        return False
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{
+            "id": m.id, "state": m.state(now), "inflight": m.inflight,
+            "inflight_tokens": m.inflight_tokens, "served": m.served, "failed": m.failed,
+            "ejections": m.ejections,
+            "ejected_for_s": round(max(0.0, m.ejected_until - now), 3),
+            "running": m.stats.num_running if m.stats else None,
+            "waiting": m.stats.num_waiting if m.stats else None,
+            "kv_cache_usage": m.stats.kv_cache_usage if m.stats else None,
+        } for m in self.members]
+
+    # ------------------------------------------------------------------ selection
+
+    def hashes(self, prompt: Sequence[int], salt: str | None) -> list[int]:
+        """The prompt's block hashes (memoised for the n children of one prompt)."""
+        key = (id(prompt), len(prompt), salt)
+        if self._memo[:3] != key:
+            self._memo = (*key, prefix_hashes(prompt, self.block_size, salt))
+        return self._memo[3]
+
+    async def _order(self, hashes: Sequence[int], exclude: set[str]) -> list[Member]:
+        now = time.monotonic()
+        avail = [m for m in self.members if m.id not in exclude and m.available(now)]
+        if len(avail) <= 1:
+            return avail
+        policy = self.spec.policy
+        if policy == "round_robin":
+            start = next(self._rr) % len(avail)
+            return avail[start:] + avail[:start]
+        ranked = sorted(avail, key=Member.load)
+        if policy == "affinity" and hashes:
+            depth = await self.affinity.lookup(hashes)
+            if depth:
+                best = max(ranked, key=lambda m: depth.get(m.id, 0))
+                least = ranked[0].inflight_tokens
+                if depth.get(best.id, 0) and best.inflight_tokens <= (
+                        least * AFFINITY_SLACK_FACTOR + AFFINITY_SLACK_TOKENS):
+                    self.affinity_hits += 1
+                    ranked.remove(best)
+                    ranked.insert(0, best)
+        return ranked
+
+    # ------------------------------------------------------------------ failover
+
+    async def acquire(
+        self,
+        attempt: Callable[[Member], Awaitable[_T]],
+        *,
+        hashes: Sequence[int] = (),
+        cost: int = 1,
+        priority: int = 0,
+        timeline: Timeline | None = None,
+    ) -> tuple[Lease, _T]:
+        """Run `attempt` on the best member, failing over before the first byte; wait in
+        the queue when every member is full. Returns the lease (release it when the
+        request ends) and what `attempt` returned. The decisions' own time is the
+        timeline's `balance` stage."""
+        deadline = time.monotonic() + self.spec.queue_timeout_s
+        tried: set[str] = set()
+        while True:
+            self.decisions += 1
+            began = time.perf_counter_ns()
+            order = await self._order(hashes, tried)
+            if timeline is not None:
+                timeline.add("balance", time.perf_counter_ns() - began)
+            full: ReplicaOverloaded | None = None
+            last: ReplicaError | None = None
+            for member in order:
+                lease = self._lease(member, cost)
+                try:
+                    result = await attempt(member)
+                except ReplicaOverloaded as exc:
+                    lease.release()
+                    tried.add(member.id)
+                    if exc.code != "draining":
+                        full = exc
+                    continue
+                except (ReplicaConnectionError, ReplicaStreamError, ReplicaUnauthorized) as exc:
+                    lease.release()
+                    tried.add(member.id)
+                    self._failure(member, exc, before_first_byte=True)
+                    last = exc
+                    continue
+                except BaseException:
+                    lease.release()
+                    raise
+                self._success(member)
+                if hashes:
+                    await self.affinity.record(hashes, member.id)
+                return lease, result
+            if full is None:
+                raise last or ReplicaConnectionError(
+                    f"no replica of {self.name} is available")
+            await self._queue(priority, deadline, full)
+            tried.clear()  # everyone may have room now
+
+    def _lease(self, member: Member, cost: int) -> Lease:
+        member.inflight += 1
+        member.inflight_tokens += cost
+        return Lease(self, member, cost)
+
+    async def _queue(self, priority: int, deadline: float, full: ReplicaOverloaded) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(self._waiters) >= self.spec.queue_max:
+            raise ReplicaOverloaded(full.retry_after or 1.0,
+                                    f"every replica of {self.name} is busy", "overloaded")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._seq), future))
+        try:
+            await asyncio.wait_for(asyncio.shield(future), min(left, 0.5))
+        except TimeoutError:
+            pass  # look again: a replica's own queue may have room without a release here
+        finally:
+            if not future.done():
+                future.cancel()
+
+    def _wake(self) -> None:
+        """Let the first waiter (by priority) try again."""
+        while self._waiters:
+            _, _, future = heapq.heappop(self._waiters)
+            if not future.done():
+                future.set_result(None)
+                return
+
+    def _success(self, member: Member) -> None:
+        member.failures = 0
+        member.served += 1
+
+    def _failure(self, member: Member, exc: Exception, *, before_first_byte: bool) -> None:
+        member.failed += 1
+        member.failures += 1
+        if before_first_byte and isinstance(exc, ReplicaConnectionError) and (
+                "Connect" in str(exc) or "refused" in str(exc).lower()):
+            member.healthy = False  # nothing listens: the process is gone
+        if member.failures >= self.spec.eject_after:
+            span = min(MAX_EJECTION_S, self.spec.eject_base_s * 2 ** member.ejections)
+            member.ejected_until = time.monotonic() + span
+            member.ejections += 1
+            member.failures = 0
+            logger.warning("replica %s of %s ejected for %.1f s after %r", member.id,
+                           self.name, span, exc)
+
+    async def _stream(
+        self,
+        open_fn: Callable[[Member], AsyncIterator[_T]],
+        *,
+        hashes: Sequence[int] = (),
+        cost: int = 1,
+        priority: int = 0,
+        request_id: str | None = None,
+        timeline: Timeline | None = None,
+    ) -> AsyncIterator[_T]:
+        """A member's stream, opened with failover; its first item is read before the
+        member is chosen for good. Closing it closes the member's stream."""
+        self.inflight += 1
+        lease: Lease | None = None
+        stream: AsyncIterator[_T] | None = None
+        try:
+            async def attempt(member: Member) -> tuple[AsyncIterator[_T], _T]:
+                it = open_fn(member)
+                try:
+                    return it, await it.__anext__()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await it.aclose()  # type: ignore[attr-defined]
+                    raise
+
+            lease, (stream, first) = await self.acquire(
+                attempt, hashes=hashes, cost=cost, priority=priority, timeline=timeline)
+            if request_id is not None:
+                self._owner[request_id] = lease.member
+            yield first
+            try:
+                async for item in stream:
+                    yield item
+            except (ReplicaConnectionError, ReplicaStreamError) as exc:
+                self._failure(lease.member, exc, before_first_byte=False)
+                raise
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # type: ignore[attr-defined]
+            if request_id is not None:
+                self._owner.pop(request_id, None)
+            if lease is not None:
+                lease.release()
+            self.inflight -= 1
+
+    # ------------------------------------------------------------------ engine replicas
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeline: Timeline | None = None,
+        **extra: Any,
+    ) -> AsyncIterator[CoreDelta]:
+        """`Replica.generate` over the pool: the best replica for this prompt (`timeline`
+        gets the decision's time as its `balance` stage)."""
+        return self._stream(
+            lambda m: m.client.generate(request_id, prompt_token_ids, params, cache_salt,
+                                        priority, **extra),
+            hashes=self.hashes(prompt_token_ids, cache_salt),
+            cost=len(prompt_token_ids) + (params.max_tokens or 0),
+            priority=priority, request_id=request_id, timeline=timeline,
+        )
+
+    async def stop(self, request_id: str, stop: str) -> None:
+        member = self._owner.get(request_id)
+        if member is not None:
+            await member.client.stop(request_id, stop)
+
+    async def abort(self, request_id: str) -> None:
+        member = self._owner.get(request_id)
+        if member is not None:
+            await member.client.abort(request_id)
+
+    async def stats(self) -> ReplicaStats:
+        """The pool's engine figures, summed over the replicas that answer."""
+        found = [s for s in await asyncio.gather(
+            *(m.client.stats() for m in self.members), return_exceptions=True)
+            if isinstance(s, EngineStats)]
+        if not found:
+            raise ReplicaConnectionError(f"no replica of {self.name} answered its stats")
+        total = EngineStats(**{f: sum(getattr(s, f) for s in found)
+                               for f in EngineStats.__dataclass_fields__})
+        total.kv_cache_usage = sum(s.kv_cache_usage for s in found) / len(found)
+        return total
+
+    async def info(self) -> ReplicaInfo:
+        if self.info_cache is None:
+            for member in self.members:
+                with contextlib.suppress(ReplicaError):
+                    self.info_cache = await member.client.info()
+                    break
+            else:
+                raise ReplicaConnectionError(f"no replica of {self.name} answered")
+        return self.info_cache
+
+    async def health(self) -> bool:
+        """Whether a replica may take work now (checked now, not at the last tick)."""
+        await self.check_health()
+        now = time.monotonic()
+        return any(m.available(now) for m in self.members)
+
+    # ------------------------------------------------------------------ upstreams, embeddings
+
+    def open_chat(self, body: Mapping[str, Any], *, cost: int = 1, priority: int = 0,
+                  timeline: Timeline | None = None) -> AsyncIterator[dict[str, Any]]:
+        """An upstream's chat stream (OpenAI chunks), opened with failover."""
+        return self._stream(lambda m: m.client.open_chat(body), cost=cost, priority=priority,
+                            timeline=timeline)
+
+    def open_completion(self, body: Mapping[str, Any], *, cost: int = 1, priority: int = 0,
+                        timeline: Timeline | None = None) -> AsyncIterator[dict[str, Any]]:
+        """An upstream's completions stream, opened with failover."""
+        return self._stream(lambda m: m.client.open_completion(body), cost=cost,
+                            priority=priority, timeline=timeline)
+
+    async def call(self, fn: Callable[[Any], Awaitable[_T]], *, cost: int = 1,
+                   priority: int = 0, timeline: Timeline | None = None) -> _T:
+        """One request/response call (embeddings) on the best member, with failover."""
+        self.inflight += 1
+        try:
+            lease, result = await self.acquire(lambda m: fn(m.client), cost=cost,
+                                               priority=priority, timeline=timeline)
+            lease.release()
+            return result
+        finally:
+            self.inflight -= 1

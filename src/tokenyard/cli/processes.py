@@ -1,0 +1,65 @@
+"""Starting the replica processes `tokenyard serve` runs as its children (`tokenyard
+engine`, `tokenyard embed`): on a local port, with the shared secret in the environment,
+killed by the kernel if this process dies, and returned once they print their ready line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from tokenyard.config import REPLICA_TOKEN_ENV, ServeConfig
+
+#: The ready line a replica prints once it listens: "... serving at <url>".
+READY_MARK = " serving at "
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child before exec: the kernel sends it SIGTERM when this process dies, so a
+    crashed or SIGKILLed server never leaves an orphan replica holding the model."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def forward_output(stream: asyncio.StreamReader) -> None:
+    """Copy a child's remaining output to our stderr (its logs stay visible)."""
+    while line := await stream.readline():
+        sys.stderr.write(line.decode("utf-8", "replace"))
+        sys.stderr.flush()
+
+
+async def start_child(
+    command: Sequence[str], config: ServeConfig, token: str, *, port: int = 0,
+    what: str = "engine replica",
+) -> tuple[asyncio.subprocess.Process, str, asyncio.Task[None]]:
+    """Start `tokenyard <command...>` on 127.0.0.1:`port` (0: a free one), requiring
+    `token` of its callers (passed in its environment: argv is visible to every user of
+    the machine); return the process, its URL and the task copying its output, once it
+    listens."""
+    cmd = [sys.executable, "-m", "tokenyard.cli", command[0], "--host", "127.0.0.1",
+           "--port", str(port), "--drain-timeout", str(config.drain_timeout_s), *command[1:]]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=None, preexec_fn=die_with_parent,
+        env={**os.environ, REPLICA_TOKEN_ENV: token},
+    )
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(config.replica_start_timeout_s):
+            while raw := await proc.stdout.readline():
+                line = raw.decode("utf-8", "replace")
+                if READY_MARK in line:
+                    url = line.rsplit(READY_MARK, 1)[1].strip()
+                    return proc, url, asyncio.create_task(forward_output(proc.stdout))
+                sys.stderr.write(line)
+            code = await proc.wait()
+            raise RuntimeError(f"the {what} exited with code {code} before it was ready "
+                               "(see its output above)")
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise

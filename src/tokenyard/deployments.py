@@ -1,0 +1,317 @@
+"""The fleet's shape, read from one TOML file (`tokenyard serve --config tokenyard.toml`).
+
+A *deployment* is one served model name (dated, e.g. `smollm2-135m-instruct-2026-11-22`)
+with its replicas, its capabilities, its context window and its prices. An *alias* maps a
+name clients use (`smollm2`) to one deployment, or splits it between several by weight
+(canary), optionally copying a share of its traffic to a *shadow* deployment whose answers
+are compared and thrown away. A leaf module: plain values, no I/O beyond reading the file.
+
+    [balancer]
+    policy = "affinity"            # or "least" (least outstanding work), "round_robin"
+    queue_timeout_s = 10
+
+    [[deployments]]
+    name = "smollm2-135m-instruct-2026-11-22"
+    kind = "engine"                # engine | upstream | embeddings
+    replicas = 2                   # local `tokenyard engine` children started by serve
+    urls = ["http://10.0.0.7:8001"]  # and/or replicas already running elsewhere
+    engine_args = ["--threads", "1"]
+    capabilities = ["chat", "completions"]
+    prices = { input = "0.10", cached_input = "0.05", output = "0.40" }  # per 1M tokens
+
+    [aliases]
+    smollm2 = "smollm2-135m-instruct-2026-11-22"
+    [aliases.smollm2-next]
+    route = { "smollm2-135m-instruct-2026-11-22" = 90, "other-2026-12-01" = 10 }
+    shadow = { deployment = "candidate-2026-12-05", share = 0.05 }
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+KINDS = ("engine", "upstream", "embeddings")
+#: Capabilities a deployment may declare; a request needing one goes only where declared.
+CAPABILITIES = frozenset({"chat", "completions", "embeddings", "vision", "tools"})
+_DEFAULT_CAPABILITIES = {
+    "engine": frozenset({"chat", "completions"}),
+    "upstream": frozenset({"chat", "completions"}),
+    "embeddings": frozenset({"embeddings"}),
+}
+POLICIES = ("affinity", "least", "round_robin")
+
+
+class FleetConfigError(ValueError):
+    """The fleet file is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class PriceSpec:
+    """Micros per million tokens (the store's unit); read from decimal currency units."""
+
+    input: int = 0
+    cached_input: int = 0
+    output: int = 0
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """One served model name and where it runs."""
+
+    name: str
+    kind: str = "engine"
+    #: Local replica processes `tokenyard serve` starts (engine and embeddings kinds).
+    replicas: int = 0
+    #: Replicas already running (engine/embeddings), or the upstream's base URLs.
+    urls: tuple[str, ...] = ()
+    #: engine: `--model` of the local replicas; upstream: the model name it is asked for.
+    model: str | None = None
+    #: Extra `tokenyard engine` flags of the local replicas.
+    engine_args: tuple[str, ...] = ()
+    #: The environment variable holding the replicas' token or the upstream's API key.
+    token_env: str | None = None
+    capabilities: frozenset[str] = frozenset()
+    #: The context window to enforce for upstreams (engines report their own).
+    max_context: int | None = None
+    prices: PriceSpec | None = None
+
+    def token(self) -> str | None:
+        """The secret named by `token_env`, read now (reloads see a changed value)."""
+        return os.environ.get(self.token_env) if self.token_env else None
+
+
+@dataclass(frozen=True)
+class ShadowSpec:
+    deployment: str
+    share: float
+
+
+@dataclass(frozen=True)
+class AliasSpec:
+    """A client-facing name: weighted targets (one target is a plain alias)."""
+
+    name: str
+    routes: tuple[tuple[str, float], ...]
+    shadow: ShadowSpec | None = None
+
+
+@dataclass(frozen=True)
+class BalancerSpec:
+    policy: str = "affinity"
+    #: How long a request waits at the balancer when every replica is full.
+    queue_timeout_s: float = 5.0
+    #: Requests that may wait at once per deployment; beyond it, 503 at once.
+    queue_max: int = 256
+    health_interval_s: float = 1.0
+    #: Consecutive failures (connection errors, 5xx) before a replica is ejected.
+    eject_after: int = 3
+    #: First ejection's length; doubled for each ejection in a row, capped at 60 s.
+    eject_base_s: float = 2.0
+    #: Entries of the in-process prefix-affinity table.
+    affinity_entries: int = 200_000
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    deployments: Mapping[str, DeploymentSpec]
+    aliases: Mapping[str, AliasSpec] = field(default_factory=dict)
+    balancer: BalancerSpec = BalancerSpec()
+    #: The file it came from (None: built from flags).
+    path: Path | None = None
+
+    def names(self) -> list[str]:
+        return [*self.deployments, *self.aliases]
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def load_fleet(path: Path) -> FleetSpec:
+    """Read and check a fleet file; FleetConfigError names what is wrong."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise FleetConfigError(f"{path}: {exc}") from None
+    return parse_fleet(raw, Path(path))
+
+
+def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
+    """A FleetSpec from a decoded TOML document."""
+    _only(raw, {"deployments", "aliases", "balancer"}, "the file")
+    items = raw.get("deployments", [])
+    if not isinstance(items, list) or not items:
+        raise FleetConfigError("'deployments' must be a non-empty array of tables")
+    deployments: dict[str, DeploymentSpec] = {}
+    for i, item in enumerate(items):
+        spec = _deployment(item, f"deployments[{i}]")
+        if spec.name in deployments:
+            raise FleetConfigError(f"deployments[{i}].name: '{spec.name}' is defined twice")
+        deployments[spec.name] = spec
+    aliases = {name: _alias(name, value, deployments)
+               for name, value in _table(raw.get("aliases", {}), "aliases").items()}
+    return FleetSpec(deployments, aliases, _balancer(raw.get("balancer", {})), path)
+
+
+def single_fleet(
+    name: str, *, replicas: int = 1, urls: Sequence[str] = (), model: str | None = None,
+    engine_args: Sequence[str] = (), embeddings: str | None = None,
+    embedding_replicas: int = 1, policy: str = "affinity", queue_timeout_s: float = 5.0,
+) -> FleetSpec:
+    """The fleet of `tokenyard serve` without a file: one engine deployment (`replicas`
+    local children, or the running `urls`), plus the embeddings pool unless None."""
+    deployments = {name: DeploymentSpec(
+        name, "engine", replicas=0 if urls else replicas, urls=tuple(urls), model=model,
+        engine_args=tuple(engine_args), capabilities=_DEFAULT_CAPABILITIES["engine"],
+    )}
+    if embeddings is not None:
+        deployments[embeddings] = DeploymentSpec(
+            embeddings, "embeddings", replicas=embedding_replicas,
+            capabilities=_DEFAULT_CAPABILITIES["embeddings"],
+        )
+    return FleetSpec(deployments, {}, BalancerSpec(policy=policy,
+                                                   queue_timeout_s=queue_timeout_s))
+
+
+def _deployment(item: Any, where: str) -> DeploymentSpec:
+    item = _table(item, where)
+    _only(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
+                 "capabilities", "max_context", "prices"}, where)
+    name = _str(item.get("name"), f"{where}.name")
+    kind = item.get("kind", "engine")
+    if kind not in KINDS:
+        raise FleetConfigError(f"{where}.kind: one of {', '.join(KINDS)}, not {kind!r}")
+    replicas = item.get("replicas", 0)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 64:
+        raise FleetConfigError(f"{where}.replicas: an integer from 0 to 64")
+    urls = tuple(_str(u, f"{where}.urls[]") for u in _list(item.get("urls", []), f"{where}.urls"))
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise FleetConfigError(f"{where}.urls: {url!r} is not an http(s) URL")
+    if kind == "upstream" and replicas:
+        raise FleetConfigError(f"{where}.replicas: an upstream has no local replicas; "
+                               "list its base URLs in 'urls'")
+    if not replicas and not urls:
+        raise FleetConfigError(f"{where}: needs 'replicas' (local) or 'urls' (running)")
+    if kind == "upstream" and not item.get("model"):
+        raise FleetConfigError(f"{where}.model: an upstream needs the model name to ask for")
+    caps = frozenset(_str(c, f"{where}.capabilities[]")
+                     for c in _list(item.get("capabilities", []), f"{where}.capabilities"))
+    unknown = caps - CAPABILITIES
+    if unknown:
+        raise FleetConfigError(f"{where}.capabilities: unknown {sorted(unknown)}; "
+                               f"known: {sorted(CAPABILITIES)}")
+    max_context = item.get("max_context")
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        raise FleetConfigError(f"{where}.max_context: a positive integer")
+    return DeploymentSpec(
+        name=name, kind=kind, replicas=replicas, urls=urls,
+        model=_opt_str(item.get("model"), f"{where}.model"),
+        engine_args=tuple(_str(a, f"{where}.engine_args[]")
+                          for a in _list(item.get("engine_args", []), f"{where}.engine_args")),
+        token_env=_opt_str(item.get("token_env"), f"{where}.token_env"),
+        capabilities=caps or _DEFAULT_CAPABILITIES[kind], max_context=max_context,
+        prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
+    )
+
+
+def _alias(name: str, value: Any, deployments: Mapping[str, DeploymentSpec]) -> AliasSpec:
+    where = f"aliases.{name}"
+    if name in deployments:
+        raise FleetConfigError(f"{where}: an alias may not reuse a deployment's name")
+    shadow = None
+    if isinstance(value, str):
+        routes: tuple[tuple[str, float], ...] = ((value, 1.0),)
+    else:
+        table = _table(value, where)
+        _only(table, {"route", "shadow"}, where)
+        weights = _table(table.get("route"), f"{where}.route")
+        routes = tuple((target, _weight(w, f"{where}.route.{target}"))
+                       for target, w in weights.items())
+        if not routes or sum(w for _, w in routes) <= 0:
+            raise FleetConfigError(f"{where}.route: at least one target with a weight > 0")
+        if "shadow" in table:
+            s = _table(table["shadow"], f"{where}.shadow")
+            _only(s, {"deployment", "share"}, f"{where}.shadow")
+            share = _weight(s.get("share", 1.0), f"{where}.shadow.share")
+            if share > 1:
+                raise FleetConfigError(f"{where}.shadow.share: a fraction from 0 to 1")
+            shadow = ShadowSpec(_str(s.get("deployment"), f"{where}.shadow.deployment"), share)
+    for target in [t for t, _ in routes] + ([shadow.deployment] if shadow else []):
+        if target not in deployments:
+            raise FleetConfigError(f"{where}: '{target}' is not a deployment")
+    return AliasSpec(name, routes, shadow)
+
+
+def _balancer(value: Any) -> BalancerSpec:
+    table = _table(value, "balancer")
+    known = set(BalancerSpec.__dataclass_fields__)
+    _only(table, known, "balancer")
+    spec = BalancerSpec(**table)
+    if spec.policy not in POLICIES:
+        raise FleetConfigError(f"balancer.policy: one of {', '.join(POLICIES)}")
+    for name in ("queue_timeout_s", "health_interval_s", "eject_base_s"):
+        value = getattr(spec, name)
+        if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise FleetConfigError(f"balancer.{name}: a non-negative number of seconds")
+    for name in ("queue_max", "eject_after", "affinity_entries"):
+        if not isinstance(getattr(spec, name), int) or getattr(spec, name) < 1:
+            raise FleetConfigError(f"balancer.{name}: a positive integer")
+    return spec
+
+
+def _prices(value: Any, where: str) -> PriceSpec:
+    table = _table(value, where)
+    _only(table, {"input", "cached_input", "output"}, where)
+    out = {}
+    for name, amount in table.items():
+        try:
+            micros = Decimal(str(amount)) * 1_000_000
+        except InvalidOperation:
+            raise FleetConfigError(f"{where}.{name}: a decimal amount per million "
+                                   "tokens") from None
+        if micros < 0 or micros != micros.to_integral_value():
+            raise FleetConfigError(f"{where}.{name}: non-negative, at most 6 decimals")
+        out[name] = int(micros)
+    return PriceSpec(**out)
+
+
+def _weight(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value >= 0):
+        raise FleetConfigError(f"{where}: a non-negative number")
+    return float(value)
+
+
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise FleetConfigError(f"{where}: a table")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise FleetConfigError(f"{where}: an array")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise FleetConfigError(f"{where}: a non-empty string")
+    return value
+
+
+def _opt_str(value: Any, where: str) -> str | None:
+    return None if value is None else _str(value, where)
+
+
+def _only(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise FleetConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
