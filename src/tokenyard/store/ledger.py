@@ -50,6 +50,8 @@ class UsageRecord:
     prompt_tokens: int
     cached_tokens: int = 0
     output_tokens: int = 0
+    cache_write_5m_tokens: int = 0  # prompt tokens written to the prompt cache for 5 min
+    cache_write_1h_tokens: int = 0  # ... and for 1 h
     cost_micros: int = 0
     project_id: str | None = None
     key_id: str | None = None

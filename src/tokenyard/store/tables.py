@@ -170,6 +170,9 @@ usage_ledger = Table(
     Column("status", String(16), nullable=False),  # completed, stopped, aborted, failed
     Column("prompt_tokens", Integer, nullable=False),  # all prompt tokens, cached included
     Column("cached_tokens", Integer, nullable=False),
+    # Prompt tokens written to the prompt cache (cache_control), by how long they are kept.
+    Column("cache_write_5m_tokens", Integer, nullable=False, server_default="0"),
+    Column("cache_write_1h_tokens", Integer, nullable=False, server_default="0"),
     Column("output_tokens", Integer, nullable=False),
     Column("cost_micros", BigInteger, nullable=False),
     Index(None, "org_id", "day"),
