@@ -11,9 +11,8 @@ the HTTP process, and token ids travel to the replica).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -28,8 +27,6 @@ from tokenyard.wire.embeddings import (
     EmbedResult,
     EmbedStats,
 )
-
-_T = TypeVar("_T")
 
 
 @dataclass(eq=False)
@@ -62,8 +59,8 @@ class EmbeddingsModel:
 
 
 class EmbeddingsClient:
-    """One embeddings replica's API: `embed`, `info`, `stats`, `health`, `close`; and
-    `call`, the interface of a deployment's pool, over this one replica."""
+    """One embeddings replica's API: `embed`, `info`, `stats`, `health`, `close` (what a
+    deployment's `Pool` needs of its members)."""
 
     def __init__(
         self,
@@ -80,9 +77,7 @@ class EmbeddingsClient:
                                    request_timeout=request_timeout)
         self._model: EmbeddingsModel | None = None
 
-    async def embed(
-        self, request_id: str, inputs: list[list[int]] | list[str], **_: Any
-    ) -> EmbedResult:
+    async def embed(self, request_id: str, inputs: list[list[int]] | list[str]) -> EmbedResult:
         """Embed `inputs` (token-id lists as the model's input, or texts the replica
         tokenizes): one vector and token count per input, in order.
 
@@ -108,13 +103,6 @@ class EmbeddingsClient:
     async def health(self) -> bool:
         """True if the replica answers and admits requests (False while it drains)."""
         return await self._http.health()
-
-    async def call(
-        self, fn: Callable[[EmbeddingsClient], Awaitable[_T]], **_: Any
-    ) -> _T:
-        """`fn(self)`: a deployment pool's `call`, for a deployment of this one replica
-        (no balancing, no failover; `cost`, `priority` and `timeline` are not needed)."""
-        return await fn(self)
 
     async def close(self) -> None:
         """Close the pooled connections."""
