@@ -173,6 +173,7 @@ def single_fleet(
     if embeddings is not None:
         deployments[embeddings] = DeploymentSpec(
             embeddings, "embeddings", replicas=embedding_replicas,
+            engine_args=("--threads", "1"),
             capabilities=_DEFAULT_CAPABILITIES["embeddings"],
         )
     return FleetSpec(deployments, {}, BalancerSpec(policy=policy,

@@ -181,8 +181,8 @@ def messages_error(body: dict[str, Any]) -> APIError:
          "messages.0.content.0.text", "missing_required_parameter"),
         ({"model": "tiny", "messages": [USER[0], {"role": "user", "content": [
             {"type": "text", "text": "look"},
-            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-         "messages.1.content.1.type", "unsupported_value"),
+            {"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]},
+         "messages.1.content.1.image_url.url", "invalid_value"),
         ({"model": "tiny", "messages": [{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {}}]}]},
          "messages.0.content.0.type", "unsupported_value"),
@@ -399,7 +399,7 @@ def msg(**extra: Any) -> dict[str, Any]:
         (msg(messages=[{"role": "tool", "content": "x"}]), "messages.0.role"),
         (msg(messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "data": ""}}]}]),
-         "messages.0.content.0.type"),
+         "messages.0.content.0.source.media_type"),
         (msg(messages=[USER[0], {"role": "assistant", "content": [
             {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
          "messages.1.content.0.type"),

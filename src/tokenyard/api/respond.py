@@ -97,6 +97,21 @@ def prepared(served: Served) -> tuple[Preparer, Tokenizer]:
     return served.prepare, served.tokenizer
 
 
+_TOKENS: web.RequestKey[Any] = web.RequestKey("upstream_tokens", object)
+
+
+def token_bytes(request: web.Request, served: Served) -> Callable[[int], bytes]:
+    """How the format spells a logprob's token: the tokenizer's bytes for an engine;
+    for an upstream, a table of the tokens it returned (shared with its generations)."""
+    if served.kind != "upstream":
+        assert served.tokenizer is not None
+        return served.tokenizer.id_to_token_bytes
+    from tokenyard.balancer.upstream import TokenTable
+
+    table = request[_TOKENS] = TokenTable()
+    return table
+
+
 def first_user_text(messages: Sequence[Any]) -> str | None:
     """The first user message's text (what a conversation's canary draw sticks to)."""
     for message in messages:
@@ -125,7 +140,7 @@ async def generate(
     ]
     try:
         # Sent together: the replica batches them; a refusal of any refuses the request.
-        await _each(gens, Generation.start)
+        await _each(gens, lambda gen: gen.start())
         if not stream:
             return json_response(fmt.body(gens, await _each(gens, finished_completions)))
         return await _stream(request, fmt, gens)
@@ -221,6 +236,7 @@ def _generation(
             served.pool, request_id, messages=messages, prompt=text, params=params,
             model=served.spec.model or served.name, timeline=request[TIMELINE],
             metrics=state.metrics, prompt_tokens_estimate=len(prompt),
+            tokens=request.get(_TOKENS),
         ))
     assert served.tokenizer is not None
     return Generation(

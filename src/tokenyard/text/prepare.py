@@ -14,12 +14,10 @@ from typing import cast
 from tokenyard.errors import APIError, context_length_exceeded
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.chat_template import ChatTemplateError
+from tokenyard.text.content import TemplateMessage
 from tokenyard.text.prompts import Conversation, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.sampling_params import SamplingParams
-
-#: A chat-template message: {"role": ..., "content": ...}.
-TemplateMessage = dict[str, str]
 
 
 def has_prefill(messages: Sequence[TemplateMessage]) -> bool:
@@ -75,6 +73,22 @@ class Preparer:
     def encode_rendered(self, text: str) -> list[int]:
         """Tokens of templated text (the template already holds BOS if the model wants it)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prefix_length(self, messages: Sequence[TemplateMessage], prompt: Sequence[int]) -> int:
+        """How many of `prompt`'s tokens the conversation `messages` (a truncation of the
+        one `prompt` was made of) renders to: its templated tokens' longest common prefix
+        with `prompt`. The template closes the last turn, and a token can merge across
+        the cut: only what truly prefixes `prompt` counts. 0 if the template refuses it."""
+        try:
+            ids = self.encode_rendered(self.template(messages, add_generation_prompt=False))
+        except APIError:
+            return 0
+        n = 0
+        for a, b in zip(ids, prompt, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Tokens of a raw completions prompt (BOS added as the model wants); token ids

@@ -18,14 +18,18 @@ from typing import Any
 from tokenyard.api.anthropic.schemas import (
     AnthropicMessage,
     AnthropicUsage,
+    CacheCreation,
     CountTokensRequest,
     MessagesRequest,
     StopReason,
     TextBlock,
+    blocks_text,
 )
 from tokenyard.api.convert import random_id, sampling_params, stop_list
-from tokenyard.text.prepare import TemplateMessage
+from tokenyard.api.images import template_message
+from tokenyard.text.prepare import Preparer, TemplateMessage
 from tokenyard.wire.outputs import Completion
+from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -41,13 +45,15 @@ def anthropic_messages(req: MessagesRequest | CountTokensRequest) -> list[Templa
     """Template messages of an Anthropic request, `system` first when present.
 
     A final assistant message is a prefill: the caller renders the template without a
-    generation prompt and lets the model continue that text.
+    generation prompt and lets the model continue that text. Image blocks stay, in order,
+    under `parts` (loaded later, for a vision deployment only).
     """
     messages: list[TemplateMessage] = []
     system = req.system_text
     if system:
         messages.append({"role": "system", "content": system})
-    messages.extend({"role": m.role, "content": m.text} for m in req.messages)
+    messages.extend(template_message(m.role, m.text, m.content, f"messages.{i}")
+                    for i, m in enumerate(req.messages))
     return messages
 
 
@@ -66,6 +72,39 @@ def anthropic_request_to_engine(
     }
     params = sampling_params({"stop": "stop_sequences"}, **kwargs)
     return anthropic_messages(req), params
+
+
+def cache_prefixes(req: MessagesRequest) -> list[tuple[list[TemplateMessage], float]]:
+    """Each `cache_control` breakpoint as the conversation cut just after its block (for
+    the prepare stage to measure in tokens), with its TTL in seconds."""
+    full = anthropic_messages(req)
+    first = 1 if req.system_text else 0  # where req.messages begin in `full`
+    prefixes: list[tuple[list[TemplateMessage], float]] = []
+    for index, block, ttl in req.cache_breakpoints():
+        role, content = (("system", req.system) if index is None
+                         else (req.messages[index].role, req.messages[index].content))
+        assert isinstance(content, list)  # only blocks carry cache_control
+        cut: TemplateMessage = {"role": role, "content": blocks_text(content[:block + 1])}
+        head = [] if index is None else full[:first + index]
+        prefixes.append(([*head, cut], ttl))
+    return prefixes
+
+
+def cache_pins(
+    prepare: Preparer, req: MessagesRequest, prompt: Sequence[int], block_size: int | None
+) -> list[Pin]:
+    """The replica pins of a request's breakpoints: each one's prefix of `prompt` in
+    tokens, rounded down to whole KV blocks of `block_size` (what a replica can keep) and
+    short of the prompt's last token (which is always computed, never read). Empty for
+    a deployment without a prompt cache (`block_size` None: an upstream)."""
+    if block_size is None:
+        return []
+    pins: list[Pin] = []
+    for messages, ttl in cache_prefixes(req):
+        covered = min(prepare.prefix_length(messages, prompt), len(prompt) - 1)
+        if covered >= block_size:
+            pins.append((covered // block_size * block_size, ttl))
+    return pins
 
 
 # ---------------------------------------------------------------------------- stop and usage
@@ -91,15 +130,23 @@ def anthropic_stop_reason(
 
 
 def anthropic_usage(
-    prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
+    prompt_tokens: int, output_tokens: int, cached_tokens: int = 0,
+    cache_writes: tuple[int, int] | None = None,
 ) -> AnthropicUsage:
-    """Anthropic usage: `input_tokens` are the prompt tokens *not* read from the cache."""
+    """Anthropic usage: `cache_read_input_tokens` are the prompt tokens read from the
+    cache, `cache_creation_input_tokens` those the request's breakpoints wrote to it
+    (`cache_writes`: kept 5 minutes, kept 1 hour; None without breakpoints) and
+    `input_tokens` the rest."""
     cached = min(cached_tokens, prompt_tokens)
+    written_5m, written_1h = cache_writes or (0, 0)
+    written = min(written_5m + written_1h, prompt_tokens - cached)
     return AnthropicUsage(
-        input_tokens=prompt_tokens - cached,
+        input_tokens=prompt_tokens - cached - written,
         output_tokens=output_tokens,
-        cache_creation_input_tokens=0,
+        cache_creation_input_tokens=written,
         cache_read_input_tokens=cached,
+        cache_creation=None if cache_writes is None else CacheCreation(
+            ephemeral_5m_input_tokens=written_5m, ephemeral_1h_input_tokens=written_1h),
     )
 
 
@@ -114,8 +161,12 @@ def build_anthropic_message(
     prompt_tokens: int,
     cached_tokens: int = 0,
     stop_sequences: Sequence[str] = (),
+    output_tokens: int | None = None,
+    cache_writes: tuple[int, int] | None = None,
 ) -> AnthropicMessage:
-    """The non-streamed /v1/messages response for one finished completion."""
+    """The non-streamed /v1/messages response for one finished completion;
+    `output_tokens` defaults to its token ids' count; `cache_writes` as in
+    `anthropic_usage`."""
     stop_reason, stop_sequence = anthropic_stop_reason(
         completion.finish_reason or "stop", completion.stop_reason, stop_sequences
     )
@@ -125,5 +176,7 @@ def build_anthropic_message(
         content=[TextBlock(text=completion.text)],
         stop_reason=stop_reason,
         stop_sequence=stop_sequence,
-        usage=anthropic_usage(prompt_tokens, len(completion.token_ids), cached_tokens),
+        usage=anthropic_usage(prompt_tokens, len(completion.token_ids)
+                              if output_tokens is None else output_tokens, cached_tokens,
+                              cache_writes),
     )

@@ -1,9 +1,10 @@
 """Bodies of the Anthropic-compatible endpoints: /v1/messages and /v1/messages/count_tokens.
 
 Requests: `max_tokens` is required (as Anthropic requires it), `system` is a string or a list
-of text blocks, message content is a string or a list of blocks of which only `text` is
-supported so far; image, document, tool_use, tool_result and thinking blocks, `tools` and
-enabled `thinking` are answered with a 400 naming them. Unknown fields are ignored.
+of text blocks, message content is a string or a list of blocks of which `text` and, in
+user messages, `image` are supported so far; document, tool_use, tool_result and thinking
+blocks, `tools` and enabled `thinking` are answered with a 400 naming them. Unknown fields
+are ignored.
 
 Responses and stream events mirror Anthropic's shapes so the official SDK parses them. Usage
 follows Anthropic's accounting: `input_tokens` counts the prompt tokens that were *not* read
@@ -12,14 +13,22 @@ from the cache; `cache_read_input_tokens` the ones that were.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
 
 from tokenyard.api.errors import schema_error
+from tokenyard.api.images import (
+    anthropic_source_uri,
+    only_from_user,
+    source_problem,
+    text_or_image,
+)
 from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
+from tokenyard.text.content import ImagePart
+from tokenyard.wire.protocol import TTL_1H, TTL_5M
 
 # ---------------------------------------------------------------------------- requests
 
@@ -39,12 +48,41 @@ _UNSUPPORTED_BLOCKS = frozenset(
 )
 
 
+#: Anthropic's limit on `cache_control` breakpoints in one request.
+MAX_CACHE_BREAKPOINTS = 4
+
+
+class CacheControl(RequestModel):
+    """``{"type": "ephemeral", "ttl": "5m" | "1h"}``: a prompt-cache breakpoint. The prompt
+    up to and including the block it marks is kept for the TTL, refreshed by every hit."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+    @property
+    def seconds(self) -> float:
+        """The TTL in seconds."""
+        return TTL_1H if self.ttl == "1h" else TTL_5M
+
+
+def _breakpoint_ttl(value: Any) -> float | None:
+    """The TTL (seconds) of a block's `cache_control`, or None when it has none."""
+    if value is None:
+        return None
+    if isinstance(value, CacheControl):
+        return value.seconds
+    try:  # a block type that leaves the field untyped
+        return CacheControl.model_validate(value).seconds
+    except ValidationError:
+        return TTL_5M
+
+
 class TextBlockParam(RequestModel):
     """``{"type": "text", "text": ...}`` in a message or in `system`."""
 
     type: Literal["text"]
     text: str
-    cache_control: Any = None  # accepted and ignored: prefix caching is automatic here
+    cache_control: CacheControl | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -61,18 +99,73 @@ class TextBlockParam(RequestModel):
         return data
 
 
-def blocks_text(content: str | list[TextBlockParam]) -> str:
-    """Content (a string or text blocks) as one string."""
+class ImageSource(RequestModel):
+    """An image block's `source`: ``{"type": "base64", "media_type", "data"}`` or
+    ``{"type": "url", "url"}``, checked without a fetch (`api/images.source_problem`)."""
+
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ImageSource:
+        field = "data" if self.type == "base64" else "url"
+        if self.type == "base64" and self.media_type is None:
+            raise schema_error(INVALID_VALUE, "media_type",
+                               "a base64 image source needs a 'media_type'.")
+        if getattr(self, field) is None:
+            raise schema_error(INVALID_VALUE, field,
+                               f"a {self.type} image source needs '{field}'.")
+        problem = source_problem(self.uri)
+        if problem is not None:
+            raise schema_error(INVALID_VALUE, field, problem)
+        return self
+
+    @property
+    def uri(self) -> str:
+        """The data URI or URL this source stands for."""
+        return anthropic_source_uri(self.model_dump())
+
+
+class ImageBlockParam(RequestModel):
+    """``{"type": "image", "source": ...}`` in a user message."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: Any = None
+
+    def image_part(self, param: str) -> ImagePart:
+        """This block as the template message's `ImagePart`, named `param`."""
+        return ImagePart(param, self.source.uri)
+
+
+#: A message's content block: image blocks by their type; anything else is validated as text.
+ContentBlockParam = Annotated[
+    Annotated[TextBlockParam, Tag("Text")] | Annotated[ImageBlockParam, Tag("Image")],
+    text_or_image("image"),
+]
+
+
+def blocks_text(content: str | Sequence[TextBlockParam | ImageBlockParam]) -> str:
+    """Content (a string or blocks) as one string of its text."""
     if isinstance(content, str):
         return content
-    return TEXT_PART_SEPARATOR.join(block.text for block in content)
+    return TEXT_PART_SEPARATOR.join(
+        block.text for block in content if isinstance(block, TextBlockParam)
+    )
 
 
 class MessageParam(RequestModel):
     """One message of `messages`."""
 
     role: Literal["user", "assistant", "system"]
-    content: str | list[TextBlockParam]
+    content: str | list[ContentBlockParam]
+
+    @model_validator(mode="after")
+    def _images_from_user(self) -> MessageParam:
+        only_from_user(self.role, self.content, "image blocks")
+        return self
 
     @property
     def text(self) -> str:
@@ -143,6 +236,31 @@ class _Conversation(RequestModel):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_cache_breakpoints(self) -> _Conversation:
+        found = len(self.cache_breakpoints())
+        if found > MAX_CACHE_BREAKPOINTS:
+            raise schema_error(
+                INVALID_VALUE, None,
+                f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be "
+                f"provided. Found {found}.",
+            )
+        return self
+
+    def cache_breakpoints(self) -> list[tuple[int | None, int, float]]:
+        """Every block with `cache_control`, in prompt order: (message index, None for
+        `system`; block index; TTL in seconds)."""
+        places: list[tuple[int | None, str | Sequence[Any] | None]] = [
+            (None, self.system), *((i, m.content) for i, m in enumerate(self.messages))
+        ]
+        found: list[tuple[int | None, int, float]] = []
+        for index, content in places:
+            for j, block in enumerate(() if isinstance(content, str) else content or ()):
+                ttl = _breakpoint_ttl(getattr(block, "cache_control", None))
+                if ttl is not None:
+                    found.append((index, j, ttl))
+        return found
+
     @property
     def system_text(self) -> str | None:
         """`system` as one string, or None when absent."""
@@ -186,13 +304,22 @@ class TextBlock(BaseModel):
     text: str
 
 
+class CacheCreation(BaseModel):
+    """`usage.cache_creation`: the prompt-cache writes by how long they are kept."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class AnthropicUsage(BaseModel):
-    """`usage` of a message: input_tokens excludes the cache-read tokens."""
+    """`usage` of a message: input_tokens excludes the cache-read and cache-written
+    tokens; `cache_creation` splits the written ones (requests with breakpoints only)."""
 
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation | None = None
 
 
 class AnthropicMessage(BaseModel):

@@ -17,6 +17,7 @@ from tokenyard.api.anthropic.convert import (
 )
 from tokenyard.api.anthropic.schemas import (
     AnthropicMessage,
+    AnthropicUsage,
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
     ContentBlockStopEvent,
@@ -33,6 +34,7 @@ from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.balancer.generation import Generation
 from tokenyard.errors import APIError
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
+from tokenyard.wire.protocol import Pin, cache_writes
 
 
 @dataclass
@@ -48,13 +50,20 @@ class AnthropicStream:
     id: str
     model: str
     stop_sequences: Sequence[str] = ()
+    #: The request's prompt-cache pins (cache_control breakpoints), for its cache writes.
+    pins: Sequence[Pin] = ()
     _block_open: bool = False
+
+    def _usage(self, prompt_tokens: int, output_tokens: int, cached_tokens: int
+               ) -> AnthropicUsage:
+        writes = cache_writes(self.pins, cached_tokens) if self.pins else None
+        return anthropic_usage(prompt_tokens, output_tokens, cached_tokens, writes)
 
     def message_start(self, prompt_tokens: int, cached_tokens: int = 0) -> MessageStartEvent:
         """message_start: the message with no content yet and the input usage."""
         return MessageStartEvent(message=AnthropicMessage(
             id=self.id, model=self.model, content=[],
-            usage=anthropic_usage(prompt_tokens, 0, cached_tokens),
+            usage=self._usage(prompt_tokens, 0, cached_tokens),
         ))
 
     def content_block_start(self) -> ContentBlockStartEvent:
@@ -86,7 +95,7 @@ class AnthropicStream:
         reason, sequence = anthropic_stop_reason(
             finish_reason or "stop", stop_reason, self.stop_sequences
         )
-        usage = anthropic_usage(prompt_tokens, output_tokens, cached_tokens)
+        usage = self._usage(prompt_tokens, output_tokens, cached_tokens)
         events: list[StreamEvent] = []
         if self._block_open:
             self._block_open = False
@@ -139,8 +148,9 @@ class MessagesFormat:
 
     terminator = b""
 
-    def __init__(self, model: str, stop_sequences: Sequence[str], request_id: str) -> None:
-        self.stream = AnthropicStream(new_message_id(), model, stop_sequences)
+    def __init__(self, model: str, stop_sequences: Sequence[str], request_id: str,
+                 pins: Sequence[Pin] = ()) -> None:
+        self.stream = AnthropicStream(new_message_id(), model, stop_sequences, pins)
         self.request_id = request_id
         self._started = False
 
@@ -150,8 +160,10 @@ class MessagesFormat:
         gen, stream = gens[0], self.stream
         return build_anthropic_message(
             id=stream.id, model=stream.model, completion=completions[0][0],
-            prompt_tokens=len(gen.prompt), cached_tokens=gen.num_cached_tokens,
+            prompt_tokens=gen.num_prompt_tokens, cached_tokens=gen.num_cached_tokens,
             stop_sequences=stream.stop_sequences,
+            output_tokens=gen.last.num_output_tokens if gen.last is not None else None,
+            cache_writes=gen.cache_writes if stream.pins else None,
         )
 
     def head(self) -> list[BaseModel]:

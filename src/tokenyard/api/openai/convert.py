@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from tokenyard.api.convert import random_id, sampling_params, stop_list
+from tokenyard.api.images import template_message
 from tokenyard.api.openai.schemas import (
     MAX_N,
     AssistantMessage,
@@ -118,13 +119,16 @@ def chat_request_to_engine(
 ) -> tuple[list[TemplateMessage], SamplingParams]:
     """Template messages and sampling parameters of a chat request.
 
-    `developer` messages become `system` (chat templates know only the latter). `max_tokens`
-    is None when the client set neither `max_completion_tokens` nor `max_tokens`: the caller
-    fills in what the context window leaves. `vocab_size`, when given, bounds logit_bias ids.
+    `developer` messages become `system` (chat templates know only the latter); a message
+    with image parts keeps them, in order, under `parts` (loaded later, for a vision
+    deployment only). `max_tokens` is None when the client set neither
+    `max_completion_tokens` nor `max_tokens`: the caller fills in what the context window
+    leaves. `vocab_size`, when given, bounds logit_bias ids.
     """
-    messages: list[TemplateMessage] = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-        for m in req.messages
+    messages = [
+        template_message("system" if m.role == "developer" else m.role, m.text, m.content,
+                         f"messages.{i}")
+        for i, m in enumerate(req.messages)
     ]
     kwargs = _common_kwargs(req, vocab_size)
     renames: dict[str, str] = {}
@@ -312,8 +316,10 @@ def build_chat_completion(
     cached_tokens: int = 0,
     token_bytes: TokenBytes | None = None,
     system_fingerprint: str | None = None,
+    completion_tokens: int | None = None,
 ) -> ChatCompletion:
-    """The non-streamed chat completion for finished `completions` (one per choice)."""
+    """The non-streamed chat completion for finished `completions` (one per choice);
+    `completion_tokens` defaults to their token ids' count."""
     choices = []
     for c in sorted(completions, key=lambda c: c.index):
         logprobs = None
@@ -327,7 +333,8 @@ def build_chat_completion(
                 finish_reason=openai_finish_reason(c.finish_reason) or "stop",
             )
         )
-    completion_tokens = sum(len(c.token_ids) for c in completions)
+    if completion_tokens is None:
+        completion_tokens = sum(len(c.token_ids) for c in completions)
     return ChatCompletion(
         id=id, created=created, model=model, system_fingerprint=system_fingerprint,
         choices=choices, usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),
@@ -346,6 +353,7 @@ def build_text_completion(
     token_bytes: TokenBytes | None = None,
     echo_prompts: Sequence[str] | None = None,
     system_fingerprint: str | None = None,
+    completion_tokens: int | None = None,
 ) -> TextCompletion:
     """The non-streamed legacy completion.
 
@@ -368,7 +376,8 @@ def build_text_completion(
                     finish_reason=legacy_finish_reason(c.finish_reason) or "stop",
                 )
             )
-    completion_tokens = sum(len(c.token_ids) for per in completions for c in per)
+    if completion_tokens is None:
+        completion_tokens = sum(len(c.token_ids) for per in completions for c in per)
     return TextCompletion(
         id=id, created=created, model=model, system_fingerprint=system_fingerprint,
         choices=choices, usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),

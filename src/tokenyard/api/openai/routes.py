@@ -15,7 +15,7 @@ from tokenyard.api.openai.convert import (
 )
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
-from tokenyard.api.respond import generate, json_response, prepared
+from tokenyard.api.respond import generate, json_response, prepared, token_bytes
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -27,11 +27,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages, params = chat_request_to_engine(req, served.vocab_size)
     messages = await admit_images(messages, model=served.name,
                                   vision="vision" in served.spec.capabilities)
-    prepare, tok = prepared(served)
+    prepare, _ = prepared(served)
     prompt = prepare.conversation(messages, timeline, prefill=False)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     params = prepare.fit(len(prompt), params, param)
-    fmt = ChatFormat(served.name, params.n, req.include_usage, tok.id_to_token_bytes)
+    fmt = ChatFormat(served.name, params.n, req.include_usage, token_bytes(request, served))
     return await generate(request, served, [prompt], [params], fmt,
                           stream=bool(req.stream), messages=messages)
 
@@ -48,7 +48,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fitted = [prepare.fit(len(p), params, "max_tokens") for p in ids]
     echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
     fmt = CompletionFormat(served.name, params.n, req.include_usage,
-                           tok.id_to_token_bytes, echo)
+                           token_bytes(request, served), echo)
     return await generate(request, served, ids, fitted, fmt, stream=bool(req.stream),
                           texts=[p if isinstance(p, str) else None for p in prompts])
 

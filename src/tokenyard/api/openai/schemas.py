@@ -3,7 +3,7 @@
 Requests are validated strictly for types (a string where a number belongs is a 400, not a
 silent coercion); an unknown top-level field is a 400 naming it, as OpenAI answers.
 Parameters this server does not implement yet (`tools`, `response_format` other than text,
-image/audio/file content parts, ...) are rejected with a 400 that names them, never dropped
+audio/file content parts, ...) are rejected with a 400 that names them, never dropped
 silently. Value ranges are checked once, by `SamplingParams`, when `api.openai.convert` builds the
 engine's parameters, so the range rules live in one place.
 
@@ -13,13 +13,22 @@ Responses mirror OpenAI's field names and nesting exactly, so the official SDK p
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tokenyard.api.errors import schema_error
+from tokenyard.api.images import only_from_user, source_problem, text_or_image
 from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
+from tokenyard.text.content import Detail, ImagePart
 
 #: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
 MAX_N = 128
@@ -45,7 +54,6 @@ def _reject_unsupported(
 # ---------------------------------------------------------------------------- chat request
 
 _UNSUPPORTED_PARTS = {
-    "image_url": "Image",
     "input_audio": "Audio",
     "file": "File",
     "refusal": "Refusal",
@@ -53,7 +61,7 @@ _UNSUPPORTED_PARTS = {
 
 
 class TextContentPart(RequestModel):
-    """``{"type": "text", "text": ...}``: the only content part supported so far."""
+    """``{"type": "text", "text": ...}``."""
 
     type: Literal["text"]
     text: str
@@ -68,18 +76,54 @@ class TextContentPart(RequestModel):
                     UNSUPPORTED_VALUE,
                     "type",
                     f"{_UNSUPPORTED_PARTS[kind]} content parts ('{kind}') are not supported "
-                    "by this server yet; send text parts only.",
+                    "by this server yet; send text and image parts only.",
                 )
         return data
 
 
-def join_text(content: str | list[TextContentPart] | None) -> str:
-    """A message's content as one string (text parts joined by TEXT_PART_SEPARATOR)."""
+class ImageURL(RequestModel):
+    """`image_url`: an http(s) URL or a base64 data URI, checked here without a fetch
+    (`api/images.source_problem`); fetched and decoded only for a vision deployment."""
+
+    url: str
+    detail: Detail | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        problem = source_problem(url)
+        if problem is not None:
+            raise schema_error(INVALID_VALUE, None, problem)
+        return url
+
+
+class ImageContentPart(RequestModel):
+    """``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}``."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    def image_part(self, param: str) -> ImagePart:
+        """This part as the template message's `ImagePart`, named `param`."""
+        return ImagePart(param, self.image_url.url, self.image_url.detail)
+
+
+#: A content part: image parts by their type; anything else is validated as text.
+ContentPartParam = Annotated[
+    Annotated[TextContentPart, Tag("Text")] | Annotated[ImageContentPart, Tag("Image")],
+    text_or_image("image_url"),
+]
+
+
+def join_text(content: str | list[ContentPartParam] | None) -> str:
+    """A message's text as one string (text parts joined by TEXT_PART_SEPARATOR)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return TEXT_PART_SEPARATOR.join(part.text for part in content)
+    return TEXT_PART_SEPARATOR.join(
+        part.text for part in content if isinstance(part, TextContentPart)
+    )
 
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
@@ -89,7 +133,7 @@ class ChatMessage(RequestModel):
     """One message of `messages`: role plus content as a string or an array of text parts."""
 
     role: ChatRole
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPartParam] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[Any] | None = None
@@ -112,6 +156,7 @@ class ChatMessage(RequestModel):
                 INVALID_VALUE, "content",
                 f"Messages with role '{self.role}' must have a 'content'.",
             )
+        only_from_user(self.role, self.content, "Image content parts")
         return self
 
     @property

@@ -184,7 +184,7 @@ class _OpenAIFormat:
         if not self.include_usage:
             return []
         output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
-        return [self.stream.usage_chunk(sum(len(g.prompt) for g in gens), output_tokens,
+        return [self.stream.usage_chunk(sum(g.num_prompt_tokens for g in gens), output_tokens,
                                         sum(g.num_cached_tokens for g in gens))]
 
     def encode(self, event: Any) -> bytes:
@@ -209,9 +209,10 @@ class ChatFormat(_OpenAIFormat):
         gen, stream = gens[0], self.stream
         return build_chat_completion(
             id=stream.id, model=stream.model, created=stream.created,
-            completions=completions[0], prompt_tokens=len(gen.prompt),
+            completions=completions[0], prompt_tokens=gen.num_prompt_tokens,
             cached_tokens=gen.num_cached_tokens, token_bytes=self.token_bytes,
             system_fingerprint=SYSTEM_FINGERPRINT,
+            completion_tokens=gen.last.num_output_tokens if gen.last is not None else 0,
         )
 
     def head(self) -> list[BaseModel]:
@@ -241,10 +242,11 @@ class CompletionFormat(_OpenAIFormat):
         return build_text_completion(
             id=stream.id, model=stream.model, created=stream.created,
             completions=completions, n=self.n,
-            prompt_tokens=sum(len(g.prompt) for g in gens),
+            prompt_tokens=sum(g.num_prompt_tokens for g in gens),
             cached_tokens=sum(g.num_cached_tokens for g in gens),
             token_bytes=self.token_bytes, echo_prompts=self.echo,
             system_fingerprint=SYSTEM_FINGERPRINT,
+            completion_tokens=sum(g.last.num_output_tokens for g in gens if g.last is not None),
         )
 
     def head(self) -> list[BaseModel]:
