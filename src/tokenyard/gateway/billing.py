@@ -32,9 +32,11 @@ FLUSH_WAIT_S = 2.0
 class Usage:
     """What one request used, as its response reports it."""
 
-    prompt_tokens: int  # every prompt token, cached ones included
+    prompt_tokens: int  # every prompt token, cached and written ones included
     cached_tokens: int
     output_tokens: int
+    cache_write_5m_tokens: int = 0  # prompt tokens written to the prompt cache for 5 min
+    cache_write_1h_tokens: int = 0  # ... and for 1 h
 
     @property
     def total_tokens(self) -> int:
@@ -184,10 +186,15 @@ class Billing:
             self._prices_version = version
             self._prices_task = None
 
-    def cost(self, prices: Prices, usage: Usage) -> int:
-        """Micros: uncached input, cached input and output at the model's prices."""
+    @staticmethod
+    def cost(prices: Prices, usage: Usage) -> int:
+        """Micros: uncached input, cached input, prompt-cache writes and output at the
+        model's prices."""
         cached = min(usage.cached_tokens, usage.prompt_tokens)
-        return cost_micros(prices, usage.prompt_tokens - cached, cached, usage.output_tokens)
+        write_1h = min(usage.cache_write_1h_tokens, usage.prompt_tokens - cached)
+        write_5m = min(usage.cache_write_5m_tokens, usage.prompt_tokens - cached - write_1h)
+        return cost_micros(prices, usage.prompt_tokens - cached - write_5m - write_1h, cached,
+                           usage.output_tokens, write_5m, write_1h)
 
     def meter(
         self,
@@ -212,6 +219,8 @@ class Billing:
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens,
             output_tokens=usage.output_tokens,
+            cache_write_5m_tokens=usage.cache_write_5m_tokens,
+            cache_write_1h_tokens=usage.cache_write_1h_tokens,
             cost_micros=self.cost(prices, usage),
         )
         self.ledger.append(record)
