@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from tokenyard.wire.protocol import CoreDelta, ReplicaInfo, ReplicaStats
+from tokenyard.wire.protocol import CoreDelta, Pin, ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -23,10 +23,14 @@ class Replica(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        *,
+        pins: Sequence[Pin] = (),
     ) -> AsyncIterator[CoreDelta]:
         """The request's deltas until one carries a finish_reason; closing the iterator
         aborts the request. `cache_salt`: prefix-cache blocks are shared only within one
-        salt; `priority`: the scheduler's class, lower first."""
+        salt; `priority`: the scheduler's class, lower first; `pins`: prompt prefixes to
+        keep cached, (tokens, TTL seconds) each (a replica without a prompt cache may
+        ignore them)."""
         ...
 
     async def stop(self, request_id: str, stop: str) -> None:

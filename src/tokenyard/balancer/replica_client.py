@@ -7,7 +7,7 @@ Imports nothing that loads torch: the gateway process uses it.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -22,6 +22,7 @@ from tokenyard.wire.protocol import (
     STOP_PATH,
     CoreDelta,
     GenerateRequest,
+    Pin,
     ProtocolError,
     ReplicaInfo,
     ReplicaStats,
@@ -126,6 +127,8 @@ class ReplicaClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        *,
+        pins: Sequence[Pin] = (),
     ) -> AsyncIterator[CoreDelta]:
         """Yield the request's per-step deltas until one carries a finish_reason.
 
@@ -138,7 +141,7 @@ class ReplicaClient:
         replica abort the request.
         """
         body = dumps(GenerateRequest(
-            request_id, prompt_token_ids, params, cache_salt, priority
+            request_id, prompt_token_ids, params, cache_salt, priority, list(pins)
         ).to_json())
         try:
             response = await self._get_session().post(

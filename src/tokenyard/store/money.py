@@ -24,22 +24,30 @@ class Prices:
     output: int = 0  # generated tokens
 
 
-def cost_micros(prices: Prices, uncached_input: int, cached_input: int, output: int) -> int:
+def cost_micros(
+    prices: Prices, uncached_input: int, cached_input: int, output: int,
+    cache_write_5m: int = 0, cache_write_1h: int = 0,
+) -> int:
     """Cost in micros of one request's token counts under `prices`.
 
-    Exact integer arithmetic: the per-million products are summed first and divided by
-    1,000,000 once, rounding half up (0.5 micro -> 1 micro).
+    Prompt-cache writes cost the input price times 1.25 (kept 5 minutes) or 2 (kept
+    1 hour), Anthropic's multipliers. Exact integer arithmetic, in quarter micros: the
+    per-million products are summed first and divided once, rounding half up (0.5 micro
+    -> 1 micro).
     """
-    counts = (uncached_input, cached_input, output)
+    counts = (uncached_input, cached_input, output, cache_write_5m, cache_write_1h)
     if min(counts) < 0:
         raise ValueError(f"token counts must be non-negative, got {counts}")
-    numerator = (
-        uncached_input * prices.input
-        + cached_input * prices.cached_input
-        + output * prices.output
+    quarters = (
+        4 * uncached_input * prices.input
+        + 4 * cached_input * prices.cached_input
+        + 4 * output * prices.output
+        + 5 * cache_write_5m * prices.input
+        + 8 * cache_write_1h * prices.input
     )
     # Floor division of (n + d/2) rounds half up for the non-negative n we have here.
-    return (numerator + TOKENS_PER_PRICE_UNIT // 2) // TOKENS_PER_PRICE_UNIT
+    divisor = 4 * TOKENS_PER_PRICE_UNIT
+    return (quarters + divisor // 2) // divisor
 
 
 def parse_money(text: str) -> int:

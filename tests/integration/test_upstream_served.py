@@ -1,0 +1,150 @@
+"""External OpenAI-compatible upstreams served through tokenyard's own routes.
+
+A fleet file names two upstream deployments: a real `tokenyard serve` (OpenAI mode) and
+the project's mock OpenAI server, whose failures are injected through its config route.
+Both are called through the official `openai` and `anthropic` SDKs on tokenyard's OpenAI
+and Anthropic routes: text and usage come through, the response names the deployment,
+and the upstream's refusals and failures become tokenyard's own errors.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from tests.e2e.conftest import Server, running_server
+from tests.e2e.test_gateway import _mock_replica
+
+pytestmark = pytest.mark.slow
+
+REAL = "tokenyard-upstream-2026-11-22"
+MOCK = "mock-upstream-2026-11-22"
+
+
+def _configure(mock_url: str, **changes: float) -> None:
+    base = {"inject_429": 0.0, "inject_503": 0.0, "inject_500": 0.0,
+            "inject_stream_error": 0.0}
+    request = urllib.request.Request(
+        mock_url + "/mock/config", data=json.dumps({**base, **changes}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[Server, str]]:
+    with running_server("--no-auth") as (upstream, _), _mock_replica() as mock, \
+            tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "tokenyard.toml"
+        config.write_text(f"""
+[balancer]
+queue_timeout_s = 0
+eject_after = 1000
+
+[[deployments]]
+name = "{REAL}"
+kind = "upstream"
+urls = ["{upstream.base_url}/v1"]
+model = "{upstream.model}"
+
+[[deployments]]
+name = "{MOCK}"
+kind = "upstream"
+urls = ["{mock}/v1"]
+model = "mock"
+
+[aliases]
+up = "{REAL}"
+""")
+        with running_server("--config", str(config), "--no-embeddings") as (server, _):
+            yield server, mock
+
+
+def _openai(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key or "x",
+                         max_retries=0)
+
+
+def _anthropic(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key or "x",
+                               max_retries=0)
+
+
+def test_a_real_tokenyard_upstream_through_the_openai_route(
+        fleet: tuple[Server, str]) -> None:
+    server, _ = fleet
+    client = _openai(server)
+    reply = client.chat.completions.create(
+        model="up", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8,
+        temperature=0)
+    assert reply.model == REAL  # the alias resolved; the deployment is named
+    assert reply.choices[0].message.content
+    assert reply.usage is not None and reply.usage.prompt_tokens > 5
+    assert reply.usage.completion_tokens == 8 or reply.choices[0].finish_reason == "stop"
+    text = ""
+    with client.chat.completions.create(
+            model=REAL, messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}) as stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+    assert text == reply.choices[0].message.content  # greedy: the same answer streamed
+    listed = {m.id for m in client.models.list()}
+    assert {REAL, MOCK, "up"} <= listed
+
+
+def test_a_real_tokenyard_upstream_through_the_anthropic_route(
+        fleet: tuple[Server, str]) -> None:
+    server, _ = fleet
+    client = _anthropic(server)
+    message = client.messages.create(
+        model="up", max_tokens=8, messages=[{"role": "user", "content": "Name a colour."}])
+    assert message.model == REAL
+    assert message.content[0].type == "text" and message.content[0].text
+    # The upstream's prefix cache answers part of the prompt: it is reported as a read.
+    prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    assert prompt > 5 and message.usage.output_tokens > 0
+    with client.messages.stream(
+            model="up", max_tokens=8,
+            messages=[{"role": "user", "content": "Name a colour."}]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed and final.usage.output_tokens > 0
+
+
+def test_the_upstreams_refusals_become_ours(fleet: tuple[Server, str]) -> None:
+    server, mock = fleet
+    body = {"model": MOCK, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    try:
+        _configure(mock, inject_429=1.0)
+        with pytest.raises(openai.APIStatusError) as caught:
+            _openai(server).chat.completions.create(**body)  # type: ignore[call-overload]
+        assert caught.value.status_code == 503
+        assert float(caught.value.response.headers["retry-after"]) > 0
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            _anthropic(server).messages.create(**body)  # type: ignore[call-overload]
+        assert refused.value.status_code == 529
+        assert refused.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+
+        _configure(mock, inject_500=1.0)
+        with pytest.raises(openai.APIStatusError) as failed:
+            _openai(server).chat.completions.create(**body)  # type: ignore[call-overload]
+        assert failed.value.status_code == 503  # unavailable: retry, not a 500
+
+        _configure(mock, inject_stream_error=1.0)
+        with pytest.raises(openai.APIError):
+            for _ in _openai(server).chat.completions.create(  # type: ignore[call-overload]
+                    **body, stream=True):
+                pass
+    finally:
+        _configure(mock)
+    reply = _openai(server).chat.completions.create(**body)  # type: ignore[call-overload]
+    assert reply.model == MOCK and reply.choices[0].message.content
