@@ -40,12 +40,14 @@ that die with it (PR_SET_PDEATHSIG) — no fork of a process that runs an event 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ctypes
 import dataclasses
 import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -56,7 +58,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tokenyard.api.context import AppState
+from tokenyard.cli.fleet import Fleet
 from tokenyard.config import ServeConfig, default_cache_dir
+from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.telemetry.metrics import MULTIPROC_DIR_ENV, mark_worker_dead
 
 logger = logging.getLogger("tokenyard.workers")
@@ -84,8 +89,8 @@ class WorkerSpec:
     index: int
     host: str
     port: int
-    replica_url: str
-    model: str | None = None
+    #: The `FleetSpec` the worker serves (`worker_fleet`), pickled, in base64.
+    fleet: str
     cache_dir: str | None = None
     #: Keys, limits, billing and the ledger (the gateway); off: anyone may call.
     auth: bool = True
@@ -108,6 +113,38 @@ class WorkerSpec:
             if "Path" in str(f.type) and values.get(f.name) is not None:
                 values[f.name] = Path(values[f.name])
         return ServeConfig(**values)
+
+    def fleet_spec(self) -> FleetSpec:
+        # Our own parent wrote it into our environment: trusted as our own code is.
+        spec = pickle.loads(base64.b64decode(self.fleet))
+        assert isinstance(spec, FleetSpec)
+        return spec
+
+
+def worker_fleet(fleet: Fleet, state: AppState) -> tuple[FleetSpec, dict[str, str]]:
+    """The fleet a worker serves, and the environment it needs for it: the parent's spec,
+    with each deployment's local replicas (the parent's children, which it keeps and
+    restarts on their ports) turned into running URLs whose token the worker reads from a
+    variable of its environment (`TOKENYARD_WORKER_TOKEN_<i>`)."""
+    env: dict[str, str] = {}
+    deployments: dict[str, DeploymentSpec] = {}
+    for i, (name, spec) in enumerate(fleet.spec.deployments.items()):
+        served = state.deployments.get(name)
+        members = {m.id for m in served.pool.members} if served is not None else set()
+        children = [c for c in fleet.children if c.url in members]
+        if not children:
+            deployments[name] = spec
+            continue
+        token = children[0].token
+        others = spec.token() or fleet.config.replica_token
+        if any(c.token != token for c in children) or (spec.urls and others != token):
+            raise RuntimeError(f"--workers: deployment {name} has local replicas and running "
+                               "URLs with different tokens; give them one token")
+        var = f"TOKENYARD_WORKER_TOKEN_{i}"
+        env[var] = token
+        deployments[name] = dataclasses.replace(
+            spec, replicas=0, urls=(*(c.url for c in children), *spec.urls), token_env=var)
+    return dataclasses.replace(fleet.spec, deployments=deployments), env
 
 
 def config_fields(config: ServeConfig) -> dict[str, Any]:
@@ -149,16 +186,20 @@ class WorkerPool:
     """N worker processes serving host:port, supervised by this (the parent) process."""
 
     def __init__(
-        self, count: int, host: str, port: int, *, replica_url: str, config: ServeConfig,
-        model: str | None = None, cache_dir: Path | None = None, auth: bool = True,
+        self, count: int, host: str, port: int, *, fleet: Fleet, state: AppState,
+        config: ServeConfig, cache_dir: Path | None = None, auth: bool = True,
     ) -> None:
+        """`fleet` and `state`: what the parent built (its replicas started, its
+        deployments' pools, never started); the workers serve the same deployments."""
         if count < 1:
             raise ValueError(f"workers must be >= 1, not {count}")
         self.count = count
         self.host = host
         self.config = config
+        self._state = state
+        spec, self._env = worker_fleet(fleet, state)
         self._spec = WorkerSpec(
-            index=0, host=host, port=port, replica_url=replica_url, model=model,
+            index=0, host=host, port=port, fleet=base64.b64encode(pickle.dumps(spec)).decode(),
             cache_dir=str(cache_dir or default_cache_dir()), auth=auth,
             config=config_fields(config))
         self._reserved: socket.socket | None = None
@@ -214,7 +255,7 @@ class WorkerPool:
 
     async def _spawn(self, index: int) -> _Worker:
         spec = dataclasses.replace(self._spec, index=index)
-        env = {**os.environ, WORKER_SPEC_ENV: spec.to_json(),
+        env = {**os.environ, **self._env, WORKER_SPEC_ENV: spec.to_json(),
                MULTIPROC_DIR_ENV: str(self.metrics_dir)}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tokenyard.cli.workers", stdout=asyncio.subprocess.PIPE,
@@ -286,9 +327,16 @@ class WorkerPool:
             with contextlib.suppress(OSError):
                 mark_worker_dead(worker.proc.pid, str(self.metrics_dir))
 
+    def send(self, sig: int) -> None:
+        """Send `sig` to every live worker (SIGHUP: each reloads the fleet file)."""
+        for worker in self._workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.send_signal(sig)
+
     async def drain(self) -> None:
         """SIGTERM every worker and wait for it (each finishes its open responses, up to
-        the drain timeout); then stop the limiter and remove the private directory."""
+        the drain timeout); then stop the limiter, remove the private directory and close
+        the parent's own pools (built to describe the fleet, never started). Idempotent."""
         self._draining = True
         if self._supervise is not None:
             self._supervise.cancel()
@@ -320,6 +368,8 @@ class WorkerPool:
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
+        for served in self._state.deployments.values():
+            await served.pool.close()
 
 
 async def _forward(stream: asyncio.StreamReader) -> None:
@@ -333,22 +383,31 @@ async def _forward(stream: asyncio.StreamReader) -> None:
 
 
 async def run_worker(spec: WorkerSpec) -> int:
-    """One worker: its gateway, the app, a listening socket shared with its siblings;
-    on SIGTERM/SIGINT it drains and returns 0."""
+    """One worker: its gateway, the fleet's deployments (pools of its own over the parent's
+    replicas), the app, a listening socket shared with its siblings; on SIGTERM/SIGINT it
+    drains and returns 0; on SIGHUP it reloads the fleet file."""
     from aiohttp import web
 
-    from tokenyard.api.app import build_state, make_app
+    from tokenyard.api.app import make_app
+    from tokenyard.api.convert import now
+    from tokenyard.cli.fleet import reload
     from tokenyard.gateway.limits import Limiter
     from tokenyard.gateway.pipeline import Gateway
+    from tokenyard.gateway.routing import Router
 
     config = spec.serve_config()
     gateway: Gateway | None = None
     runner: web.AppRunner | None = None
+    affinity: Any = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        if config.redis_url is not None:  # several workers (and hosts) share one table
+            from tokenyard.gateway.redis_affinity import RedisAffinity
+
+            affinity = RedisAffinity(config.redis_url)
         if spec.auth:
             limiter: Limiter
             if spec.limit_socket is not None:
@@ -363,11 +422,14 @@ async def run_worker(spec: WorkerSpec) -> int:
             gateway, _ = await Gateway.open(
                 config.database, limiter, config.journal_dir / f"worker-{spec.index}",
                 config=config)
-        state = await build_state(spec.replica_url, spec.model,
-                                  Path(spec.cache_dir or default_cache_dir()),
-                                  replica_token=config.replica_token)
+        fleet = Fleet(spec.fleet_spec(), _no_local_replicas, config,
+                      Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
+        deployments = await fleet.build()
+        state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
         state.max_body_bytes = config.max_body_bytes
+        state.embeddings = {n: s.pool for n, s in deployments.items()
+                            if s.kind == "embeddings"}
         app = make_app(state)
         pid = str(os.getpid())
 
@@ -381,6 +443,15 @@ async def run_worker(spec: WorkerSpec) -> int:
         await runner.setup()
         await web.TCPSite(runner, spec.host, spec.port, backlog=LISTEN_BACKLOG,
                           reuse_port=True).start()
+
+        async def reload_fleet() -> None:
+            try:
+                logger.info("worker %d: %s", spec.index, await reload(fleet, state))
+            except Exception as exc:  # a bad file keeps the running fleet
+                logger.error("worker %d: reload failed, keeping the running fleet: %s",
+                             spec.index, exc)
+
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(reload_fleet()))
         print(f"{READY_MARK}: worker {spec.index} pid {pid}", flush=True)
         await stop.wait()
         state.admitting = False
@@ -390,6 +461,14 @@ async def run_worker(spec: WorkerSpec) -> int:
             await runner.cleanup()  # stops listening, waits for open responses
         if gateway is not None:
             await gateway.close()  # flushes the ledger
+        if affinity is not None:
+            await affinity.close()
+
+
+async def _no_local_replicas(spec: DeploymentSpec, token: str, port: int) -> Any:
+    """A worker's `Starter`: replicas are the parent's to start."""
+    raise RuntimeError(f"deployment {spec.name}: local replicas are started by the parent; "
+                       "with --workers, restart serve to add them")
 
 
 def main() -> int:
