@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import aiohttp
 
+from tokenyard.balancer.http_client import PooledClient
 from tokenyard.wire.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
@@ -80,7 +80,7 @@ class ReplicaUnauthorized(ReplicaError):
     not the API caller's: `TOKENYARD_REPLICA_TOKEN` differs between the two ends)."""
 
 
-class ReplicaClient:
+class ReplicaClient(PooledClient):
     """One replica's API: `generate` streams CoreDeltas; abort, stop, stats, info, health.
 
     The aiohttp session is created on first use, in the running event loop, and pools
@@ -100,25 +100,11 @@ class ReplicaClient:
         timeout (a long generation, or a wait in the replica's queue, is legitimate).
         `max_connections` 0 means unbounded: streams, not this pool, are the limit.
         `token`: the replica's shared secret, sent as a bearer token on every call."""
-        self.base_url = base_url.rstrip("/")
+        super().__init__(base_url, connect_timeout=connect_timeout,
+                         request_timeout=request_timeout, max_connections=max_connections)
         auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers = auth or None
         self._json_headers = {**_JSON_HEADERS, **auth}
-        self._connect_timeout = connect_timeout
-        self._request_timeout = request_timeout
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                timeout=aiohttp.ClientTimeout(
-                    total=None, connect=self._connect_timeout,
-                    sock_connect=self._connect_timeout,
-                ),
-            )
-        return self._session
 
     async def generate(
         self,
@@ -203,29 +189,7 @@ class ReplicaClient:
 
     async def health(self) -> bool:
         """True if the replica answers and admits requests (False while it drains)."""
-        try:
-            async with self._get_session().get(
-                self.base_url + HEALTH_PATH,
-                timeout=aiohttp.ClientTimeout(total=self._request_timeout),
-            ) as response:
-                await response.read()
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-
-    async def close(self) -> None:
-        """Close the pooled connections."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> ReplicaClient:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
+        return await self._probe(HEALTH_PATH)
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         try:

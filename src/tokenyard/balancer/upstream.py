@@ -23,12 +23,12 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import replace
-from types import TracebackType
 from typing import Any, Protocol, cast
 
 import aiohttp
 
 from tokenyard.balancer.generation import replica_error
+from tokenyard.balancer.http_client import PooledClient
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
     ReplicaError,
@@ -62,7 +62,7 @@ Chunk = dict[str, Any]
 # ---------------------------------------------------------------------------- the client
 
 
-class UpstreamClient:
+class UpstreamClient(PooledClient):
     """One OpenAI-compatible server, `base_url` including its ``/v1``.
 
     The aiohttp session is created on first use, in the running event loop, and pools
@@ -84,27 +84,14 @@ class UpstreamClient:
         check, the wait for a stream's answer and any silence between two of its chunks;
         a stream has no total timeout. `api_key` is sent as a bearer token.
         `max_connections` 0 means unbounded."""
-        self.base_url = base_url.rstrip("/")
+        super().__init__(base_url, connect_timeout=connect_timeout,
+                         request_timeout=request_timeout, read_timeout=request_timeout,
+                         max_connections=max_connections)
         self.model = model
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._headers = {"Accept": "application/json", **auth}
         self._stream_headers = {"Content-Type": "application/json",
                                 "Accept": "text/event-stream", **auth}
-        self._connect_timeout = connect_timeout
-        self._request_timeout = request_timeout
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                timeout=aiohttp.ClientTimeout(
-                    total=None, connect=self._connect_timeout,
-                    sock_connect=self._connect_timeout, sock_read=self._request_timeout,
-                ),
-            )
-        return self._session
 
     def open_chat(self, body: Mapping[str, Any]) -> AsyncIterator[Chunk]:
         """``POST /chat/completions`` streamed: the upstream's chunks (usage included)
@@ -173,29 +160,7 @@ class UpstreamClient:
 
     async def health(self) -> bool:
         """True if the upstream answers ``GET /models`` with 200."""
-        try:
-            async with self._get_session().get(
-                self.base_url + MODELS_PATH, headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=self._request_timeout),
-            ) as response:
-                await response.read()
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-
-    async def close(self) -> None:
-        """Close the pooled connections."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> UpstreamClient:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
+        return await self._probe(MODELS_PATH, self._headers)
 
 
 async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
