@@ -10,9 +10,15 @@ key), starts the replicas, then runs a `WorkerPool`:
   `Gateway` on the same database (SQLite: WAL and a busy timeout, `store/db.py`, let
   several processes write) and its own ledger journal, `<journal dir>/worker-<i>`, which
   its start replays (a worker that died leaves its unflushed usage there). A worker reads
-  its settings from one JSON value in its environment (`TOKENYARD_WORKER_SPEC`; the
-  replica token is in there, as in the replica's environment, never in argv), prints a
-  ready line, and stamps each response with `x-tokenyard-worker: <its pid>`.
+  its settings from one JSON value in its environment (`TOKENYARD_WORKER_SPEC`, secrets
+  included, as the replica gets its token: never in argv), prints a ready line, and
+  stamps each response with `x-tokenyard-worker: <its pid>`.
+- **the fleet**: the parent's deployments (`worker_fleet`), its local replicas named by
+  their URLs (the parent keeps and restarts them, on their ports); each worker builds
+  pools of its own over them. With Redis the prefix-affinity table is Redis's
+  (`gateway/redis_affinity.py`), so all workers (and gateway hosts) share it; without,
+  each worker keeps its own. SIGHUP to the parent is passed on: each worker reloads the
+  fleet file (a deployment that would need new local replicas is refused in its log).
 - **limits** stay exact: with Redis each worker's `RedisLimiter` shares the buckets as
   separate gateway hosts do; without it the parent runs the one `InProcessLimiter` behind a
   `LimitServer` on a Unix socket in a private directory, and every worker's limiter is a
@@ -32,7 +38,8 @@ key), starts the replicas, then runs a `WorkerPool`:
 Why separate interpreters started with `python -m` rather than `multiprocessing`: a worker
 must be in prometheus_client's multiprocess mode from its first import, which a fresh
 interpreter with the variable in its environment guarantees; nothing of the parent (its
-event loop, its store connections, its replica processes) is inherited or pickled; and
+event loop, its store connections, its replica processes) is inherited (only the fleet's
+plain spec is passed, pickled); and
 the parent supervises workers the way it supervises replicas, as asyncio subprocesses
 that die with it (PR_SET_PDEATHSIG) — no fork of a process that runs an event loop.
 """
