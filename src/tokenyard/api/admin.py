@@ -21,6 +21,8 @@
     GET  /admin/v1/prices
     GET  /admin/v1/usage?group_by=key|project|org|model|day&since=&until=&org_id=
                         &format=json|csv
+    GET  /admin/v1/shadow/report?alias=&since=   per (alias, primary, shadow): count,
+                        text match rate, p50 latencies and their ratio, mean output tokens
 
 Money is a decimal string ("12.50"); prices are per million tokens. A priority class
 orders the requests of a key or an org in the engine's scheduler: high before normal (the
@@ -59,6 +61,12 @@ async def _args(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
     return body
+
+
+def admin_of(request: web.Request) -> Admin:
+    """The Admin of an admin-scoped request (raises 401/403/404 otherwise), for routes
+    registered elsewhere (`api/fleet_admin.py`)."""
+    return request.app[_ADMIN_OF](request)
 
 
 Handler = Callable[[Admin, web.Request], Awaitable[Any]]
@@ -114,6 +122,7 @@ def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
          lambda a, r: _with_args(r, lambda x: a.set_price(r.match_info["model"], x)), 200),
         ("GET", "/admin/v1/prices", lambda a, r: a.list_prices(), 200),
         ("GET", "/admin/v1/usage", _usage, 200),
+        ("GET", "/admin/v1/shadow/report", lambda a, r: a.shadow_report(dict(r.query)), 200),
     ]
     for method, path, handler, status in routes:
         app.router.add_route(method, path, _route(handler, status))

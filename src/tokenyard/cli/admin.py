@@ -8,6 +8,9 @@
     tokenyard admin prices set SmolLM2-135M-Instruct.Q4_1 --input 0.10 --output 0.40
     tokenyard admin credit add org_… 25.00
     tokenyard admin usage --group-by day --format csv
+    tokenyard admin shadow report --alias smollm2 --since 2026-11-22
+    tokenyard admin deployments                         (these two ask the running server:
+    tokenyard admin replicas drain --deployment D --replica URL [--undo]    --url, --api-key)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tokenyard.cli.fleet_admin import FLEET_NOUNS, add_fleet_parsers, run_fleet_admin
 from tokenyard.gateway.admin import GROUPS, Admin, AdminError, Json, to_csv, to_table
 from tokenyard.store.records import PRIORITY_CLASSES
 
@@ -119,6 +123,13 @@ def add_admin_parser(sub: Any) -> None:
     usage.add_argument("--until", help="ISO 8601 date or time (exclusive)")
     usage.add_argument("--org", dest="org_id")
 
+    shadow = nouns.add_parser("shadow", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    report = shadow.add_parser("report", parents=[fmt],
+                               help="shadow traffic: each (alias, primary, shadow) pair")
+    report.add_argument("--alias")
+    report.add_argument("--since", help="ISO 8601 date or time (inclusive)")
+    add_fleet_parsers(nouns, fmt)
+
 
 def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | list[Json]]]:
     a = {k: v for k, v in vars(args).items() if v is not None}
@@ -140,6 +151,7 @@ def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | l
         ("spend-cap", "set"): lambda ad: ad.set_spend_cap(
             args.org_id, {**a, "cap": None if args.cap.lower() == "none" else args.cap}),
         ("usage", None): lambda ad: ad.usage(a),
+        ("shadow", "report"): lambda ad: ad.shadow_report(a),
     }
     return table[(noun, verb)]
 
@@ -168,6 +180,8 @@ async def _run(args: argparse.Namespace) -> Json | list[Json]:
 
 def run_admin(args: argparse.Namespace) -> int:
     """Entry point of `tokenyard admin`."""
+    if args.noun in FLEET_NOUNS:
+        return run_fleet_admin(args)
     try:
         result = asyncio.run(_run(args))
     except AdminError as exc:

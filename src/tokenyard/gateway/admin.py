@@ -17,6 +17,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any, cast, get_args
 
+from tokenyard.gateway.shadow import shadow_report_of
 from tokenyard.store.money import format_money, parse_money
 from tokenyard.store.records import (
     PRIORITY_CLASSES,
@@ -275,6 +276,13 @@ class Admin:
             org_id=_str(args, "org_id", required=False),
         )
         return [usage_json(row) for row in rows]
+
+    async def shadow_report(self, args: Mapping[str, Any]) -> list[Json]:
+        """Per (alias, primary, shadow): count, text match rate, p50 latencies and their
+        ratio, mean output tokens (`alias`, `since` filter)."""
+        rows = await shadow_report_of(self.store, alias=_str(args, "alias", required=False),
+                                      since=_time(args, "since"))
+        return [asdict(row) for row in rows]
 
     async def _org(self, org_id: str) -> None:
         if await self.store.get_org(org_id) is None:

@@ -1,0 +1,97 @@
+"""`/admin/v1/…` over the fleet this process serves (its `AppState`, not the store):
+
+    GET  /admin/v1/deployments       deployments (kind, capabilities, prices, max_context,
+                                     each replica's balancer state) and aliases (weights,
+                                     shadow)
+    POST /admin/v1/replicas/drain    {deployment, replica, drain: true|false}: stop (or
+                                     resume) sending new work to one replica; running
+                                     requests finish
+
+Admin scope required, as every `/admin/v1` route. `add_fleet_routes` also installs the
+shadow runner (`api/shadow.py`), the other per-application part of the fleet.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any
+
+from aiohttp import web
+
+from tokenyard.api import shadow
+from tokenyard.api.admin import admin_of
+from tokenyard.api.context import STATE, Served
+from tokenyard.deployments import AliasSpec, PriceSpec
+from tokenyard.errors import invalid_request
+
+
+def _money(micros: int) -> str:
+    """Micros as a decimal currency amount, two decimals at least ("0.10", "0.0125")."""
+    whole, _, fraction = f"{Decimal(micros).scaleb(-6):.6f}".rstrip("0").partition(".")
+    return f"{whole}.{fraction.ljust(2, '0')}"
+
+
+def _prices(prices: PriceSpec | None) -> dict[str, str] | None:
+    if prices is None:
+        return None
+    return {"input": _money(prices.input), "cached_input": _money(prices.cached_input),
+            "output": _money(prices.output)}
+
+
+def deployment_json(served: Served) -> dict[str, Any]:
+    spec = served.spec
+    max_context = spec.max_context or (served.info.max_model_len if served.info else None)
+    return {
+        "name": served.name, "kind": served.kind, "model": spec.model,
+        "capabilities": sorted(spec.capabilities), "max_context": max_context,
+        "prices": _prices(spec.prices), "replicas": served.pool.snapshot(),
+    }
+
+
+def alias_json(alias: AliasSpec) -> dict[str, Any]:
+    shadow = alias.shadow
+    return {
+        "name": alias.name, "routes": dict(alias.routes),
+        "shadow": {"deployment": shadow.deployment, "share": shadow.share}
+        if shadow is not None else None,
+    }
+
+
+async def deployments(request: web.Request) -> web.Response:
+    admin_of(request)
+    state = request.app[STATE]
+    return web.json_response({
+        "object": "list",
+        "data": [deployment_json(s) for s in state.deployments.values()],
+        "aliases": [alias_json(a) for a in state.router.fleet.aliases.values()],
+    })
+
+
+async def drain(request: web.Request) -> web.Response:
+    admin_of(request)
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except ValueError:
+        raise invalid_request("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    name, replica, draining = body.get("deployment"), body.get("replica"), body.get("drain", True)
+    served = request.app[STATE].deployments.get(name) if isinstance(name, str) else None
+    if served is None:
+        raise invalid_request(f"No deployment {name!r}.", param="deployment")
+    if not isinstance(draining, bool):
+        raise invalid_request("drain must be true or false.", param="drain")
+    if not isinstance(replica, str) or not served.pool.drain(replica, draining):
+        known = ", ".join(m.id for m in served.pool.members)
+        raise invalid_request(f"No replica {replica!r} in {served.name} (its replicas: "
+                              f"{known}).", param="replica")
+    state = next(r for r in served.pool.snapshot() if r["id"] == replica)
+    return web.json_response({"deployment": served.name, **state})
+
+
+def add_fleet_routes(app: web.Application) -> None:
+    """Register the fleet's admin routes and install the shadow runner on `app`."""
+    app.router.add_get("/admin/v1/deployments", deployments)
+    app.router.add_post("/admin/v1/replicas/drain", drain)
+    shadow.install(app)

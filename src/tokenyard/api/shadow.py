@@ -1,0 +1,245 @@
+"""Shadow traffic: a share of an alias's requests copied to another deployment.
+
+`tap` is the one call `respond.generate` makes. Without a shadow on the request's route it
+returns the generations untouched (no cost). With one, it starts the copy at once in a
+background task — same prompt (token ids for an engine with the same vocabulary as the
+primary's tokenizer, the messages or texts for an upstream), same sampling parameters,
+the scheduler's low class — and wraps the primary's generations so their text is kept
+as it goes by. The copy is never awaited by the handler and never billed (no ticket, no
+ledger row); its failures are only logged. When both sides are done, the pair's
+latencies (ms from the request's start to its last token), output tokens and whether
+the texts are equal go to the gateway's `ShadowRecorder`, written off the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from aiohttp import web
+
+from tokenyard.api.context import REQUEST_ID, ROUTE, STATE, TICKET, AppState, Served
+from tokenyard.balancer.generation import Generation
+from tokenyard.gateway.shadow import ShadowRecord, ShadowRecorder
+from tokenyard.wire.outputs import RequestOutput
+from tokenyard.wire.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenyard.api.shadow")
+
+#: The scheduler's "low" class: a copy never runs before a caller's request.
+SHADOW_PRIORITY = 1
+#: A copy still running after this long is given up.
+SHADOW_TIMEOUT_S = 300.0
+#: Copies in flight at once; beyond it, requests are not copied (the shadow is behind).
+MAX_IN_FLIGHT = 1024
+
+
+class Shadows:
+    """The application's copies in flight and the recorder of their results (None
+    without a gateway: results are only logged)."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.recorder: ShadowRecorder | None = None
+        self.skipped = 0
+
+    async def start(self, _app: web.Application) -> None:
+        if self.state.gateway is not None:
+            self.recorder = ShadowRecorder(self.state.gateway.store)
+            self.recorder.start()
+
+    async def close(self, _app: web.Application) -> None:
+        """Cancel the copies still running, then write the results already in."""
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.recorder is not None:
+            await self.recorder.close()
+
+    def launch(self, pair: _Pair) -> None:
+        task = asyncio.create_task(pair.run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def record(self, record: ShadowRecord) -> None:
+        if self.recorder is not None:
+            self.recorder.record(record)
+        else:
+            logger.info("shadow %s", record)
+
+
+SHADOWS: web.AppKey[Shadows] = web.AppKey("tokenyard_shadows", Shadows)
+
+
+def install(app: web.Application) -> None:
+    """Give `app` its shadow runner (started and closed with it)."""
+    shadows = app[SHADOWS] = Shadows(app[STATE])
+    app.on_startup.append(shadows.start)
+    app.on_cleanup.append(shadows.close)
+
+
+def tap(
+    request: web.Request, served: Served, gens: list[Generation],
+    prompts: Sequence[list[int]], params: Sequence[SamplingParams], *,
+    messages: Sequence[Any] | None, texts: Sequence[str | None] | None,
+) -> list[Generation]:
+    """`gens` as they are when the request's route has no shadow; else start its copy
+    and return the generations wrapped so their text is kept for the comparison."""
+    chosen = request.get(ROUTE)
+    if chosen is None or chosen.shadow is None:
+        return gens
+    shadows = request.app.get(SHADOWS)
+    shadow = request.app[STATE].deployments.get(chosen.shadow)
+    if shadows is None or shadow is None:
+        return gens
+    if len(shadows.tasks) >= MAX_IN_FLIGHT:
+        shadows.skipped += 1
+        return gens
+    ticket = request.get(TICKET)
+    copies = _copies(shadow, served, request[REQUEST_ID], prompts, params, messages, texts,
+                     ticket.cache_salt if ticket is not None else None)
+    if copies is None:
+        logger.debug("no shadow copy of %s on %s: its prompt cannot be sent there",
+                     request[REQUEST_ID], shadow.name)
+        return gens
+    pair = _Pair(shadows, request[REQUEST_ID], chosen.alias or served.name, served.name,
+                 shadow.name, copies, len(gens))
+    shadows.launch(pair)
+    return [cast(Generation, _Tapped(gen, pair, i)) for i, gen in enumerate(gens)]
+
+
+def _copies(
+    shadow: Served, primary: Served, request_id: str, prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams], messages: Sequence[Any] | None,
+    texts: Sequence[str | None] | None, cache_salt: str | None,
+) -> list[Generation] | None:
+    """The shadow's generations of the same prompts (None: they cannot go there)."""
+    ids = [f"{request_id[:48]}-shadow-{i}" for i in range(len(prompts))]
+    if shadow.kind == "upstream":
+        from tokenyard.balancer.upstream import UpstreamGeneration
+
+        if messages is None and (texts is None or any(t is None for t in texts)):
+            return None
+        return [cast(Generation, UpstreamGeneration(
+            shadow.pool, rid, messages=messages,
+            prompt=None if messages is not None else (texts or [None])[i], params=p,
+            model=shadow.spec.model or shadow.name, prompt_tokens_estimate=len(prompt),
+        )) for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True))]
+    same_vocab = (shadow.tokenizer is not None and primary.tokenizer is not None
+                  and shadow.tokenizer.vocab_size == primary.tokenizer.vocab_size)
+    if shadow.kind != "engine" or not same_vocab:
+        return None
+    assert shadow.tokenizer is not None
+    return [Generation(shadow.pool, shadow.tokenizer, rid, list(prompt), p,
+                       cache_salt=cache_salt, priority=SHADOW_PRIORITY)
+            for rid, prompt, p in zip(ids, prompts, params, strict=True)]
+
+
+class _Side:
+    """One side's text per (generation, choice), output tokens and end time."""
+
+    def __init__(self, gens: int) -> None:
+        self.texts: dict[tuple[int, int], list[str]] = {}
+        self.tokens = [0] * gens
+        self.ended = 0.0
+
+    def add(self, position: int, out: RequestOutput) -> None:
+        for delta in out.deltas:
+            if delta.text:
+                self.texts.setdefault((position, delta.index), []).append(delta.text)
+        self.tokens[position] = out.num_output_tokens
+        if out.finished:
+            self.ended = max(self.ended, time.perf_counter())
+
+    def text(self) -> dict[tuple[int, int], str]:
+        return {key: "".join(parts) for key, parts in self.texts.items()}
+
+
+class _Pair:
+    """A request and its copy: runs the copy, waits for the primary, records both."""
+
+    def __init__(self, shadows: Shadows, request_id: str, alias: str, primary: str,
+                 shadow: str, copies: list[Generation], primaries: int) -> None:
+        self.shadows = shadows
+        self.request_id = request_id
+        self.alias, self.primary_name, self.shadow_name = alias, primary, shadow
+        self.copies = copies
+        self.began = time.perf_counter()
+        self.primary = _Side(primaries)
+        self.shadow = _Side(len(copies))
+        self.open = primaries  # primary generations not yet closed
+        self.primary_ok = True
+        self.primary_done = asyncio.Event()
+
+    def closed(self, gen: Generation) -> None:
+        """One primary generation closed: it counts only if it finished cleanly."""
+        if gen.failed or gen.last is None or "abort" in gen.finish_reasons:
+            self.primary_ok = False
+        self.open -= 1
+        if not self.open:
+            self.primary_done.set()
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.timeout(SHADOW_TIMEOUT_S):
+                await asyncio.gather(*(self._drain(i, gen)
+                                       for i, gen in enumerate(self.copies)))
+                await self.primary_done.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a copy's failure is the shadow's, never the caller's
+            logger.info("shadow copy of %s on %s failed: %s", self.request_id,
+                        self.shadow_name, exc)
+            return
+        if not self.primary_ok:
+            return
+        self.shadows.record(ShadowRecord(
+            request_id=self.request_id[:64], created_at=datetime.now(UTC), alias=self.alias,
+            primary_deployment=self.primary_name, shadow_deployment=self.shadow_name,
+            primary_ms=(self.primary.ended - self.began) * 1e3,
+            shadow_ms=(self.shadow.ended - self.began) * 1e3,
+            primary_output_tokens=sum(self.primary.tokens),
+            shadow_output_tokens=sum(self.shadow.tokens),
+            texts_match=self.primary.text() == self.shadow.text(),
+        ))
+
+    async def _drain(self, position: int, gen: Generation) -> None:
+        try:
+            await gen.start()
+            async for out in gen:
+                self.shadow.add(position, out)
+        finally:
+            with contextlib.suppress(Exception):
+                await gen.close()
+
+
+class _Tapped:
+    """A primary generation as `respond` sees it, its outputs also noted in the pair."""
+
+    def __init__(self, gen: Generation, pair: _Pair, position: int) -> None:
+        self._gen = gen
+        self._pair = pair
+        self._position = position
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gen, name)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for out in self._gen:
+            self._pair.primary.add(self._position, out)
+            yield out
+
+    async def close(self) -> None:
+        try:
+            await self._gen.close()
+        finally:
+            if not self._closed:
+                self._closed = True
+                self._pair.closed(self._gen)
