@@ -134,6 +134,7 @@ class ServeConfig(Settings):
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     replica_start_timeout_s: float = 600.0  # a first start converts the GGUF (tens of s)
     max_body_bytes: int = 4 * 2**20  # request bodies above this are refused with 413
+    workers: int = 1  # HTTP worker processes on the one port (cli/workers.py)
 
     _ENV: ClassVar[dict[str, str]] = {
         "state_dir": "TOKENYARD_STATE_DIR",
@@ -148,6 +149,7 @@ class ServeConfig(Settings):
         "drain_timeout_s": "TOKENYARD_DRAIN_TIMEOUT_S",
         "replica_start_timeout_s": "TOKENYARD_REPLICA_START_TIMEOUT_S",
         "max_body_bytes": "TOKENYARD_MAX_BODY_BYTES",
+        "workers": "TOKENYARD_WORKERS",
     }
 
     def validate(self) -> None:
@@ -158,6 +160,8 @@ class ServeConfig(Settings):
             raise ValueError("ledger_max_batch must be positive")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
+        if self.workers < 1:
+            raise ValueError("workers must be positive")
 
     @property
     def database(self) -> str:

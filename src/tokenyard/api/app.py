@@ -28,6 +28,7 @@ from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.anthropic.routes import add_anthropic_routes
 from tokenyard.api.context import KEY, STATE, AppState, Served
 from tokenyard.api.convert import now
+from tokenyard.api.fleet_admin import add_fleet_routes
 from tokenyard.api.middleware import middleware
 from tokenyard.api.openai.embeddings import add_embeddings_routes
 from tokenyard.api.openai.routes import add_openai_routes
@@ -122,6 +123,7 @@ def make_app(state: AppState) -> web.Application:
     add_anthropic_routes(app)
     add_ops_routes(app)
     add_admin_routes(app, _admin_of)
+    add_fleet_routes(app)  # /admin/v1/deployments, replicas/drain; the shadow runner
 
     async def start_pools(app: web.Application) -> None:
         for served in app[STATE].deployments.values():

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar, cast
 from aiohttp import web
 from pydantic import BaseModel
 
+from tokenyard.api import shadow
 from tokenyard.api.context import KEY, REQUEST_ID, ROUTE, STATE, TICKET, TIMELINE, Served
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
@@ -138,6 +139,9 @@ async def generate(
                     fp, messages=messages, text=texts[i] if texts else None, pins=pins)
         for i, (p, fp) in enumerate(zip(prompts, params, strict=True))
     ]
+    # Shadow traffic (api/shadow.py): the copy starts now, in the background; unchanged
+    # generations when the route has no shadow.
+    gens = shadow.tap(request, served, gens, prompts, params, messages=messages, texts=texts)
     try:
         # Sent together: the replica batches them; a refusal of any refuses the request.
         await _each(gens, lambda gen: gen.start())

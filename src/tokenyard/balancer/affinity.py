@@ -42,6 +42,10 @@ class AffinityTable(Protocol):
         """`replica` now holds every prefix in `hashes`."""
         ...
 
+    async def close(self) -> None:
+        """Release its connections (if any)."""
+        ...
+
 
 class LocalAffinity:
     """The in-process table: a bounded LRU over block hashes."""
@@ -70,6 +74,9 @@ class LocalAffinity:
             owner.move_to_end(h)
         while len(owner) > self.max_entries:
             owner.popitem(last=False)
+
+    async def close(self) -> None:
+        return None
 
     def forget(self, replica: str) -> None:
         """Drop what `replica` held (it restarted empty, or left the pool)."""

@@ -68,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenyard.cli.serve import serve
     from tokenyard.config import ServeConfig
 
-    config = ServeConfig.from_env(drain_timeout_s=args.drain_timeout)
+    config = ServeConfig.from_env(drain_timeout_s=args.drain_timeout, workers=args.workers)
 
     # The replica child gets the same engine flags back, spelled as its parser wants them.
     flags = {"num_threads": "--threads"}
@@ -161,6 +161,9 @@ def _add_serve_parser(sub: Any) -> None:
                        "is full, before 503/529 (default 5; 0: refuse at once)")
     serve.add_argument("--no-embeddings", dest="embeddings", action="store_false",
                        help="do not start the embeddings pool (/v1/embeddings)")
+    serve.add_argument("--workers", type=int,
+                       help="HTTP worker processes sharing the port (default 1, "
+                       "$TOKENYARD_WORKERS)")
     add_engine_args(serve)
 
 

@@ -27,9 +27,11 @@ from aiohttp import web
 from tokenyard.api.app import make_app
 from tokenyard.api.context import AppState, Served
 from tokenyard.api.convert import now
+from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.replica_client import ReplicaError
 from tokenyard.cli.fleet import Fleet, Starter, reload
 from tokenyard.cli.processes import start_child
+from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
@@ -54,6 +56,16 @@ def make_limiter(redis_url: str | None) -> Limiter:
     from tokenyard.gateway.redis_limits import RedisLimiter  # only scale-out needs redis
 
     return RedisLimiter(redis_url)
+
+
+def make_affinity(redis_url: str | None) -> AffinityTable | None:
+    """The prefix-affinity table shared through Redis when a URL is given (gateways on
+    several hosts route a conversation to the same replica), else None (in process)."""
+    if redis_url is None:
+        return None
+    from tokenyard.gateway.redis_affinity import RedisAffinity
+
+    return RedisAffinity(redis_url)
 
 
 def make_starter(engine_args: Sequence[str], config: ServeConfig) -> Starter:
@@ -129,10 +141,12 @@ async def run(
             embeddings=EMBEDDINGS_MODEL if embeddings else None, policy=policy,
             queue_timeout_s=queue_timeout_s)
     fleet = Fleet(spec, make_starter(engine_args, config), config,
-                  cache_dir or default_cache_dir())
+                  cache_dir or default_cache_dir(),
+                  affinity=make_affinity(config.redis_url))
     if auth:
         gateway, api_key = await open_gateway(config)
     runner: web.AppRunner | None = None
+    workers: WorkerPool | None = None
     try:
         try:
             deployments = await fleet.build()
@@ -148,14 +162,20 @@ async def run(
         state.max_body_bytes = config.max_body_bytes
         state.embeddings = {n: s.pool for n, s in deployments.items()
                             if s.kind == "embeddings"}
-        # handler_cancellation: a client that goes away cancels its handler, which closes
-        # the replica stream, which aborts the request there and frees its blocks.
-        runner = web.AppRunner(make_app(state), handler_cancellation=True,
-                               shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
-        await site.start()
-        bound = runner.addresses[0][1] if runner.addresses else port
+        if config.workers > 1:  # they serve; this process supervises (cli/workers.py)
+            workers = WorkerPool(config.workers, host, port, fleet=fleet, state=state,
+                                 config=config, cache_dir=cache_dir, auth=auth)
+            await workers.start()
+            bound = workers.port
+        else:
+            # handler_cancellation: a client that goes away cancels its handler, which
+            # closes the replica stream, which aborts the request there and frees its blocks.
+            runner = web.AppRunner(make_app(state), handler_cancellation=True,
+                                   shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
+            await site.start()
+            bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
         replica_urls = ", ".join(m.id for m in state.default.pool.members)
         print(banner(f"http://{shown}:{bound}", state.model, replica_urls, api_key),
@@ -165,18 +185,24 @@ async def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(
-            _reload(fleet, state)))
+        loop.add_signal_handler(signal.SIGHUP, lambda: workers.send(signal.SIGHUP) if workers
+                                else asyncio.ensure_future(_reload(fleet, state)))
         await stop.wait()
         # Stop admitting new requests; in-flight ones go on while the replicas drain.
         state.admitting = False
+        if workers is not None:  # the workers drain first: the replicas serve them meanwhile
+            await workers.drain()
         await fleet.stop(config.drain_timeout_s)
         return 0
     finally:
+        if workers is not None:
+            await workers.drain()
         if runner is not None:
             await runner.cleanup()
         if gateway is not None:
             await gateway.close()
+        if fleet.affinity is not None:
+            await fleet.affinity.close()
         fleet.kill()
         await fleet.stop(0.0)
 

@@ -13,9 +13,11 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -192,4 +194,24 @@ idempotency_records = Table(
     Column("expires_at", UTCDateTime, nullable=False, index=True),
     # The primary key is what lets exactly one of two racing requests claim a key.
     PrimaryKeyConstraint("org_id", "key"),
+)
+
+shadow_results = Table(
+    "shadow_results",
+    metadata,
+    # One row per request an alias copied to its shadow deployment (never billed): the
+    # pair's latencies (ms, from the request's start to its last token), output tokens
+    # and whether the two texts were equal.
+    Column("id", LedgerId, primary_key=True, autoincrement=True),
+    Column("request_id", String(64), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("alias", String(200), nullable=False),
+    Column("primary_deployment", String(200), nullable=False),
+    Column("shadow_deployment", String(200), nullable=False),
+    Column("primary_ms", Float, nullable=False),
+    Column("shadow_ms", Float, nullable=False),
+    Column("primary_output_tokens", Integer, nullable=False),
+    Column("shadow_output_tokens", Integer, nullable=False),
+    Column("texts_match", Boolean, nullable=False),
+    Index(None, "alias", "created_at"),
 )

@@ -2,29 +2,18 @@
 
 - `timeline`: monotonic event stamps for one request → stage durations, the
   ``Server-Timing`` header and the timings sent in a stream's last event.
-- `metrics`: a small Prometheus registry (counters, gauges, histograms) and tokenyard's
-  metrics, named like vLLM's with the ``tokenyard:`` prefix, rendered for ``/metrics``.
+- `metrics`: tokenyard's metrics, kept by prometheus_client (in its multiprocess mode with
+  several HTTP workers), named like vLLM's with the ``tokenyard:`` prefix, rendered for
+  ``/metrics``.
 
-Nothing here imports torch or third-party packages: the HTTP process stamps and renders.
+Nothing here imports torch: the HTTP process stamps and renders.
 """
 
-from tokenyard.telemetry.metrics import (
-    Counter,
-    Gauge,
-    Histogram,
-    Registry,
-    TokenyardMetrics,
-    render,
-)
+from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import STAGES, Timeline
 
 __all__ = [
     "STAGES",
-    "Counter",
-    "Gauge",
-    "Histogram",
-    "Registry",
     "Timeline",
     "TokenyardMetrics",
-    "render",
 ]
