@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenyard.bench.gateway import sample_tree, tree_pids
+from tokenyard.bench.gateway import sample_proc, sample_tree, tree_pids
 from tokenyard.cli import main as cli_main
 
 #: A child that starts a grandchild which spins on the CPU, prints its pid, then waits.
@@ -32,11 +32,16 @@ def test_sample_tree_counts_descendants_and_leaves_out_excluded() -> None:
         assert set(tree_pids(child.pid)) == {child.pid, grandchild}
         assert tree_pids(child.pid, exclude={grandchild}) == [child.pid]
         before, alone0 = sample_tree(child.pid), sample_tree(child.pid, {grandchild})
-        time.sleep(0.5)
+        spin0 = sample_proc(grandchild)
+        # Until the spinner has had 0.2 s of CPU (however busy the machine is).
+        deadline = time.monotonic() + 30.0
+        while (spun := sample_proc(grandchild).cpu_s - spin0.cpu_s) < 0.2:
+            assert time.monotonic() < deadline, "the spinner got no CPU"
+            time.sleep(0.05)
         after, alone1 = sample_tree(child.pid), sample_tree(child.pid, {grandchild})
-        # The grandchild spins: the tree's CPU grows by a good share of the 0.5 s, while the
-        # child itself (waiting) and the tree without the grandchild barely move.
-        assert after.cpu_s - before.cpu_s > 0.1, (before, after)
+        # The tree counts the grandchild's CPU; the child itself (waiting) and the tree
+        # without the grandchild barely move.
+        assert after.cpu_s - before.cpu_s >= spun, (before, after, spun)
         assert after.root_cpu_s - before.root_cpu_s < 0.05, (before, after)
         assert alone1.cpu_s - alone0.cpu_s < 0.05, (alone0, alone1)
         assert after.processes == 2 and alone1.processes == 1
@@ -61,6 +66,7 @@ def test_bench_gateway_with_two_workers_counts_the_whole_tree(tmp_path: Path) ->
         assert report["completed"] == report["sent"] > 0, report
         assert report["e2e_ms"]["p50"] > 0
         assert point[side]["client_cpu_pct"] > 0  # the load generator's own cost
+        assert point[side]["machine_cpu_pct"] > 0  # and everyone's, others included
     assert set(point["overhead_e2e_ms"]) >= {"p50", "p99"}
     gateway = point["gateway"]
     # The serve parent and its two workers; the mock and this process are not counted.

@@ -298,6 +298,18 @@ def listen_overflows() -> int:
     return 0
 
 
+def machine_busy_s() -> float:
+    """CPU time the whole machine spent busy (all cores, not idle nor iowait), from
+    /proc/stat, in seconds; 0 where it cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(v) for v in fields]
+    except (OSError, ValueError):
+        return 0.0
+    busy = sum(ticks[:8]) - ticks[3] - ticks[4]  # user..steal, less idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_pct_between(a: ProcSample | TreeSample, b: ProcSample | TreeSample) -> float:
     """CPU use between two samples, in % of one core."""
     wall = b.at - a.at
@@ -319,6 +331,8 @@ class Side:
     mock_cpu_pct: float
     #: Connections the machine dropped for a full accept queue during the run.
     listen_overflows: int = 0
+    #: Every process's CPU on the machine during the run (others' included), % of one core.
+    machine_cpu_pct: float = 0.0
     #: tokenyard's CPU, summed over its process tree (the parent and its workers).
     tokenyard_cpu_pct: float | None = None
     #: tokenyard's CPU time over the run (its whole tree) divided by the requests sent (ms).
@@ -356,6 +370,7 @@ async def measure_rate(
     for base in (direct, gateway):
         overflows = listen_overflows()
         mock0, tree0 = sample_proc(mock_pid), sample_tree(tokenyard_pid, outside)
+        busy0 = machine_busy_s()
         load = await run_load(
             replace(base, stream=stream),
             synthetic(LengthDist(workload[0]), LengthDist(workload[1]), seed),
@@ -364,7 +379,8 @@ async def measure_rate(
         mock1, tree1 = sample_proc(mock_pid), sample_tree(tokenyard_pid, outside)
         side = Side(summarize(load.records, load.duration_s), len(load.records) / duration_s,
                     cpu_pct(load.client_cpu_s, load.duration_s),
-                    cpu_pct_between(mock0, mock1), listen_overflows() - overflows)
+                    cpu_pct_between(mock0, mock1), listen_overflows() - overflows,
+                    cpu_pct(machine_busy_s() - busy0, tree1.at - tree0.at))
         if base is gateway:
             sent = max(1, len(load.records))
             side.tokenyard_cpu_pct = cpu_pct_between(tree0, tree1)
@@ -455,8 +471,9 @@ def render_markdown(points: Sequence[RatePoint], cores: int, load_before: float)
         "e2e p50 / p99 ms gateway | overhead e2e p50 / p99 ms | overhead TTFT p50 / p99 ms | "
         "failed direct / gw | tokenyard CPU % (processes) | tokenyard CPU ms/req "
         "(parent alone) | tokenyard RSS MiB | load generator CPU % direct / gw | "
-        "mock CPU % direct / gw | all three CPU % gw | send lag p99 ms | listen overflows |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "mock CPU % direct / gw | all three CPU % gw | machine CPU % gw (others) | "
+        "send lag p99 ms | listen overflows |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         d, g = p.direct, p.gateway
@@ -472,6 +489,7 @@ def render_markdown(points: Sequence[RatePoint], cores: int, load_before: float)
             f"({g.tokenyard_parent_cpu_ms_per_request or 0:.2f}) | "
             f"{g.tokenyard_rss_mib or 0:.0f} | {d.client_cpu_pct:.0f} / {g.client_cpu_pct:.0f} | "
             f"{d.mock_cpu_pct:.0f} / {g.mock_cpu_pct:.0f} | {total:.0f} of {100 * cores} | "
+            f"{g.machine_cpu_pct:.0f} ({max(0.0, g.machine_cpu_pct - total):.0f}) | "
             f"{_lag(d)} / {_lag(g)} | {d.listen_overflows} / {g.listen_overflows} |"
         )
     lines += ["", *compare_workers(points), note(cores, load_before)]
@@ -519,7 +537,8 @@ def note(cores: int, load_before: float) -> str:
             "summed over its process tree (the serve parent and its HTTP workers; the count "
             "in parentheses), its CPU ms/req also for the parent alone; \"all three\" adds "
             "the load generator's and the mock's CPU during the gateway run, against the "
-            "cores' total. Where their CPU use is high, "
+            "cores' total; the machine's CPU is every process's, and in parentheses what "
+            "processes outside the benchmark took meanwhile. Where their CPU use is high, "
             "the figures include their contention with tokenyard; a send lag p99 of more than "
             "a few ms means the generator fell behind its Poisson schedule. Listen "
             "overflows are connections dropped for a full accept queue (the client retries "
