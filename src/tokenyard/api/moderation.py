@@ -35,11 +35,14 @@ CONTENT_FILTER = "content_filter"
 
 
 def install(app: web.Application) -> None:
-    """Give `app` its moderator (over the gateway's store, when there is one)."""
+    """Give `app` its moderator (over the gateway's store, when there is one), its
+    deployments' classifiers loaded as it starts."""
 
     async def start(app: web.Application) -> None:
-        gateway = app[STATE].gateway
-        app[MODERATOR] = Moderator(gateway.store if gateway is not None else None)
+        state = app[STATE]
+        moderator = app[MODERATOR] = Moderator(
+            state.gateway.store if state.gateway is not None else None)
+        await moderator.preload([s.spec.moderation for s in state.deployments.values()])
 
     async def close(app: web.Application) -> None:
         moderator = app.get(MODERATOR)

@@ -296,23 +296,40 @@ class Moderator:
         self._loaded = -math.inf
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def classifier(self, spec: ModerationSpec) -> Classifier:
+    async def classifier(self, spec: ModerationSpec) -> Classifier:
+        """The classifier of `spec`, built once (in a thread: the local model's files
+        take about a second to load, which must not stall the event loop)."""
         found = self._classifiers.get(spec)
         if found is None:
-            found = self._classifiers[spec] = build_classifier(spec)
+            built = await asyncio.to_thread(build_classifier, spec)
+            found = self._classifiers.setdefault(spec, built)
         return found
+
+    async def preload(self, specs: Sequence[ModerationSpec | None]) -> None:
+        """Build the classifiers of `specs` now (at startup, not on a first request); the
+        local model too when an org has a policy (a deployment without a table uses
+        it)."""
+        wanted = {spec for spec in specs if spec is not None}
+        if self.store is not None and any(
+                policy != ("off", "off") for policy in (await self._org_table()).values()):
+            wanted.add(DEFAULT_SPEC)
+        for spec in wanted:
+            await self.classifier(spec)
 
     async def org_policy(self, org_id: str | None) -> tuple[str, str]:
         """The org's (input, output) policy, from a table reloaded every `refresh_s`."""
         if org_id is None or self.store is None:
             return "off", "off"
-        if time.monotonic() - self._loaded > self.refresh_s:
+        return (await self._org_table()).get(org_id, ("off", "off"))
+
+    async def _org_table(self) -> dict[str, tuple[str, str]]:
+        if self.store is not None and time.monotonic() - self._loaded > self.refresh_s:
             try:
                 self._orgs = await org_policies(self.store.db)
                 self._loaded = time.monotonic()
             except Exception as exc:  # the store is down: keep the last known table
                 logger.warning("reading org moderation policies failed: %s", exc)
-        return self._orgs.get(org_id, ("off", "off"))
+        return self._orgs
 
     async def policy(self, spec: ModerationSpec | None, deployment: str,
                      org_id: str | None) -> Policy:
@@ -322,7 +339,8 @@ class Moderator:
         mode_in, mode_out = stricter(own.input, org_in), stricter(own.output, org_out)
         if (mode_in, mode_out) == ("off", "off"):
             return OFF
-        return Policy(mode_in, mode_out, self.classifier(own), own.window, deployment, org_id)
+        return Policy(mode_in, mode_out, await self.classifier(own), own.window, deployment,
+                      org_id)
 
     async def set_org_policy(self, org_id: str, input: str, output: str) -> None:
         """Set an org's policy (seen at once here, within `refresh_s` elsewhere)."""

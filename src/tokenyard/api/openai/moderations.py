@@ -71,14 +71,18 @@ class ModerationRequest(RequestModel):
         reject_unknown(data, cls.model_fields)
         return data
 
+    @model_validator(mode="after")
+    def _inputs_present(self) -> ModerationRequest:
+        if isinstance(self.input, list) and not self.input:
+            raise schema_error(INVALID_VALUE, "input", "'input' must not be empty.")
+        if not isinstance(self.input, str) and len(self.input) > MAX_INPUTS:
+            raise schema_error(INVALID_VALUE, "input",
+                               f"'input' may hold at most {MAX_INPUTS} items.")
+        return self
+
     def texts(self) -> list[str]:
         items: list[str | TextPart] = ([self.input] if isinstance(self.input, str)
                                        else list(self.input))
-        if not items:
-            raise schema_error(INVALID_VALUE, "input", "'input' must not be empty.")
-        if len(items) > MAX_INPUTS:
-            raise schema_error(INVALID_VALUE, "input",
-                               f"'input' may hold at most {MAX_INPUTS} items.")
         out: list[str] = []
         for i, item in enumerate(items):
             if isinstance(item, str):
@@ -91,13 +95,14 @@ class ModerationRequest(RequestModel):
         return out
 
 
-def _classifier(request: web.Request, moderator: Moderator, model: str) -> Classifier:
+async def _classifier(request: web.Request, moderator: Moderator, model: str) -> Classifier:
     """The classifier `model` names (404 for an unknown name)."""
     if model == LOCAL_MODEL or model in OPENAI_MODELS:
-        return moderator.classifier(DEFAULT_SPEC)
+        return await moderator.classifier(DEFAULT_SPEC)
     state = request.app[STATE]
     deployment = state.router.resolve(model, 0.0).deployment  # 404 for an unknown name
-    return moderator.classifier(state.deployments[deployment].spec.moderation or DEFAULT_SPEC)
+    spec = state.deployments[deployment].spec.moderation
+    return await moderator.classifier(spec or DEFAULT_SPEC)
 
 
 def _result(verdict: Verdict) -> dict[str, Any]:
@@ -123,7 +128,7 @@ async def moderations(request: web.Request) -> web.Response:
     moderator = moderator_of(request)
     if moderator is None:
         raise not_found("Moderation is not served here.")
-    classifier = _classifier(request, moderator, model)
+    classifier = await _classifier(request, moderator, model)
     timeline, gateway = request[TIMELINE], request.app[STATE].gateway
     tokens = _count_tokens(request, texts)
     timeline.mark("tokenized")
