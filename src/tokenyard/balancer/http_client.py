@@ -31,6 +31,9 @@ class PooledClient:
         self._read_timeout = read_timeout
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        #: Responses whose bodies are being read: `close` fails their readers (closing
+        #: a connection alone leaves them waiting for bytes a lost peer never sends).
+        self._streams: set[aiohttp.ClientResponse] = set()
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -56,7 +59,11 @@ class PooledClient:
             return False
 
     async def close(self) -> None:
-        """Close the pooled connections."""
+        """Close the pooled connections; open streams end with ClientConnectionError."""
+        for response in self._streams:
+            response.content.set_exception(
+                aiohttp.ClientConnectionError("the client was closed"))
+        self._streams.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None

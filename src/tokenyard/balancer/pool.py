@@ -57,6 +57,10 @@ _T = TypeVar("_T")
 AFFINITY_SLACK_TOKENS = 2048
 AFFINITY_SLACK_FACTOR = 2.0
 MAX_EJECTION_S = 60.0
+#: Health probes in a row without any answer (a round is the interval plus the probe's
+#: timeout: 2 s by default) after which a replica's open connections are closed, so its
+#: requests fail over or end instead of waiting out a partition.
+SILENT_PROBES_TO_CUT = 3
 
 
 @dataclass(eq=False)
@@ -75,6 +79,8 @@ class Member:
     served: int = 0
     failed: int = 0
     stats: EngineStats | None = None
+    #: Health probes in a row that got no answer at all (timed out).
+    silent: int = 0
 
     def available(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.ejected_until
@@ -100,12 +106,15 @@ class Lease:
     cost: int
     released: bool = field(default=False)
 
-    def release(self) -> None:
+    def release(self, wake: bool = True) -> None:
+        """`wake`: capacity was freed (a request ended), so a waiter may try again; a
+        failed attempt frees none (waking then makes two waiters ping-pong)."""
         if not self.released:
             self.released = True
             self.member.inflight -= 1
             self.member.inflight_tokens -= self.cost
-            self.pool._wake()
+            if wake:
+                self.pool._wake()
 
 
 class Pool:
@@ -179,6 +188,14 @@ class Pool:
             member.healthy = ok
             if stats is not None:
                 member.stats = stats
+            if member.silent == SILENT_PROBES_TO_CUT:
+                # Unreachable (a partition: not a drain, not a refusal). Its open requests
+                # would wait for it indefinitely; closing its connections fails over those
+                # before their first byte and ends the others with an error.
+                logger.warning("replica %s of %s does not answer; closing its connections",
+                               member.id, self.name)
+                with contextlib.suppress(Exception):
+                    await member.client.close()
         self._wake()
 
     async def _probe(self, member: Member) -> tuple[bool, EngineStats | None]:
@@ -191,8 +208,12 @@ class Pool:
                 if ok and stats_fn is not None and isinstance(self.info_cache, ReplicaInfo):
                     with contextlib.suppress(ReplicaError):
                         stats = await stats_fn()
+                member.silent = 0
                 return ok, stats
-        except (TimeoutError, ReplicaError, OSError):
+        except TimeoutError:
+            member.silent += 1
+            return False, None
+        except (ReplicaError, OSError):
             return False, None
 
     async def _health_loop(self) -> None:
@@ -286,19 +307,19 @@ class Pool:
                 try:
                     result = await attempt(member)
                 except ReplicaOverloaded as exc:
-                    lease.release()
+                    lease.release(wake=False)
                     tried.add(member.id)
                     if exc.code != "draining":
                         full = exc
                     continue
                 except (ReplicaConnectionError, ReplicaStreamError, ReplicaUnauthorized) as exc:
-                    lease.release()
+                    lease.release(wake=False)
                     tried.add(member.id)
                     self._failure(member, exc, before_first_byte=True)
                     last = exc
                     continue
                 except BaseException:
-                    lease.release()
+                    lease.release(wake=False)
                     raise
                 self._success(member)
                 if hashes:
@@ -321,7 +342,8 @@ class Pool:
             raise ReplicaOverloaded(full.retry_after or 1.0,
                                     f"every replica of {self.name} is busy", "overloaded")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (priority, next(self._seq), future))
+        entry = (priority, next(self._seq), future)
+        heapq.heappush(self._waiters, entry)
         try:
             await asyncio.wait_for(asyncio.shield(future), min(left, 0.5))
         except TimeoutError:
@@ -329,6 +351,9 @@ class Pool:
         finally:
             if not future.done():
                 future.cancel()
+            if entry in self._waiters:  # not woken: leave no stale entry to count
+                self._waiters.remove(entry)
+                heapq.heapify(self._waiters)
 
     def _wake(self) -> None:
         """Let the first waiter (by priority) try again."""

@@ -136,6 +136,7 @@ class ReplicaClient(PooledClient):
         except aiohttp.ClientError as exc:
             raise ReplicaConnectionError(f"{self.base_url}: {exc}") from exc
         finished = False
+        self._streams.add(response)
         try:
             if response.status != 200:
                 await _raise_for(response)
@@ -163,6 +164,7 @@ class ReplicaClient(PooledClient):
                 raise
             raise ReplicaConnectionError(f"{self.base_url}: {exc}") from exc
         finally:
+            self._streams.discard(response)
             if finished:
                 response.release()
             else:

@@ -120,6 +120,7 @@ class UpstreamClient(PooledClient):
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaConnectionError(f"{url}: {exc!r}") from exc
         started = ended = done = False
+        self._streams.add(response)
         try:
             if response.status != 200:
                 raise _refusal(response.status, _error_of(await response.text(errors="replace")),
@@ -149,6 +150,7 @@ class UpstreamClient(PooledClient):
                 raise ReplicaStreamError(f"{url}: {exc!r}", STREAM_BROKEN) from exc
             raise ReplicaConnectionError(f"{url}: {exc!r}") from exc
         finally:
+            self._streams.discard(response)
             if done:
                 # Read the stream's end, so its connection goes back to the pool.
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
