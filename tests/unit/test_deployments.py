@@ -64,7 +64,8 @@ def test_a_good_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (engine.kind, engine.replicas, engine.urls) == ("engine", 2,
                                                             ("http://10.0.0.7:8001",))
     assert engine.engine_args == ("--threads", "1")
-    assert engine.capabilities == {"chat", "completions"}  # the kind's default
+    # The kind's default: at least chat and completions, never vision (only upstreams).
+    assert {"chat", "completions"} <= engine.capabilities and "vision" not in engine.capabilities
     assert engine.prices == PriceSpec(input=100_000, cached_input=50_000, output=400_000)
     monkeypatch.setenv("FLEET_TEST_TOKEN", "s3cret")
     assert engine.token() == "s3cret"
