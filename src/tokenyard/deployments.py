@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ KINDS = ("engine", "upstream", "embeddings")
 #: Capabilities a deployment may declare; a request needing one goes only where declared.
 CAPABILITIES = frozenset({"chat", "completions", "embeddings", "vision", "tools"})
 _DEFAULT_CAPABILITIES = {
-    "engine": frozenset({"chat", "completions"}),
+    "engine": frozenset({"chat", "completions", "tools"}),
     "upstream": frozenset({"chat", "completions"}),
     "embeddings": frozenset({"embeddings"}),
 }
@@ -59,6 +60,31 @@ class PriceSpec:
     input: int = 0
     cached_input: int = 0
     output: int = 0
+
+
+#: Moderation policies, in order of strictness; classifiers a deployment may name.
+MODERATION_MODES = ("off", "flag", "block")
+CLASSIFIERS = ("local", "blocklist", "upstream")
+
+
+@dataclass(frozen=True)
+class ModerationSpec:
+    """A deployment's `moderation` table: a policy per direction (off, flag: recorded,
+    never delaying the request; block: refused or stopped) and the classifier to use."""
+
+    input: str = "off"
+    output: str = "off"
+    classifier: str = "local"
+    #: local: the probability from which a text is flagged.
+    threshold: float = 0.5
+    #: blocklist: (category, regular expressions) pairs, matched case-insensitively.
+    patterns: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: upstream: the base URL (ending in /v1), the model asked for, its key's variable.
+    url: str | None = None
+    model: str | None = None
+    token_env: str | None = None
+    #: output: characters of streamed text held back until checked.
+    window: int = 32
 
 
 @dataclass(frozen=True)
@@ -81,6 +107,7 @@ class DeploymentSpec:
     #: The context window to enforce for upstreams (engines report their own).
     max_context: int | None = None
     prices: PriceSpec | None = None
+    moderation: ModerationSpec | None = None
 
     def token(self) -> str | None:
         """The secret named by `token_env`, read now (reloads see a changed value)."""
@@ -183,7 +210,7 @@ def single_fleet(
 def _deployment(item: Any, where: str) -> DeploymentSpec:
     item = _table(item, where)
     _only(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
-                 "capabilities", "max_context", "prices"}, where)
+                 "capabilities", "max_context", "prices", "moderation"}, where)
     name = _str(item.get("name"), f"{where}.name")
     kind = item.get("kind", "engine")
     if kind not in KINDS:
@@ -219,6 +246,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         token_env=_opt_str(item.get("token_env"), f"{where}.token_env"),
         capabilities=caps or _DEFAULT_CAPABILITIES[kind], max_context=max_context,
         prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
+        moderation=(_moderation(item["moderation"], f"{where}.moderation")
+                    if "moderation" in item else None),
     )
 
 
@@ -281,6 +310,43 @@ def _prices(value: Any, where: str) -> PriceSpec:
             raise FleetConfigError(f"{where}.{name}: non-negative, at most 6 decimals")
         out[name] = int(micros)
     return PriceSpec(**out)
+
+
+def _moderation(value: Any, where: str) -> ModerationSpec:
+    table = _table(value, where)
+    _only(table, set(ModerationSpec.__dataclass_fields__), where)
+    for name in ("input", "output"):
+        if table.get(name, "off") not in MODERATION_MODES:
+            raise FleetConfigError(f"{where}.{name}: one of {', '.join(MODERATION_MODES)}")
+    classifier = table.get("classifier", "local")
+    if classifier not in CLASSIFIERS:
+        raise FleetConfigError(f"{where}.classifier: one of {', '.join(CLASSIFIERS)}")
+    patterns = tuple(
+        (category, tuple(_str(p, f"{where}.patterns.{category}[]")
+                         for p in _list(items, f"{where}.patterns.{category}")))
+        for category, items in _table(table.get("patterns", {}), f"{where}.patterns").items())
+    for category, regexes in patterns:
+        for regex in regexes:
+            try:
+                re.compile(regex)
+            except re.error as exc:
+                raise FleetConfigError(f"{where}.patterns.{category}: {regex!r}: "
+                                       f"{exc}") from None
+    if classifier == "blocklist" and not patterns:
+        raise FleetConfigError(f"{where}.patterns: a blocklist needs patterns per category")
+    if classifier == "upstream" and not table.get("url"):
+        raise FleetConfigError(f"{where}.url: an upstream classifier needs its base URL")
+    threshold = _weight(table.get("threshold", 0.5), f"{where}.threshold")
+    window = table.get("window", 32)
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 4096:
+        raise FleetConfigError(f"{where}.window: an integer from 1 to 4096")
+    return ModerationSpec(
+        input=table.get("input", "off"), output=table.get("output", "off"),
+        classifier=classifier, threshold=threshold, patterns=patterns,
+        url=_opt_str(table.get("url"), f"{where}.url"),
+        model=_opt_str(table.get("model"), f"{where}.model"),
+        token_env=_opt_str(table.get("token_env"), f"{where}.token_env"), window=window,
+    )
 
 
 def _weight(value: Any, where: str) -> float:

@@ -30,7 +30,9 @@ from tokenyard.api.context import KEY, STATE, AppState, Served
 from tokenyard.api.convert import now
 from tokenyard.api.fleet_admin import add_fleet_routes
 from tokenyard.api.middleware import middleware
+from tokenyard.api.moderation import install as install_moderation
 from tokenyard.api.openai.embeddings import add_embeddings_routes
+from tokenyard.api.openai.moderations import add_moderation_routes
 from tokenyard.api.openai.routes import add_openai_routes
 from tokenyard.api.ops import add_ops_routes
 from tokenyard.balancer.affinity import AffinityTable
@@ -124,6 +126,8 @@ def make_app(state: AppState) -> web.Application:
     add_ops_routes(app)
     add_admin_routes(app, _admin_of)
     add_fleet_routes(app)  # /admin/v1/deployments, replicas/drain; the shadow runner
+    add_moderation_routes(app)  # /v1/moderations, the orgs' moderation policies
+    install_moderation(app)
 
     async def start_pools(app: web.Application) -> None:
         for served in app[STATE].deployments.values():

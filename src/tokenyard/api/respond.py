@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar, cast
 from aiohttp import web
 from pydantic import BaseModel
 
-from tokenyard.api import shadow
+from tokenyard.api import moderation, shadow
 from tokenyard.api.context import KEY, REQUEST_ID, ROUTE, STATE, TICKET, TIMELINE, Served
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
@@ -133,6 +133,11 @@ async def generate(
     for a deployment that takes text rather than token ids (an upstream); `pins`: prompt
     prefixes the replica keeps cached (Anthropic's cache_control)."""
     await _admit(request, served, prompts, params)
+    try:  # input moderation (api/moderation.py): a blocked input is refused, unbilled
+        await moderation.check_input(request, served, prompts, messages=messages, texts=texts)
+    except BaseException:
+        _settle(request, [])
+        raise
     base_id = request[REQUEST_ID]
     gens = [
         _generation(request, served, base_id if len(prompts) == 1 else f"{base_id}-{i}", p,
@@ -142,6 +147,7 @@ async def generate(
     # Shadow traffic (api/shadow.py): the copy starts now, in the background; unchanged
     # generations when the route has no shadow.
     gens = shadow.tap(request, served, gens, prompts, params, messages=messages, texts=texts)
+    gens = moderation.tap(request, gens)  # output moderation: held back and checked
     try:
         # Sent together: the replica batches them; a refusal of any refuses the request.
         await _each(gens, lambda gen: gen.start())

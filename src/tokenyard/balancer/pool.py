@@ -7,8 +7,9 @@
   comes back when the time is up and its health check passes. A connection refused
   before the first byte marks the replica down at once: the process is gone.
 - **Selection**: with the `affinity` policy, the replica that most recently served the
-  longest prefix of the prompt (its block hashes, `balancer/affinity.py`) wins, unless it
-  carries far more outstanding work than the least loaded one; otherwise (and with
+  longest prefix of the prompt (its block hashes, `balancer/affinity.py`) wins when that
+  prefix is at least half the prompt's full blocks, unless it carries far more
+  outstanding work than the least loaded one; otherwise (and with
   `least`) the replica with the fewest tokens in flight from this gateway, then the
   fewest running and waiting requests in its own stats; `round_robin` is the control.
 - **Failover**: a request that has not received its first byte is tried on the next
@@ -56,6 +57,8 @@ _T = TypeVar("_T")
 #: (tokens: the factor on the minimum plus this) before the prefix stops deciding.
 AFFINITY_SLACK_TOKENS = 2048
 AFFINITY_SLACK_FACTOR = 2.0
+#: The share of the prompt's full blocks a replica must hold for the prefix to decide.
+AFFINITY_MIN_SHARE = 0.5
 MAX_EJECTION_S = 60.0
 #: Health probes in a row without any answer (a round is the interval plus the probe's
 #: timeout: 2 s by default) after which a replica's open connections are closed, so its
@@ -270,8 +273,11 @@ class Pool:
             if depth:
                 best = max(ranked, key=lambda m: depth.get(m.id, 0))
                 least = ranked[0].inflight_tokens
-                if depth.get(best.id, 0) and best.inflight_tokens <= (
-                        least * AFFINITY_SLACK_FACTOR + AFFINITY_SLACK_TOKENS):
+                # A match of a small share of the prompt (a common system prompt) saves
+                # little prefill: it must not pull every request to one replica.
+                if depth.get(best.id, 0) >= AFFINITY_MIN_SHARE * len(hashes) and (
+                        best.inflight_tokens <= least * AFFINITY_SLACK_FACTOR
+                        + AFFINITY_SLACK_TOKENS):
                     self.affinity_hits += 1
                     ranked.remove(best)
                     ranked.insert(0, best)

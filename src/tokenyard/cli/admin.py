@@ -7,6 +7,7 @@
     tokenyard admin priority set --key key_… high      (high | normal | low | org)
     tokenyard admin prices set SmolLM2-135M-Instruct.Q4_1 --input 0.10 --output 0.40
     tokenyard admin credit add org_… 25.00
+    tokenyard admin orgs set-moderation org_… --input block --output flag
     tokenyard admin usage --group-by day --format csv
     tokenyard admin shadow report --alias smollm2 --since 2026-11-22
     tokenyard admin deployments                         (these two ask the running server:
@@ -24,6 +25,7 @@ from typing import Any
 
 from tokenyard.cli.fleet_admin import FLEET_NOUNS, add_fleet_parsers, run_fleet_admin
 from tokenyard.gateway.admin import GROUPS, Admin, AdminError, Json, to_csv, to_table
+from tokenyard.gateway.moderation import org_moderation
 from tokenyard.store.records import PRIORITY_CLASSES
 
 #: A key's priority class may also be "org": it follows its org's.
@@ -57,6 +59,12 @@ def add_admin_parser(sub: Any) -> None:
                         help="the scheduler class of its requests (default normal)")
     _limit_args(create, free_tier=True)
     orgs.add_parser("list", parents=[fmt])
+    moderation = orgs.add_parser("set-moderation", parents=[fmt],
+                                 help="the org's moderation policy (the stricter of it and "
+                                      "the deployment's applies)")
+    moderation.add_argument("org_id")
+    moderation.add_argument("--input", choices=["off", "flag", "block"])
+    moderation.add_argument("--output", choices=["off", "flag", "block"])
 
     projects = nouns.add_parser("projects", parents=[fmt]).add_subparsers(
         dest="verb", required=True)
@@ -137,6 +145,7 @@ def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | l
     table: dict[tuple[str, str | None], Callable[[Admin], Awaitable[Any]]] = {
         ("orgs", "create"): lambda ad: ad.create_org(a),
         ("orgs", "list"): lambda ad: ad.list_orgs(),
+        ("orgs", "set-moderation"): lambda ad: org_moderation(ad.store, args.org_id, a),
         ("projects", "create"): lambda ad: ad.create_project(args.org_id, a),
         ("keys", "create"): lambda ad: ad.create_key(a),
         ("keys", "list"): lambda ad: ad.list_keys(args.org_id),

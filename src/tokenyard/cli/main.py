@@ -100,6 +100,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.gateway import main as gateway_main
 
         return gateway_main(args)
+    if args.bench_command == "fleet":
+        from tokenyard.bench.fleet import main as fleet_main
+
+        return fleet_main(args)
     if args.bench_command == "micro":
         from tokenyard.bench.micro import main as micro_main
 
@@ -210,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="load-test any OpenAI- or Anthropic-compatible server"))
     bench_gateway.add_arguments(bench_sub.add_parser(
         "gateway", help="what tokenyard's HTTP process adds, in front of a mock replica"))
+    from tokenyard.bench import fleet as bench_fleet
+
+    bench_fleet.add_arguments(bench_sub.add_parser(
+        "fleet", help="the balancer's policies side by side on a multi-turn workload"))
     from tokenyard.bench import suite as bench_suite
 
     bench_suite.add_arguments(bench_sub.add_parser(

@@ -215,3 +215,34 @@ shadow_results = Table(
     Column("texts_match", Boolean, nullable=False),
     Index(None, "alias", "created_at"),
 )
+
+org_moderation = Table(
+    "org_moderation",
+    metadata,
+    # An org's moderation policy (no row: off). Each direction is 'off', 'flag' (recorded
+    # in moderation_events, never delaying the request) or 'block'; the stricter of this
+    # and the deployment's own policy applies.
+    Column("org_id", String(ID), ForeignKey("orgs.id"), primary_key=True),
+    Column("input", String(8), nullable=False),
+    Column("output", String(8), nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+)
+
+moderation_events = Table(
+    "moderation_events",
+    metadata,
+    # One row per flagged or blocked text: which request, whose, on which deployment, in
+    # which direction ('input' or 'output'), what was done ('flag' or 'block'), the
+    # categories that were flagged and every category's score.
+    Column("id", LedgerId, primary_key=True, autoincrement=True),
+    Column("request_id", String(64), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("org_id", String(ID), nullable=True),
+    Column("deployment", String(200), nullable=False),
+    Column("direction", String(8), nullable=False),
+    Column("action", String(8), nullable=False),
+    Column("classifier", String(32), nullable=False),
+    Column("categories", JSON, nullable=False),
+    Column("scores", JSON, nullable=False),
+    Index(None, "org_id", "created_at"),
+)

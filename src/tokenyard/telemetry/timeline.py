@@ -29,7 +29,7 @@ EVENTS: tuple[tuple[str, str | None], ...] = (
     ("done", None),
 )
 #: Stages measured piecewise with `Timeline.add`, reported after the event stages.
-ACCUMULATED: tuple[str, ...] = ("balance", "detokenize")
+ACCUMULATED: tuple[str, ...] = ("balance", "moderate", "detokenize")
 #: Every standard stage, in Server-Timing order.
 STAGES: tuple[str, ...] = (
     *(stage for _, stage in EVENTS if stage is not None), *ACCUMULATED
