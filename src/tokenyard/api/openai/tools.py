@@ -1,0 +1,127 @@
+"""Tools in the OpenAI dialect: `tools`, `tool_choice` and `parallel_tool_calls` in; past
+calls (`tool_calls` of assistant messages) and results (`role: tool`) rendered back into
+the conversation; the reply's calls out as `message.tool_calls` and as streamed
+`delta.tool_calls[i]` fragments. The rendering and parsing themselves are
+`text/tools.py`'s, shared with the Anthropic dialect."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenyard.api.convert import random_id
+from tokenyard.api.openai.schemas import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    FinishReason,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDelta,
+)
+from tokenyard.text.content import TemplateMessage
+from tokenyard.text.tools import (
+    CallArguments,
+    CallStart,
+    PastCall,
+    TextPiece,
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    ToolEvent,
+    ToolResult,
+    ToolUse,
+    assistant_text,
+    call_parser,
+    results_text,
+    split_tool_calls,
+    with_tools,
+)
+from tokenyard.wire.outputs import Completion
+
+
+def new_call_id() -> str:
+    """An id for a tool call ("call_…")."""
+    return random_id("call_")
+
+
+def tool_use(req: ChatCompletionRequest) -> ToolUse | None:
+    """The request's tools and choice, or None when it sent no tools."""
+    if not req.tools:
+        return None
+    tools = tuple(
+        Tool(t.function.name, t.function.description,
+             t.function.parameters or {"type": "object", "properties": {}},
+             bool(t.function.strict))
+        for t in req.tools
+    )
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        return ToolUse(tools, ToolChoice("required", choice.function.name, parallel))
+    return ToolUse(tools, ToolChoice(choice or "auto", None, parallel))
+
+
+def tool_messages(req: ChatCompletionRequest, messages: Sequence[TemplateMessage],
+                  use: ToolUse | None) -> list[TemplateMessage]:
+    """`messages` (converted one for one from `req.messages`) with past calls written
+    back into their assistant turns, consecutive tool results as one user turn, and the
+    tools' system prompt when they are active."""
+    names = {c.id: c.function.name for m in req.messages for c in m.tool_calls or ()}
+    out: list[TemplateMessage] = []
+    previous_was_result = False
+    for message, converted in zip(req.messages, messages, strict=True):
+        if message.role == "tool":
+            text = results_text([ToolResult(message.text, names.get(message.tool_call_id or ""))])
+            if previous_was_result:
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{text}"}
+            else:
+                out.append({"role": "user", "content": text})
+            previous_was_result = True
+            continue
+        previous_was_result = False
+        if message.role == "assistant" and message.tool_calls:
+            calls = [PastCall(c.function.name, c.function.arguments) for c in message.tool_calls]
+            converted = {**converted, "content": assistant_text(message.text, calls)}
+        out.append(converted)
+    return with_tools(out, use)
+
+
+def _tool_call(name: str, call_id: str, arguments: str) -> ToolCall:
+    return ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
+
+
+def assistant_message(completion: Completion, use: ToolUse | None,
+                      finish: FinishReason) -> tuple[AssistantMessage, FinishReason]:
+    """A finished choice's message and finish reason: with active tools, its calls
+    split out of the text (finish "tool_calls" when it stopped having made one)."""
+    if use is None or not use.active:
+        return AssistantMessage(content=completion.text), finish
+    content, calls = split_tool_calls(completion.text, use.names, new_call_id)
+    if not calls:
+        return AssistantMessage(content=content), finish
+    return (
+        AssistantMessage(content=content or None,
+                         tool_calls=[_tool_call(c.name, c.id, c.arguments) for c in calls]),
+        "tool_calls" if finish == "stop" else finish,
+    )
+
+
+def parser(use: ToolUse | None) -> ToolCallParser | None:
+    """A streaming parser of one reply's calls, or None when tools are not active."""
+    return call_parser(use, new_call_id)
+
+
+def delta_parts(events: Sequence[ToolEvent]) -> tuple[str, list[ToolCallDelta]]:
+    """One step's text and its calls' fragments, merged per call: the first fragment of
+    a call carries its id, type and name."""
+    text = "".join(e.text for e in events if isinstance(e, TextPiece))
+    deltas: dict[int, ToolCallDelta] = {}
+    for e in events:
+        if isinstance(e, CallStart):
+            deltas[e.index] = ToolCallDelta(index=e.index, id=e.id, type="function",
+                                            function={"name": e.name, "arguments": ""})
+        elif isinstance(e, CallArguments):
+            delta = deltas.setdefault(e.index, ToolCallDelta(index=e.index,
+                                                             function={"arguments": ""}))
+            delta.function["arguments"] += e.fragment
+    return text, list(deltas.values())

@@ -1,0 +1,203 @@
+"""The tool-call parser over streamed text (text/tools.py): any split of the output into
+deltas gives the same text and calls as the whole; the rendering of tools, past calls and
+results; the structural tag that forces calls."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from tokenyard.text.tools import (
+    CallArguments,
+    CallStart,
+    PastCall,
+    TextPiece,
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    ToolEvent,
+    ToolResult,
+    ToolUse,
+    assistant_text,
+    call_text,
+    constrained,
+    results_text,
+    split_tool_calls,
+    structural_tag,
+    with_tools,
+)
+from tokenyard.wire.sampling_params import SamplingParams
+
+NAMES = {"get_weather", "search"}
+
+WEATHER = call_text("get_weather", '{"city": "Pa}ris \\"x\\" </tool_call>", "days": [1, {"a": 2}]}')
+#: Text, a streamed-header call, a call whose keys come in another order (read whole), a
+#: call of an unknown tool and one that is no JSON (both stay text), then more text.
+OUTPUT = (
+    "Sure, let me look.\n"
+    f"{WEATHER}\n"
+    '<tool_call>{"arguments": {"q": "caf\u00e9"}, "name": "search"}</tool_call>\n'
+    ' and <tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    "<tool_call>not json</tool_call> done."
+)
+
+
+def _ids() -> itertools.count[int]:
+    return itertools.count()
+
+
+def _run(pieces: list[str]) -> tuple[list[ToolEvent], ToolCallParser]:
+    counter = _ids()
+    parser = ToolCallParser(NAMES, lambda: f"id{next(counter)}")
+    events: list[ToolEvent] = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    events += parser.finish()
+    return events, parser
+
+
+def _summary(events: list[ToolEvent]) -> tuple[str, dict[int, tuple[str, str, str]]]:
+    text = "".join(e.text for e in events if isinstance(e, TextPiece))
+    calls: dict[int, tuple[str, str, str]] = {}
+    for e in events:
+        if isinstance(e, CallStart):
+            assert e.index not in calls, "a call starts once"
+            calls[e.index] = (e.id, e.name, "")
+        elif isinstance(e, CallArguments):
+            call_id, name, args = calls[e.index]  # arguments only after the start
+            calls[e.index] = (call_id, name, args + e.fragment)
+    return text, calls
+
+
+def test_whole_output_parses_into_text_and_calls() -> None:
+    text, calls = _summary(_run([OUTPUT])[0])
+    assert calls[0][1] == "get_weather"
+    assert json.loads(calls[0][2]) == {"city": 'Pa}ris "x" </tool_call>', "days": [1, {"a": 2}]}
+    assert calls[1][1:] == ("search", '{"q": "caf\u00e9"}')
+    assert len(calls) == 2
+    assert text == ('Sure, let me look.\n and <tool_call>{"name": "nope", "arguments": {}}'
+                    "</tool_call><tool_call>not json</tool_call> done.")
+
+
+@pytest.mark.parametrize("cut", range(1, len(OUTPUT)))
+def test_split_at_every_boundary_gives_the_same_result(cut: int) -> None:
+    assert _summary(_run([OUTPUT[:cut], OUTPUT[cut:]])[0]) == _summary(_run([OUTPUT])[0])
+
+
+def test_split_at_every_byte_boundary_of_utf8_one_character_at_a_time() -> None:
+    # Deltas are text; a multi-byte character arrives whole once its last byte is in.
+    raw = OUTPUT.encode()
+    pieces, held = [], b""
+    for i in range(len(raw)):
+        held += raw[i:i + 1]
+        try:
+            pieces.append(held.decode())
+            held = b""
+        except UnicodeDecodeError:
+            continue
+    assert _summary(_run(pieces)[0]) == _summary(_run([OUTPUT])[0])
+
+
+def test_arguments_stream_before_the_call_closes() -> None:
+    counter = _ids()
+    parser = ToolCallParser(NAMES, lambda: f"id{next(counter)}")
+    events = parser.feed('<tool_call>{"name": "search", "arguments": {"q": "ab')
+    assert events == [CallStart(0, "id0", "search"), CallArguments(0, '{"q": "ab')]
+    assert parser.feed('c"}}</tool_call>') == [CallArguments(0, 'c"}')]
+    assert parser.calls[0].complete and parser.calls[0].input == {"q": "abc"}
+
+
+def test_text_that_only_looks_like_a_tag_is_released() -> None:
+    events, _ = _run(["a <tool", "_ca", "t> b <to"])
+    assert _summary(events) == ("a <tool_cat> b <to", {})
+
+
+def test_whitespace_around_calls_is_dropped_but_text_keeps_its_spacing() -> None:
+    text, calls = _summary(_run([f"Hi.\n\n{call_text('search', '{}')}\n\n"])[0])
+    assert text == "Hi." and len(calls) == 1
+    assert _summary(_run(["a  \n", " b  "])[0])[0] == "a  \n b  "
+
+
+def test_unclosed_call_is_incomplete_and_stays_text_when_finished() -> None:
+    cut = '<tool_call>{"name": "search", "arguments": {"q": "x'
+    _, parser = _run([cut])
+    assert not parser.calls[0].complete
+    text, calls = split_tool_calls("Hm. " + cut, NAMES, lambda: "c")
+    assert (text, calls) == ("Hm. " + cut, [])
+
+
+def test_unfinished_header_is_text_at_the_end() -> None:
+    events, parser = _run(['x <tool_call>{"name": "sea'])
+    assert _summary(events) == ('x <tool_call>{"name": "sea', {}) and not parser.calls
+
+
+def test_split_tool_calls_numbers_valid_calls_in_order() -> None:
+    bad = '<tool_call>{"name": "search", "arguments": {"q": nope}}</tool_call>'
+    text, calls = split_tool_calls(f"{bad}{call_text('search', '{}')}", NAMES, lambda: "c")
+    assert text == bad
+    assert [(c.index, c.name, c.input) for c in calls] == [(0, "search", {})]
+
+
+def test_arguments_given_as_a_json_string_are_read() -> None:
+    body = '<tool_call>{"arguments": "{\\"q\\": 1}", "name": "search"}</tool_call>'
+    _, calls = split_tool_calls(body, NAMES, lambda: "c")
+    assert calls[0].input == {"q": 1}
+
+
+# ---------------------------------------------------------------------------- rendering
+
+TOOLS = (Tool("get_weather", "Weather now", {"type": "object",
+                                              "properties": {"city": {"type": "string"}}}),
+         Tool("search", None, {}))
+
+
+def test_tools_join_the_system_prompt_or_open_the_conversation() -> None:
+    use = ToolUse(TOOLS)
+    merged = with_tools([{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "hi"}], use)
+    assert merged[0]["content"].startswith("Be brief.\n\n")
+    assert '"name": "get_weather"' in merged[0]["content"] and len(merged) == 2
+    added = with_tools([{"role": "user", "content": "hi"}], use)
+    assert added[0]["role"] == "system" and len(added) == 2
+    assert with_tools([{"role": "user", "content": "hi"}],
+                      ToolUse(TOOLS, ToolChoice("none"))) == [{"role": "user", "content": "hi"}]
+
+
+def test_named_choice_lists_only_that_tool() -> None:
+    prompt = with_tools([], ToolUse(TOOLS, ToolChoice("required", "search")))[0]["content"]
+    assert '"name": "search"' in prompt and "get_weather" not in prompt
+
+
+def test_past_calls_and_results_render_back_readably() -> None:
+    text = assistant_text("Checking.", [PastCall("search", '{"q": 1}')])
+    assert text == 'Checking.\n<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>'
+    assert split_tool_calls(text, NAMES, lambda: "c")[1][0].input == {"q": 1}
+    assert results_text([ToolResult("17 C", "get_weather"), ToolResult("oops", None, True)]) == (
+        '<tool_response>{"name": "get_weather", "content": "17 C"}</tool_response>\n'
+        '<tool_response>{"content": "oops", "is_error": true}</tool_response>'
+    )
+
+
+def test_structural_tag_forces_the_offered_tools() -> None:
+    tag = structural_tag(ToolUse(TOOLS, ToolChoice("required", "search", parallel=False)))
+    fmt = tag["format"]
+    assert fmt["type"] == "tags_with_separator"  # calls only, nothing else
+    assert fmt["at_least_one"] and fmt["stop_after_first"]
+    assert [t["begin"] for t in fmt["tags"]] == ['<tool_call>{"name": "search", "arguments": ']
+    assert fmt["tags"][0]["content"]["json_schema"] == {"type": "object"}
+    auto = structural_tag(ToolUse(TOOLS))["format"]
+    assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"]
+    assert not auto["at_least_one"] and not auto["stop_after_first"]
+    assert len(auto["tags"]) == 2
+
+
+def test_constrained_sets_a_grammar_only_for_active_tools() -> None:
+    params = SamplingParams()
+    guided = constrained(params, ToolUse(TOOLS)).guided
+    assert guided is not None and guided.kind == "structural_tag" and guided.param == "tools"
+    assert constrained(params, ToolUse(TOOLS)).stop == ["<tool_response>"]
+    assert json.loads(guided.spec) == structural_tag(ToolUse(TOOLS))
+    assert constrained(params, ToolUse(TOOLS, ToolChoice("none"))).guided is None
+    assert constrained(params, None) is params
