@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, wait
+
 import torch
 
 from tokenyard.config import EngineConfig
@@ -10,8 +12,14 @@ from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.llama import LlamaForCausalLM
 from tokenyard.engine.request import Request
 from tokenyard.engine.runner import ModelRunner
+from tokenyard.engine.sample.grammar import GrammarCompiler
 from tokenyard.engine.scheduler import Scheduler
+from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import EngineCoreOutput, EngineStats
+
+# How long an idle step waits for a compiling grammar before the loop looks at its
+# commands again (seconds).
+GRAMMAR_WAIT_S = 0.005
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,7 +47,10 @@ class EngineCore:
         config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        """`tokenizer`: the vocabulary grammars compile against (None: no constrained
+        decoding; a request with a grammar is refused)."""
         self.model_config = model_config
         self.config = config
         self.max_model_len = min(
@@ -62,6 +73,12 @@ class EngineCore:
         self.runner = ModelRunner(
             model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir
         )
+        self.grammars: GrammarCompiler | None = None
+        if tokenizer is not None:
+            self.grammars = GrammarCompiler(
+                tokenizer, model_config.vocab_size, tokenizer.eos_token_ids
+            )
+        self._compiling: list[Request] = []  # added while their grammar compiled
 
     @property
     def has_work(self) -> bool:
@@ -87,7 +104,16 @@ class EngineCore:
                 f"{self.max_tokens_in_pool}"
             )
         request.max_model_len = self.max_model_len
+        guided = request.params.guided
+        if guided is not None and request.guided is None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer to compile grammars with")
+            request.guided = self.grammars.state(guided, request.eos_token_ids)
+            if request.guided.error is not None:
+                raise request.guided.error
         self.scheduler.add_request(request)
+        if request.guided is not None and not request.guided.ready:
+            self._compiling.append(request)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -97,12 +123,17 @@ class EngineCore:
         self.scheduler.finish_with_stop_string(request_id, stop)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one batch; return an output for every request that got a token."""
+        """Run one batch; return an output for every request that got a token (and a
+        last, empty one with finish_reason "abort" for a request whose grammar failed)."""
+        outputs = self._check_grammars()
         step = self.scheduler.schedule()
         if step.is_empty:
-            return []
+            if self._compiling and not outputs:
+                # Only compiles to wait for: wait on one briefly instead of spinning.
+                wait([r.guided.future for r in self._compiling if r.guided is not None],
+                     timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+            return outputs
         result = self.runner.execute(step)
-        outputs = []
         for request in self.scheduler.update(step, result.sampled):
             lp = result.logprobs.get(request.request_id)
             outputs.append(
@@ -118,6 +149,27 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _check_grammars(self) -> list[EngineCoreOutput]:
+        """Forget finished compiles; abort the requests whose grammar failed to compile."""
+        if not self._compiling:
+            return []
+        failed = []
+        pending = []
+        for request in self._compiling:
+            assert request.guided is not None
+            if request.is_finished or not request.guided.ready:
+                if not request.is_finished:
+                    pending.append(request)
+                continue
+            if request.guided.error is not None and self.scheduler.abort(request.request_id):
+                failed.append(EngineCoreOutput(
+                    request_id=request.request_id, new_token_ids=[], new_logprobs=None,
+                    finish_reason=request.status.value, stop_reason=str(request.guided.error),
+                    num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=0,
+                ))
+        self._compiling = pending
+        return failed
 
     def stats(self) -> EngineStats:
         return EngineStats(

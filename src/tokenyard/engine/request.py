@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenyard.engine.sample.grammar import GuidedState
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class Request:
     pins: tuple[tuple[int, float], ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    #: The grammar of a constrained request (set by the core when it is added).
+    guided: GuidedState | None = None
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -93,15 +96,25 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.guided is not None:
+            self.guided.advance(self.output_token_ids)
 
     def check_stop(self) -> RequestStatus | None:
         """After a token is appended: the finished status it causes, or None to go on.
 
         EOS and stop token ids are honoured only once `min_tokens` are out; a stop string is
         matched by the detokenizing frontend, which aborts the request with a stop reason.
+        A constrained request also stops once its grammar has ended (its matcher took EOS,
+        which the mask allows only there).
         """
         params = self.params
         last = self.all_token_ids[-1]
+        if self.guided is not None:
+            if self.guided.rejected:  # cannot happen through the sampler's mask
+                return RequestStatus.FINISHED_ABORTED
+            if self.guided.terminated:  # the grammar ended and took EOS
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None

@@ -13,6 +13,7 @@ from tokenyard.engine.models.llama import LlamaForCausalLM
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
+from tokenyard.engine.sample.grammar import fill_bitmask
 from tokenyard.engine.scheduler import SchedulerOutput
 from tokenyard.wire.outputs import TokenLogprobs
 
@@ -78,6 +79,11 @@ class ModelRunner:
             device=self.device,
         )
         _ban_stops_before_min_tokens(batch, sample_requests)
+        if any(r.guided is not None for r in sample_requests):
+            mask = fill_bitmask([r.guided for r in sample_requests],
+                                [r.output_token_ids for r in sample_requests], logits.shape[1])
+            if mask is not None:
+                batch.token_bitmask, batch.bitmask_rows = mask
         out = self.sampler(logits, batch)
         sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids, strict=True)}
         logprobs: dict[str, TokenLogprobs] = {}
@@ -158,10 +164,11 @@ class ModelRunner:
 
 def _ban_stops_before_min_tokens(batch: SamplingBatch, requests: list[Request]) -> None:
     """Until a request has `min_tokens` outputs, EOS and its stop token ids cannot be
-    sampled (as in vLLM), rather than being sampled and then ignored."""
+    sampled (as in vLLM), rather than being sampled and then ignored. A constrained
+    request's grammar alone decides where EOS may come."""
     for row, request in enumerate(requests):
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        if request.num_output_tokens >= params.min_tokens or request.guided is not None:
             continue
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:

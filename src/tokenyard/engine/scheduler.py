@@ -5,9 +5,11 @@ chunks so a long prompt never stalls the streams), then waiting requests join wh
 token budget and the KV pool allow. A long prompt is prefilled in budget-sized chunks. When
 the pool runs out, the lowest-priority running request is preempted: its blocks are freed
 and it is recomputed later (its freed blocks keep their hashes, so the recompute is often
-a prefix-cache hit). Pinned prefix blocks give way only to a request that could not run
-at all otherwise: one alone in the running batch, or at the head of the queue while
-nothing runs.
+a prefix-cache hit; a constrained request drops its grammar matcher and replays it from its
+output tokens). A constrained request whose grammar is still compiling stays in the waiting
+queue, passed over by those behind it, so a compile never stalls a step. Pinned prefix
+blocks give way only to a request that could not run at all otherwise: one alone in the
+running batch, or at the head of the queue while nothing runs.
 """
 
 from __future__ import annotations
@@ -149,11 +151,15 @@ class Scheduler:
         if out.preempted:
             return out  # admitting new work now would only thrash the pool
 
+        deferred: list[Request] = []  # grammars still compiling: back in the queue after
         while budget > 0 and len(self.running) < self.max_num_seqs:
             head = self._peek_waiting()
             if head is None:
                 break
             request = head
+            if request.guided is not None and not request.guided.ready:
+                deferred.append(self._pop_waiting())
+                continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -170,6 +176,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+        for request in deferred:
+            self._push_waiting(request)
         return out
 
     def _choose_victim(self, scheduled_ids: set[str]) -> Request:
@@ -184,6 +192,8 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        if request.guided is not None:
+            request.guided.drop_matcher()
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1

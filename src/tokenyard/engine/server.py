@@ -35,6 +35,8 @@ from aiohttp.typedefs import Handler
 from tokenyard.config import EngineConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
+from tokenyard.engine.request import Request
+from tokenyard.engine.sample.grammar import GrammarError, GuidedState
 from tokenyard.engine.scheduler import QueueFullError
 from tokenyard.wire.protocol import (
     ABORT_PATH,
@@ -148,6 +150,12 @@ class ReplicaServer:
             cache_salt=wire.cache_salt, priority=wire.priority,
         )
         request.pins = tuple(wire.pins)
+        if wire.params.guided is not None:
+            # Compiled on the grammar thread (cached); an invalid grammar is a 400 here.
+            try:
+                request.guided = await self._guided_state(request)
+            except GrammarError as exc:
+                return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
         try:
             stream = await self.engine.submit([request])
         except QueueFullError as exc:
@@ -176,6 +184,15 @@ class ReplicaServer:
             self._in_flight.discard(wire.request_id)
             if not self._in_flight:
                 self._idle.set()
+
+    async def _guided_state(self, request: Request) -> GuidedState:
+        """`request`'s grammar state once compiled (GrammarError if the grammar is invalid)."""
+        grammars, guided = self.engine.core.grammars, request.params.guided
+        if grammars is None or guided is None:
+            raise GrammarError("guided", "this replica cannot run constrained decoding")
+        state = grammars.state(guided, request.eos_token_ids)  # thread-safe
+        await asyncio.wrap_future(state.future)  # raises the compile's GrammarError
+        return state
 
     async def abort(self, http: web.Request) -> web.Response:
         """Abort a request; its stream ends with finish_reason "abort"."""

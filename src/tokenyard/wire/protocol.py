@@ -27,7 +27,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from tokenyard.wire.outputs import EngineStats
-from tokenyard.wire.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
 GENERATE_PATH = "/v1/engine/generate"
 ABORT_PATH = "/v1/engine/abort"
@@ -49,7 +49,7 @@ ENGINE_ERROR = "engine_error"
 WIRE_PARAMS: tuple[str, ...] = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "max_tokens",
-    "min_tokens", "stop_token_ids", "ignore_eos", "logprobs",
+    "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "guided",
 )
 
 Json = dict[str, Any]
@@ -123,7 +123,30 @@ def params_to_json(params: SamplingParams) -> Json:
     out["stop_token_ids"] = list(params.stop_token_ids)
     if params.logit_bias is not None:
         out["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    if params.guided is None:
+        del out["guided"]
+    else:
+        out["guided"] = guided_to_json(params.guided)
     return out
+
+
+def guided_to_json(guided: GuidedDecoding) -> Json:
+    """A grammar on the wire: ``{"kind", "spec", "any_whitespace", "param"}``."""
+    return {"kind": guided.kind, "spec": guided.spec, "any_whitespace": guided.any_whitespace,
+            "param": guided.param}
+
+
+def guided_from_json(obj: Any) -> GuidedDecoding:
+    """GuidedDecoding from wire JSON (ProtocolError on a wrong type)."""
+    obj = _object(obj, "guided")
+    kind, spec = obj.get("kind"), obj.get("spec", "")
+    whitespace, param = obj.get("any_whitespace", False), obj.get("param")
+    if not isinstance(kind, str) or not isinstance(spec, str):
+        raise ProtocolError("guided", "guided.kind and guided.spec must be strings")
+    if not isinstance(whitespace, bool) or not (param is None or isinstance(param, str)):
+        raise ProtocolError("guided", "guided.any_whitespace must be a boolean and "
+                                      "guided.param a string")
+    return GuidedDecoding(kind, spec, whitespace, param)  # SamplingParamsError if invalid
 
 
 _PARAM_KINDS: dict[str, str] = {
@@ -172,6 +195,8 @@ def params_from_json(obj: Any) -> SamplingParams:
             if isinstance(exc, ProtocolError):
                 raise
             raise ProtocolError("logit_bias", "logit_bias keys must be token ids") from exc
+    if obj.get("guided") is not None:
+        values["guided"] = guided_from_json(obj["guided"])
     # The HTTP side fans n out into single completions; a replica runs one at a time, so
     # seeds and ids stay under the caller's control.
     if values.get("n", 1) != 1:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: The kinds of grammar a request may be constrained by (see GuidedDecoding).
+GUIDED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
 
 class SamplingParamsError(ValueError):
     """A parameter is out of range; `param` names it as the API does."""
@@ -11,6 +14,69 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A grammar the output must follow, enforced token by token by the replica (XGrammar).
+
+    `kind` and `spec`:
+
+    - ``"json_schema"``: `spec` is a JSON Schema document as JSON text. The output is one
+      JSON value valid against it, on one line with one space after each ``:`` and ``,``
+      (as ``json.dumps`` writes it) unless `any_whitespace` is true. Properties come in the
+      schema's order; keys outside ``properties`` only where ``additionalProperties``
+      allows them explicitly. Enforced (tested): type, properties, required, items,
+      minItems, maxItems, enum, anyOf, minimum/maximum, maxLength, pattern, $ref, and the
+      formats date, time, date-time (only dates Python parses), email, uuid. Refused with
+      a 400: not, if/then/else, dependentSchemas, and a format together with
+      minLength/maxLength/pattern (XGrammar would drop those silently).
+    - ``"json_object"``: any JSON object (`spec` is ignored; send ``""`` or ``"{}"``).
+    - ``"regex"``: `spec` is a regular expression the whole output must match.
+    - ``"ebnf"``: `spec` is a grammar in XGrammar's GBNF-style EBNF (``root ::= ...``).
+    - ``"structural_tag"``: `spec` is an XGrammar 0.2 structural tag as JSON text::
+
+          {"type": "structural_tag",
+           "format": {"type": "triggered_tags",
+                      "triggers": ["<tool_call>"],
+                      "tags": [{"type": "tag", "begin": "<tool_call>{\"name\": \"f\", ",
+                                "content": {"type": "json_schema", "json_schema": {...}},
+                                "end": "}</tool_call>"}],
+                      "at_least_one": false,
+                      "stop_after_first": false}}
+
+      Free text is allowed until a trigger (a prefix of some tag's ``begin``) appears; then
+      the tag's ``begin``, its content and its ``end`` are forced. ``at_least_one`` forbids
+      ending without a tag (and then the output starts with a tag at once);
+      ``stop_after_first`` ends the output after the first tag. ``"type": "tag"`` may be
+      left out of a tag. Other formats of XGrammar 0.2 (``const_string``, ``sequence``,
+      ``or``, ``regex``, ``grammar``, ``any_text``, ``tags_with_separator``, ...) are accepted
+      as ``format`` too.
+
+    The output ends (finish_reason "stop") once the grammar is complete and the model
+    emits EOS; EOS is masked out everywhere else. `param` is the API field an invalid
+    grammar is reported against (400 with that ``param``), e.g.
+    ``"response_format.json_schema.schema"`` or ``"tools"``; None reports ``"guided"``.
+    """
+
+    kind: str
+    spec: str = ""
+    any_whitespace: bool = False
+    param: str | None = None
+
+    def __post_init__(self) -> None:
+        param = self.param or "guided"
+        if self.kind not in GUIDED_KINDS:
+            raise SamplingParamsError(
+                param, f"unknown grammar kind {self.kind!r}; one of {', '.join(GUIDED_KINDS)}"
+            )
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise SamplingParamsError(param, f"a {self.kind} grammar needs a non-empty spec")
+
+    @property
+    def cache_key(self) -> tuple[str, str, bool]:
+        """What a compiled grammar depends on (with the replica's tokenizer)."""
+        return (self.kind, self.spec if self.kind != "json_object" else "", self.any_whitespace)
 
 
 @dataclass
@@ -39,6 +105,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    guided: GuidedDecoding | None = None  # constrained decoding; None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

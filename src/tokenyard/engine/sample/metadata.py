@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,10 @@ class SamplingBatch:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    #: Constrained decoding: an int32 ``[B, ceil(V/32)]`` bitmask of the allowed tokens
+    #: (bit ``t % 32`` of word ``t // 32``) and the rows it applies to; None: no row has one.
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

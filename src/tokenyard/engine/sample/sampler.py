@@ -1,5 +1,5 @@
 """The sampler: one token per row of a `[B, V]` logits block (see the package docstring);
-logprobs from the raw logits."""
+logprobs from the raw logits, masked first in rows with a grammar (see grammar.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenyard.engine.sample.filters import argmax, exp_scaled, find_kept, top_candidates
+from tokenyard.engine.sample.grammar import apply_bitmask
 from tokenyard.engine.sample.metadata import (
     RandomRows,
     SamplingBatch,
@@ -48,7 +49,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample ``[B]`` tokens from ``logits`` ``[B, V]`` with each row's parameters."""
-        raw = self._check(logits, batch)
+        raw = self._masked(self._check(logits, batch), logits, batch)
         processed = self.process_logits(raw, batch)
         if batch.all_greedy:
             token_ids: list[int] = argmax(processed).tolist()
@@ -102,7 +103,7 @@ class Sampler:
         Greedy rows give ``[argmax]``; random rows without any top-k/top-p/min-p filter
         give None (every token). Diagnostic: runs the same code as sampling.
         """
-        raw = self._check(logits, batch)
+        raw = self._masked(self._check(logits, batch), logits, batch)
         vocab = raw.shape[1]
         processed = self.process_logits(raw, batch)
         greedy_rows, random_ids = split_rows(batch)
@@ -177,8 +178,22 @@ class Sampler:
             values = values - norm
             for row, k, vals, toks in zip(rows, wanted, values.tolist(), ids.tolist(),
                                           strict=True):
-                top[row] = list(zip(toks[:k], vals[:k], strict=True))
+                # A constrained row may allow fewer than k tokens: the -inf ones are left out.
+                top[row] = [(t, v) for t, v in zip(toks[:k], vals[:k], strict=True)
+                            if v > -math.inf]
         return chosen_list, top
+
+    @staticmethod
+    def _masked(raw: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`raw` with the grammar's disallowed tokens at -inf in the constrained rows (a
+        copy when `raw` is the caller's tensor), so everything after, logprobs included,
+        sees the masked distribution."""
+        if batch.token_bitmask is None or not batch.bitmask_rows:
+            return raw
+        if raw is logits:
+            raw = raw.clone()
+        apply_bitmask(raw, batch.token_bitmask, batch.bitmask_rows)
+        return raw
 
     @staticmethod
     def _check(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
