@@ -5,15 +5,17 @@ the grammar makes every forced call valid)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
 import jsonschema
 import openai
+import pydantic
 import pytest
 
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -234,6 +236,20 @@ def test_openai_auto_choice_answers_text_or_a_valid_call(client: openai.OpenAI,
         assert message.tool_calls or message.content is not None
 
 
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_openai_parse_with_a_pydantic_function_tool(client: openai.OpenAI,
+                                                    server: Server) -> None:
+    r = client.chat.completions.parse(
+        model=server.model, messages=ASK, tools=[openai.pydantic_function_tool(Weather)],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, Weather)
+
+
 def test_openai_tool_choice_errors_name_the_parameter(client: openai.OpenAI,
                                                       server: Server) -> None:
     # LlamaIndex always sends tool_choice: "auto" and "none" without tools are fine.
@@ -343,3 +359,60 @@ def test_anthropic_count_tokens_counts_the_tools(claude: anthropic.Anthropic,
     with_tools = claude.messages.count_tokens(model=server.model, messages=ASK,
                                               tools=[CLAUDE_WEATHER])
     assert with_tools.input_tokens > bare.input_tokens + 20
+
+
+# ---------------------------------------------------------------------------- upstreams
+
+PASSING = "tools-upstream-2026-11-22"
+PLAIN = "plain-upstream-2026-11-22"
+
+
+@pytest.fixture(scope="module")
+def front(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A tokenyard whose deployments are upstreams, both the session's tokenyard: one
+    declares tools (they are passed on, its calls come back as OpenAI deltas), one not."""
+    config = tmp_path_factory.mktemp("fleet") / "tokenyard.toml"
+    config.write_text("".join(f"""
+[[deployments]]
+name = "{name}"
+kind = "upstream"
+urls = ["{server.base_url}/v1"]
+model = "{server.model}"
+token_env = "TOOLS_UPSTREAM_KEY"
+capabilities = {json.dumps(caps)}
+""" for name, caps in ((PASSING, ["chat", "tools"]), (PLAIN, ["chat"]))))
+    with running_server("--config", str(config), "--no-auth",
+                        env={"TOOLS_UPSTREAM_KEY": server.api_key or ""}) as (srv, _):
+        yield srv
+
+
+def test_upstream_that_declares_tools_gets_them_passed_on(front: Server) -> None:
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key="x", max_retries=0)
+    kwargs: dict[str, Any] = dict(model=PASSING, messages=ASK, tools=[WEATHER],
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  max_tokens=80, temperature=0)
+    plain = client.chat.completions.create(**kwargs).choices[0]
+    assert plain.finish_reason == "tool_calls" and plain.message.tool_calls
+    assert plain.message.tool_calls[0].function.name == "get_weather"
+    _valid("get_weather", plain.message.tool_calls[0].function.arguments)
+    with client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.message.tool_calls is not None
+    assert ([(c.function.name, json.loads(c.function.arguments))
+             for c in streamed.message.tool_calls]
+            == [(c.function.name, json.loads(c.function.arguments))
+                for c in plain.message.tool_calls])
+    claude = anthropic.Anthropic(base_url=front.base_url, api_key="x", max_retries=0)
+    with claude.messages.stream(model=PASSING, max_tokens=80, messages=ASK,
+                                tools=[CLAUDE_WEATHER],
+                                tool_choice={"type": "tool", "name": "get_weather",
+                                             "disable_parallel_tool_use": True},
+                                extra_body={"temperature": 0}) as events:
+        message = events.get_final_message()
+    assert message.stop_reason == "tool_use"
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather"
+    _valid("get_weather", uses[0].input)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**{**kwargs, "model": PLAIN})
+    assert refused.value.param == "tools"

@@ -201,3 +201,46 @@ def test_constrained_sets_a_grammar_only_for_active_tools() -> None:
     assert json.loads(guided.spec) == structural_tag(ToolUse(TOOLS))
     assert constrained(params, ToolUse(TOOLS, ToolChoice("none"))).guided is None
     assert constrained(params, None) is params
+
+
+# ---------------------------------------------------------------------------- native templates
+
+#: A template in the style of those that render tools (Hermes / Qwen 2.5): the schemas in
+#: the system turn, past calls from `tool_calls`, results as `tool` turns.
+NATIVE = (
+    "{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_template_that_uses_tools_renders_them_natively() -> None:
+    from tokenyard.text.chat_template import render_chat
+    from tokenyard.text.model_files import embedded_model_path
+    from tokenyard.text.tokenizer import Tokenizer
+    from tokenyard.text.tools import assistant_turn, renders_tools, result_turns, template_tools
+
+    assert renders_tools(NATIVE)
+    # SmolLM2 (the embedded model) renders no tools: it gets the system-prompt fallback.
+    assert not renders_tools(Tokenizer.from_gguf(embedded_model_path()).chat_template)
+    use = ToolUse(TOOLS, ToolChoice("required", "search"))
+    messages = [
+        {"role": "user", "content": "hi"},
+        assistant_turn({"role": "assistant", "content": ""},
+                       [PastCall("search", '{"q": 1}')], native=True),
+        *result_turns([ToolResult("found", "search")], native=True, text="thanks"),
+    ]
+    assert with_tools(messages, use, native=True) == messages  # no system prompt added
+    text = render_chat(NATIVE, messages, tools=template_tools(use, native=True))
+    assert text == (
+        '<|system|>{"type": "function", "function": {"name": "search", "parameters": {}}}\n'
+        '<|user|>hi<|assistant|><call>search {"q": 1}</call><|tool|>found'
+        "<|user|>thanks<|assistant|>"  # (trim_blocks eats the newline after a block)
+    )
+    assert template_tools(use, native=False) is None
+    fallback = result_turns([ToolResult("found", "search")], native=False, text="thanks")
+    assert fallback == [{"role": "user", "content": '<tool_response>{"name": "search", '
+                                                    '"content": "found"}</tool_response>\n'
+                                                    "thanks"}]

@@ -4,8 +4,11 @@ Both dialects meet here as plain values: a `Tool` (name, description, JSON schem
 its arguments), a `ToolChoice` (none / auto / required / one named tool, and whether
 several calls may come in one turn), and calls and results of earlier turns.
 
-How the model sees tools. SmolLM2's chat template (the embedded model's) does not render
-tools, so the conversation carries them itself — the fallback every template can render:
+How the model sees tools. A chat template that renders tools (it uses a `tools`
+variable: Qwen 2.5, Hermes, ...) gets them as the function schemas it expects, past calls
+as the assistant messages' `tool_calls` and results as `tool` messages (`native`).
+SmolLM2's template (the embedded model's) renders none, so there the conversation carries
+them itself — the fallback every template can render:
 
 - the tools' JSON schemas go in the system prompt (merged into the client's own system
   message, or a new one first), with an instruction to answer a call as
@@ -33,7 +36,7 @@ import json
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tokenyard.text.content import TemplateMessage
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
@@ -183,12 +186,74 @@ def results_text(results: Sequence[ToolResult]) -> str:
     return "\n".join(out)
 
 
-def with_tools(messages: Sequence[TemplateMessage], use: ToolUse | None
+#: A template that uses a `tools` variable renders tools itself.
+_TEMPLATE_USES_TOOLS = re.compile(r"\{[{%][^}]*\btools\b")
+
+
+def renders_tools(template: str | None) -> bool:
+    """Whether a chat template renders tools (then it gets them `native`ly)."""
+    return bool(template) and _TEMPLATE_USES_TOOLS.search(template or "") is not None
+
+
+def _function_specs(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """Tools as OpenAI's (and the chat templates') function objects."""
+    specs = []
+    for t in tools:
+        function: dict[str, Any] = {"name": t.name, "parameters": t.parameters}
+        if t.description:
+            function["description"] = t.description
+        if t.strict:
+            function["strict"] = True
+        specs.append({"type": "function", "function": function})
+    return specs
+
+
+def template_tools(use: ToolUse | None, native: bool) -> list[dict[str, Any]] | None:
+    """The `tools` a native template renders (the offered ones), or None."""
+    if not native or use is None or not use.active:
+        return None
+    return _function_specs(use.offered)
+
+
+def assistant_turn(message: TemplateMessage, calls: Sequence[PastCall], native: bool
+                   ) -> TemplateMessage:
+    """An assistant turn that made `calls`: as `tool_calls` for a native template (the
+    arguments as an object, as templates expect), else written after its text."""
+    if not native:
+        return {**message, "content": assistant_text(message["content"], calls)}
+    tool_calls = [{"type": "function", "function": {"name": c.name,
+                                                    "arguments": _object_or_text(c.arguments)}}
+                  for c in calls]
+    return cast(TemplateMessage, {**message, "tool_calls": tool_calls})
+
+
+def result_turns(results: Sequence[ToolResult], native: bool, text: str = ""
+                 ) -> list[TemplateMessage]:
+    """Tool results (and the user's `text` after them): one `tool` message each for a
+    native template, else one user turn of ``<tool_response>`` tags then the text."""
+    if not native:
+        return [{"role": "user", "content": "\n".join(p for p in (results_text(results), text)
+                                                     if p)}]
+    turns = [cast(TemplateMessage, {"role": "tool", "content": r.content,
+                                    **({"name": r.name} if r.name is not None else {})})
+             for r in results]
+    return turns + ([{"role": "user", "content": text}] if text else [])
+
+
+def _object_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def with_tools(messages: Sequence[TemplateMessage], use: ToolUse | None, native: bool = False
                ) -> list[TemplateMessage]:
     """The conversation with the tools' system prompt merged into its system message
-    (or a new one first) when the tools are active; unchanged otherwise."""
+    (or a new one first) when the tools are active and the template does not render
+    them; unchanged otherwise."""
     out = list(messages)
-    if use is None or not use.active:
+    if use is None or not use.active or native:
         return out
     prompt = system_prompt(use)
     if out and out[0]["role"] == "system":
@@ -247,6 +312,54 @@ def constrained(params: SamplingParams, use: ToolUse | None) -> SamplingParams:
     spec = json.dumps(structural_tag(use), ensure_ascii=False)
     return replace(params, stop=stop,
                    guided=GuidedDecoding("structural_tag", spec, param="tools"))
+
+
+# ---------------------------------------------------------------------------- upstreams
+
+
+def openai_tools(use: ToolUse) -> dict[str, Any]:
+    """The body fields that pass `use` on to an OpenAI-compatible upstream that declares
+    tools: `tools`, `tool_choice` and, when only one call is allowed,
+    `parallel_tool_calls`."""
+    choice: Any = use.choice.mode
+    if use.choice.name is not None:
+        choice = {"type": "function", "function": {"name": use.choice.name}}
+    body: dict[str, Any] = {"tools": _function_specs(use.tools), "tool_choice": choice}
+    if not use.choice.parallel:
+        body["parallel_tool_calls"] = False
+    return body
+
+
+class CallsAsText:
+    """An upstream's streamed `delta.tool_calls` written back as the tagged calls this
+    module parses, so its calls reach either dialect like our own model's."""
+
+    def __init__(self) -> None:
+        self._open: int | None = None  # the upstream's index of the call being written
+
+    def delta(self, tool_calls: Any) -> str:
+        """Text for one chunk's `tool_calls` fragments (a new index opens a new call)."""
+        out = []
+        for fragment in tool_calls if isinstance(tool_calls, list) else ():
+            if not isinstance(fragment, dict):
+                continue
+            function = fragment.get("function") or {}
+            index = fragment.get("index", 0)
+            if index != self._open:
+                out.append(self.close())
+                self._open = index
+                out.append(call_begin(str(function.get("name") or "")))
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                out.append(arguments)
+        return "".join(out)
+
+    def close(self) -> str:
+        """The end of the call being written, if one is."""
+        if self._open is None:
+            return ""
+        self._open = None
+        return CALL_END
 
 
 # ---------------------------------------------------------------------------- parsing

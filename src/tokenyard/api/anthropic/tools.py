@@ -27,9 +27,9 @@ from tokenyard.text.tools import (
     ToolChoice,
     ToolResult,
     ToolUse,
-    assistant_text,
+    assistant_turn,
     call_parser,
-    results_text,
+    result_turns,
     split_tool_calls,
     with_tools,
 )
@@ -56,31 +56,29 @@ def tool_use(req: MessagesRequest | CountTokensRequest) -> ToolUse | None:
 
 
 def tool_messages(req: MessagesRequest | CountTokensRequest,
-                  messages: Sequence[TemplateMessage], use: ToolUse | None
-                  ) -> list[TemplateMessage]:
+                  messages: Sequence[TemplateMessage], use: ToolUse | None,
+                  native: bool = False) -> list[TemplateMessage]:
     """`messages` (the system message, if any, then one per `req.messages`) with each
-    turn's tool_use blocks written back after its text, tool_result blocks before the
-    user's text, and the tools' system prompt when they are active."""
+    turn's tool_use blocks and tool_result blocks as the template sees them (`native`: it
+    renders tools; else calls written after the text, results before the user's text),
+    and the tools' system prompt when they are active and the template renders none."""
     names = {b.id: b.name for m in req.messages if not isinstance(m.content, str)
              for b in m.content if isinstance(b, ToolUseBlockParam)}
-    out = list(messages)
-    first = len(out) - len(req.messages)
-    for i, message in enumerate(req.messages):
-        if isinstance(message.content, str):
-            continue
+    first = len(messages) - len(req.messages)
+    out = list(messages[:first])
+    for message, converted in zip(req.messages, messages[first:], strict=True):
+        blocks = () if isinstance(message.content, str) else message.content
         calls = [PastCall(b.name, json.dumps(b.input, ensure_ascii=False))
-                 for b in message.content if isinstance(b, ToolUseBlockParam)]
+                 for b in blocks if isinstance(b, ToolUseBlockParam)]
         results = [ToolResult(b.text, names.get(b.tool_use_id), bool(b.is_error))
-                   for b in message.content if isinstance(b, ToolResultBlockParam)]
-        if not calls and not results:
-            continue
-        text = out[first + i]["content"]
-        if calls:
-            text = assistant_text(text, calls)
+                   for b in blocks if isinstance(b, ToolResultBlockParam)]
         if results:
-            text = "\n".join(p for p in (results_text(results), text) if p)
-        out[first + i] = {**out[first + i], "content": text}
-    return with_tools(out, use)
+            out += result_turns(results, native, converted["content"])
+        elif calls:
+            out.append(assistant_turn(converted, calls, native))
+        else:
+            out.append(converted)
+    return with_tools(out, use, native)
 
 
 def content_blocks(text: str, use: ToolUse | None) -> tuple[list[ResponseBlock], bool]:

@@ -30,9 +30,9 @@ from tokenyard.text.tools import (
     ToolEvent,
     ToolResult,
     ToolUse,
-    assistant_text,
+    assistant_turn,
     call_parser,
-    results_text,
+    result_turns,
     split_tool_calls,
     with_tools,
 )
@@ -62,28 +62,28 @@ def tool_use(req: ChatCompletionRequest) -> ToolUse | None:
 
 
 def tool_messages(req: ChatCompletionRequest, messages: Sequence[TemplateMessage],
-                  use: ToolUse | None) -> list[TemplateMessage]:
-    """`messages` (converted one for one from `req.messages`) with past calls written
-    back into their assistant turns, consecutive tool results as one user turn, and the
-    tools' system prompt when they are active."""
+                  use: ToolUse | None, native: bool = False) -> list[TemplateMessage]:
+    """`messages` (converted one for one from `req.messages`) with past calls and
+    results as the template sees them (`native`: it renders tools; else written into the
+    turns, consecutive results as one user turn) and the tools' system prompt when they
+    are active and the template does not render them."""
     names = {c.id: c.function.name for m in req.messages for c in m.tool_calls or ()}
     out: list[TemplateMessage] = []
-    previous_was_result = False
+    results: list[ToolResult] = []  # consecutive tool messages, rendered together
     for message, converted in zip(req.messages, messages, strict=True):
         if message.role == "tool":
-            text = results_text([ToolResult(message.text, names.get(message.tool_call_id or ""))])
-            if previous_was_result:
-                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{text}"}
-            else:
-                out.append({"role": "user", "content": text})
-            previous_was_result = True
+            results.append(ToolResult(message.text, names.get(message.tool_call_id or "")))
             continue
-        previous_was_result = False
+        if results:
+            out += result_turns(results, native)
+            results = []
         if message.role == "assistant" and message.tool_calls:
             calls = [PastCall(c.function.name, c.function.arguments) for c in message.tool_calls]
-            converted = {**converted, "content": assistant_text(message.text, calls)}
+            converted = assistant_turn(converted, calls, native)
         out.append(converted)
-    return with_tools(out, use)
+    if results:
+        out += result_turns(results, native)
+    return with_tools(out, use, native)
 
 
 def _tool_call(name: str, call_id: str, arguments: str) -> ToolCall:
