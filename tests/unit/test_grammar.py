@@ -131,6 +131,14 @@ def test_structural_tag_forces_the_tagged_json(compiler: GrammarCompiler,
     assert not matcher.accept_string("hello")  # at_least_one: the tag comes first
     assert matcher.accept_string('<tool_call>{"name": "x", "age": 3}</tool_call>')
     assert matcher.is_completed()
+    dated = json.loads(json.dumps(tag))
+    dated["format"]["tags"][0]["content"]["json_schema"] = {"type": "string", "format": "date"}
+    guided = GuidedDecoding("structural_tag", json.dumps(dated))
+    matcher = GuidedState(guided, compiler.submit(guided), tokenizer.eos_token_ids).matcher_for([])
+    assert not matcher.accept_string('<tool_call>"0000-01-01"')  # tag contents prepared too
+    dated["format"]["tags"][0]["content"]["json_schema"] = {"not": {}}
+    with pytest.raises(GrammarError, match="'not'"):
+        compiler.compile(GuidedDecoding("structural_tag", json.dumps(dated), param="tools"))
 
 
 # -- the masked sampler -----------------------------------------------------------------------

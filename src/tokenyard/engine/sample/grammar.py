@@ -206,12 +206,27 @@ class GrammarCompiler:
                 return compiler.compile_regex(spec)
             if kind == "ebnf":
                 return compiler.compile_grammar(spec)
-            return compiler.compile_structural_tag(spec)
+            try:
+                tag = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(param, f"the structural tag is not valid JSON: {exc}") from exc
+            return compiler.compile_structural_tag(json.dumps(_tag_schemas(tag, param)))
         except GrammarError:
             raise
         except Exception as exc:  # XGrammar's RuntimeError, InvalidJSONError, ValidationError
             message = _CPP_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
             raise GrammarError(param, f"invalid {kind} grammar: {message}") from exc
+
+
+def _tag_schemas(node: Any, param: str) -> Any:
+    """A structural tag with each ``{"type": "json_schema"}`` content through prepare_schema."""
+    if isinstance(node, list):
+        return [_tag_schemas(item, param) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {**node, "json_schema": prepare_schema(node["json_schema"], param)}
+    return {key: _tag_schemas(value, param) for key, value in node.items()}
 
 
 class GuidedState:
