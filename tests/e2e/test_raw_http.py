@@ -146,11 +146,11 @@ def test_empty_messages(server: Server) -> None:
 
 
 def test_unsupported_parameters_are_named(server: Server) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    functions = [{"name": "f", "parameters": {}}]
     status, body, _ = post(server.base_url + "/v1/chat/completions",
-                           json.dumps(_chat(server, tools=tools)))
+                           json.dumps(_chat(server, functions=functions)))
     assert status == 400
-    assert_openai_error(body, "tools")
+    assert_openai_error(body, "functions")
 
 
 def test_context_length_exceeded(server: Server) -> None:

@@ -188,12 +188,15 @@ def messages_error(body: dict[str, Any]) -> APIError:
          "messages.0.content.0.type", "unsupported_value"),
         ({"model": "tiny", "messages": [{"role": "assistant", "content": None,
                                          "tool_calls": [{"id": "c"}]}]},
-         "messages.0.tool_calls", "unsupported_parameter"),
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-         "tools", "unsupported_parameter"),
-        (chat(tool_choice="required"), "tool_choice", "unsupported_parameter"),
-        (chat(response_format={"type": "json_object"}), "response_format",
-         "unsupported_parameter"),
+         "messages.0.tool_calls.0.function", "missing_required_parameter"),
+        ({"model": "tiny", "messages": [{"role": "tool", "content": "r"}]},
+         "messages.0.tool_call_id", "invalid_value"),
+        (chat(tools=[{"type": "function", "function": {"name": "two words"}}]),
+         "tools.0.function.name", "invalid_value"),
+        (chat(tool_choice="required"), "tool_choice", "invalid_value"),
+        (chat(response_format={"type": "xml"}), "response_format", "invalid_value"),
+        (chat(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex",
+         "invalid_value"),
         (chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
         (chat(modalities=["text", "audio"]), "modalities", "unsupported_parameter"),
         # Ranges: checked by SamplingParams, reported under the client's names.
@@ -400,15 +403,15 @@ def msg(**extra: Any) -> dict[str, Any]:
         (msg(messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "data": ""}}]}]),
          "messages.0.content.0.source.media_type"),
-        (msg(messages=[USER[0], {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
-         "messages.1.content.0.type"),
         (msg(messages=[{"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]),
+            {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
          "messages.0.content.0.type"),
+        (msg(messages=[USER[0], {"role": "assistant", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]),
+         "messages.1.content.0.type"),
         (msg(messages=[{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}]),
          "messages.0"),
-        (msg(tools=[{"name": "f", "input_schema": {}}]), "tools"),
+        (msg(tools=[{"name": "f"}]), "tools.0.input_schema"),
         (msg(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
         (msg(tool_choice={"type": "any"}), "tool_choice"),
         (msg(system=[{"type": "image"}]), "system.0.type"),
@@ -794,9 +797,8 @@ def test_openai_sdk_end_to_end() -> None:
         client.chat.completions.create(model=MODEL, messages=USER, temperature=9)
     assert bad.value.param == "temperature" and bad.value.code == "invalid_value"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=USER,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert bad.value.param == "tools"
+        client.chat.completions.create(model=MODEL, messages=USER, functions=[{"name": "f"}])
+    assert bad.value.param == "functions"
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="nope", messages=USER)
     assert missing.value.code == "model_not_found"

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -30,9 +30,11 @@ from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.balancer.generation import Generation, finished_completions, merged
 from tokenyard.errors import APIError, internal_error, invalid_request
+from tokenyard.gateway.routing import require
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.text.tools import ToolUse, renders_tools
 from tokenyard.wire.outputs import Completion, RequestOutput
 from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
@@ -113,6 +115,30 @@ def token_bytes(request: web.Request, served: Served) -> Callable[[int], bytes]:
     return table
 
 
+class ToolPlacement(NamedTuple):
+    """Where a request's tools go: `prompt` (rendered into it, calls forced by the
+    grammar), `passed_on` (in an upstream's body), `native` (the engine's chat template
+    renders tools itself; else `text/tools.py`'s system-prompt fallback)."""
+
+    prompt: ToolUse | None
+    passed_on: ToolUse | None
+    native: bool
+
+
+def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
+    """Where `tools` go on deployment `served`: an upstream gets active tools passed on,
+    an engine in its prompt; 400 naming `tools` for a deployment that does not declare
+    them."""
+    native = (served.kind != "upstream" and served.tokenizer is not None
+              and renders_tools(served.tokenizer.chat_template))
+    if tools is None or not tools.active:
+        return ToolPlacement(tools, None, native)
+    require(served.spec, "tools", "tools")
+    if served.kind == "upstream":
+        return ToolPlacement(None, tools, native)
+    return ToolPlacement(tools, None, native)
+
+
 def first_user_text(messages: Sequence[Any]) -> str | None:
     """The first user message's text (what a conversation's canary draw sticks to)."""
     for message in messages:
@@ -125,13 +151,14 @@ async def generate(
     request: web.Request, served: Served, prompts: Sequence[list[int]],
     params: Sequence[SamplingParams], fmt: Format, *, stream: bool,
     messages: Sequence[Any] | None = None, texts: Sequence[str | None] | None = None,
-    pins: Sequence[Pin] = (),
+    pins: Sequence[Pin] = (), tools: ToolUse | None = None,
 ) -> web.StreamResponse:
     """Admit a request of `prompts` (each with its fitted `params`) for deployment
     `served`, answer it in `fmt`'s shape, then settle it whatever happened (client gone,
     engine failure, refusal). `messages` / `texts`: the chat messages or prompt texts,
     for a deployment that takes text rather than token ids (an upstream); `pins`: prompt
-    prefixes the replica keeps cached (Anthropic's cache_control)."""
+    prefixes the replica keeps cached (Anthropic's cache_control); `tools`: passed on to
+    an upstream that declares them (an engine sees them in its prompt)."""
     await _admit(request, served, prompts, params)
     try:  # input moderation (api/moderation.py): a blocked input is refused, unbilled
         await moderation.check_input(request, served, prompts, messages=messages, texts=texts)
@@ -141,7 +168,8 @@ async def generate(
     base_id = request[REQUEST_ID]
     gens = [
         _generation(request, served, base_id if len(prompts) == 1 else f"{base_id}-{i}", p,
-                    fp, messages=messages, text=texts[i] if texts else None, pins=pins)
+                    fp, messages=messages, text=texts[i] if texts else None, pins=pins,
+                    tools=tools)
         for i, (p, fp) in enumerate(zip(prompts, params, strict=True))
     ]
     # Shadow traffic (api/shadow.py): the copy starts now, in the background; unchanged
@@ -232,7 +260,7 @@ def _stream_failure(request: web.Request, exc: Exception) -> APIError:
 def _generation(
     request: web.Request, served: Served, request_id: str, prompt: list[int],
     params: SamplingParams, *, messages: Sequence[Any] | None, text: str | None,
-    pins: Sequence[Pin] = (),
+    pins: Sequence[Pin] = (), tools: ToolUse | None = None,
 ) -> Generation:
     """A generation on the deployment's pool for an admitted request, salted and
     prioritised as its gateway ticket says (without a gateway: one tenant, no salt,
@@ -246,7 +274,7 @@ def _generation(
             served.pool, request_id, messages=messages, prompt=text, params=params,
             model=served.spec.model or served.name, timeline=request[TIMELINE],
             metrics=state.metrics, prompt_tokens_estimate=len(prompt),
-            tokens=request.get(_TOKENS),
+            tokens=request.get(_TOKENS), tools=tools,
         ))
     assert served.tokenizer is not None
     return Generation(

@@ -40,6 +40,7 @@ from tokenyard.balancer.replica_client import (
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, openai_content
+from tokenyard.text.tools import CallsAsText, ToolUse, openai_tools
 from tokenyard.wire.outputs import CompletionDelta, Logprob, RequestOutput
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -251,9 +252,11 @@ def request_body(
     messages: Sequence[TemplateMessage] | None = None,
     prompt: str | None = None,
     user: str | None = None,
+    tools: ToolUse | None = None,
 ) -> dict[str, Any]:
     """The OpenAI body (without `stream`) of a chat (`messages`) or a completion
-    (`prompt`); a message with images sends them as our re-encodings (`openai_content`).
+    (`prompt`); a message with images sends them as our re-encodings (`openai_content`);
+    active `tools` are passed on as they are (`openai_tools`).
     Temperature and top_p are always sent (vLLM otherwise applies the model's
     own defaults); vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens,
     ignore_eos, ...) only when set, so a plain OpenAI-compatible server is not sent
@@ -291,6 +294,8 @@ def request_body(
         else:
             optional["logprobs"] = p.logprobs
     body.update((k, v) for k, v in optional.items() if v is not None)
+    if tools is not None and tools.active:
+        body.update(openai_tools(tools))
     return body
 
 
@@ -391,11 +396,13 @@ class UpstreamGeneration:
         prompt_tokens_estimate: int,
         user: str | None = None,
         tokens: TokenTable | None = None,
+        tools: ToolUse | None = None,
     ) -> None:
         """A chat (`messages`, the templates' messages) or a completion (`prompt`, text),
         exactly one. `model`: the upstream's name of the model. `prompt_tokens_estimate`:
         our tokenizer's count, reported until the upstream's usage arrives. `tokens`: the
-        table logprob tokens are interned in (default: one of its own, `token_bytes`)."""
+        table logprob tokens are interned in (default: one of its own, `token_bytes`).
+        `tools`: passed on to the upstream, whose calls come back as tagged text."""
         if (messages is None) == (prompt is None):
             raise ValueError("an upstream generation needs messages or a prompt, not both")
         self.target = target
@@ -408,6 +415,8 @@ class UpstreamGeneration:
         self.timeline = timeline if timeline is not None else Timeline()
         self.metrics = metrics
         self.prompt_tokens_estimate = prompt_tokens_estimate
+        self.tools = tools
+        self._calls = [CallsAsText() for _ in range(params.n)]
         #: Spells the ids of the deltas' logprobs (the formats' `token_bytes`).
         self.token_bytes = tokens if tokens is not None else TokenTable()
         #: Each choice's finish reason once it has one ("abort" is set by close()).
@@ -427,7 +436,7 @@ class UpstreamGeneration:
     def body(self) -> dict[str, Any]:
         """The OpenAI body sent upstream."""
         return request_body(self.params, self.model, messages=self.messages,
-                            prompt=self.prompt_text, user=self.user)
+                            prompt=self.prompt_text, user=self.user, tools=self.tools)
 
     async def start(self) -> None:
         target = self.target
@@ -503,13 +512,17 @@ class UpstreamGeneration:
                                          f"{self.params.n}", STREAM_BROKEN)
             if self.finish_reasons[index] is not None:
                 continue
+            finish = _finish_reason(choice.get("finish_reason"))
             if chat:
-                text = (choice.get("delta") or {}).get("content") or ""
+                delta = choice.get("delta") or {}
+                text = (delta.get("content") or "") + self._calls[index].delta(
+                    delta.get("tool_calls"))
+                if finish is not None:
+                    text += self._calls[index].close()
                 logprobs = _chat_logprobs(choice.get("logprobs"), self.token_bytes)
             else:
                 text = choice.get("text") or ""
                 logprobs = _completion_logprobs(choice.get("logprobs"), self.token_bytes)
-            finish = _finish_reason(choice.get("finish_reason"))
             if not text and logprobs is None and finish is None:
                 continue
             stop: int | str | None = None

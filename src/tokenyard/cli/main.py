@@ -108,6 +108,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.micro import main as micro_main
 
         return micro_main(args)
+    if args.bench_command == "grammar":
+        from tokenyard.bench.grammar import main as grammar_main
+
+        return grammar_main(args)
     from tokenyard.bench.offline import main as offline_main
 
     return offline_main(args)
@@ -202,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_sub.add_parser("micro", help="small-M matmuls and SDPA kernels on this CPU")
+    from tokenyard.bench.grammar import add_arguments as add_grammar_arguments
+
+    add_grammar_arguments(bench_sub.add_parser(
+        "grammar", help="constrained decoding: compile, mask and throughput costs"))
     offline = bench_sub.add_parser("offline", help="the engine alone, no HTTP")
     from tokenyard.bench.offline import add_arguments
 

@@ -79,7 +79,7 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
         model.set_threads(torch.get_num_threads())
     tokenizer: Tokenizer = loaded.tokenizer
     eos = frozenset(set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids))
-    core = EngineCore(model, loaded.config, config, device, dtype)
+    core = EngineCore(model, loaded.config, config, device, dtype, tokenizer=tokenizer)
     return BuiltCore(core, tokenizer, loaded.config, eos, weights)
 
 

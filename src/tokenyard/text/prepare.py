@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 from tokenyard.errors import APIError, context_length_exceeded
 from tokenyard.telemetry.timeline import Timeline
@@ -49,17 +49,21 @@ class Preparer:
     tokenizer: Tokenizer
     max_model_len: int
 
-    def template(self, messages: Sequence[TemplateMessage], add_generation_prompt: bool) -> str:
-        """The conversation through the model's chat template, as text."""
+    def template(self, messages: Sequence[TemplateMessage], add_generation_prompt: bool,
+                 tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation through the model's chat template, as text (`tools` for a
+        template that renders them, `text/tools.py`)."""
         try:
             return render_conversation(
-                self.tokenizer, cast(Conversation, list(messages)), add_generation_prompt
+                self.tokenizer, cast(Conversation, list(messages)), add_generation_prompt,
+                tools,
             )
         except ChatTemplateError as exc:
             raise APIError(400, f"The chat template rejected the messages: {exc}",
                            param="messages") from None
 
-    def template_with_prefill(self, messages: Sequence[TemplateMessage]) -> str:
+    def template_with_prefill(self, messages: Sequence[TemplateMessage],
+                              tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as text, a final assistant message being the start of the reply.
 
         The template renders the turns before it with the generation prompt, and the
@@ -67,8 +71,8 @@ class Preparer:
         end-of-turn token and the model would start a new turn instead of continuing.
         """
         if not has_prefill(messages):
-            return self.template(messages, add_generation_prompt=True)
-        return self.template(messages[:-1], True) + messages[-1]["content"]
+            return self.template(messages, True, tools)
+        return self.template(messages[:-1], True, tools) + messages[-1]["content"]
 
     def encode_rendered(self, text: str) -> list[int]:
         """Tokens of templated text (the template already holds BOS if the model wants it)."""
@@ -98,12 +102,14 @@ class Preparer:
         return prompt
 
     def conversation(
-        self, messages: Sequence[TemplateMessage], timeline: Timeline, *, prefill: bool
+        self, messages: Sequence[TemplateMessage], timeline: Timeline, *, prefill: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation: templated (with the prefill rule when `prefill`),
-        then tokenized; `timeline` gets the "templated" and "tokenized" marks."""
-        text = (self.template_with_prefill(messages) if prefill
-                else self.template(messages, add_generation_prompt=True))
+        """Token ids of a conversation: templated (with the prefill rule when `prefill`;
+        `tools` for a template that renders them), then tokenized; `timeline` gets the
+        "templated" and "tokenized" marks."""
+        text = (self.template_with_prefill(messages, tools) if prefill
+                else self.template(messages, True, tools))
         timeline.mark("templated")
         ids = self.encode_rendered(text)
         timeline.mark("tokenized")

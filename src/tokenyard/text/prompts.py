@@ -16,13 +16,16 @@ Prompt = str | list[int] | Conversation
 
 
 def render_conversation(
-    tokenizer: Tokenizer, messages: Conversation, add_generation_prompt: bool = True
+    tokenizer: Tokenizer, messages: Conversation, add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """A conversation as text through the model's chat template (ChatML if it has none)."""
+    """A conversation as text through the model's chat template (ChatML if it has none);
+    `tools`: function schemas for a template that renders them."""
     return render_chat(
         tokenizer.chat_template or DEFAULT_CHATML_TEMPLATE,
         messages,
         add_generation_prompt=add_generation_prompt,
+        tools=tools,
         bos_token=tokenizer.bos_token or "",
         eos_token=tokenizer.eos_token or "",
     )

@@ -22,12 +22,13 @@ from tokenyard.api.anthropic.schemas import (
     CountTokensRequest,
     MessagesRequest,
     StopReason,
-    TextBlock,
     blocks_text,
 )
+from tokenyard.api.anthropic.tools import content_blocks
 from tokenyard.api.convert import random_id, sampling_params, stop_list
 from tokenyard.api.images import template_message
 from tokenyard.text.prepare import Preparer, TemplateMessage
+from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion
 from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
@@ -124,6 +125,8 @@ def anthropic_stop_reason(
         return None, None
     if finish_reason == "length":
         return "max_tokens", None
+    if finish_reason == "content_filter":  # output moderation stopped it
+        return "refusal", None
     if isinstance(stop_reason, str) and stop_reason in stop_sequences:
         return "stop_sequence", stop_reason
     return "end_turn", None
@@ -163,17 +166,21 @@ def build_anthropic_message(
     stop_sequences: Sequence[str] = (),
     output_tokens: int | None = None,
     cache_writes: tuple[int, int] | None = None,
+    tools: ToolUse | None = None,
 ) -> AnthropicMessage:
     """The non-streamed /v1/messages response for one finished completion;
     `output_tokens` defaults to its token ids' count; `cache_writes` as in
-    `anthropic_usage`."""
+    `anthropic_usage`; with active `tools`, its calls as tool_use blocks."""
     stop_reason, stop_sequence = anthropic_stop_reason(
         completion.finish_reason or "stop", completion.stop_reason, stop_sequences
     )
+    content, called = content_blocks(completion.text, tools)
+    if called and stop_reason == "end_turn":
+        stop_reason = "tool_use"
     return AnthropicMessage(
         id=id,
         model=model,
-        content=[TextBlock(text=completion.text)],
+        content=content,
         stop_reason=stop_reason,
         stop_sequence=stop_sequence,
         usage=anthropic_usage(prompt_tokens, len(completion.token_ids)

@@ -1,10 +1,11 @@
 """Bodies of the Anthropic-compatible endpoints: /v1/messages and /v1/messages/count_tokens.
 
 Requests: `max_tokens` is required (as Anthropic requires it), `system` is a string or a list
-of text blocks, message content is a string or a list of blocks of which `text` and, in
-user messages, `image` are supported so far; document, tool_use, tool_result and thinking
-blocks, `tools` and enabled `thinking` are answered with a 400 naming them. Unknown fields
-are ignored.
+of text blocks, message content is a string or a list of blocks of which `text`,
+`tool_use` (assistant), `tool_result` and `image` (user) are supported; document and
+thinking blocks and enabled `thinking` are answered with a 400 naming them. `tools` are
+client tools (name, description, input_schema); `tool_choice` is auto, any, tool or
+none. Unknown fields are ignored.
 
 Responses and stream events mirror Anthropic's shapes so the official SDK parses them. Usage
 follows Anthropic's accounting: `input_tokens` counts the prompt tokens that were *not* read
@@ -16,14 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
 from tokenyard.api.errors import schema_error
 from tokenyard.api.images import (
     anthropic_source_uri,
     only_from_user,
     source_problem,
-    text_or_image,
 )
 from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
@@ -37,8 +37,6 @@ _UNSUPPORTED_BLOCKS = frozenset(
         "image",
         "document",
         "search_result",
-        "tool_use",
-        "tool_result",
         "server_tool_use",
         "web_search_tool_result",
         "thinking",
@@ -140,14 +138,53 @@ class ImageBlockParam(RequestModel):
         return ImagePart(param, self.source.uri)
 
 
-#: A message's content block: image blocks by their type; anything else is validated as text.
+#: A tool's name, as Anthropic allows it.
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class ToolUseBlockParam(RequestModel):
+    """``{"type": "tool_use", "id", "name", "input"}``: a call an assistant turn made."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Any = None
+
+
+class ToolResultBlockParam(RequestModel):
+    """``{"type": "tool_result", "tool_use_id", "content", "is_error"}`` in a user message."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlockParam] | None = None
+    is_error: bool | None = None
+    cache_control: Any = None
+
+    @property
+    def text(self) -> str:
+        return "" if self.content is None else blocks_text(self.content)
+
+
+_BLOCK_TAGS = {"image": "Image", "tool_use": "ToolUse", "tool_result": "ToolResult"}
+
+
+def _block_kind(data: Any) -> str:
+    found = data.get("type") if isinstance(data, dict) else getattr(data, "type", None)
+    return _BLOCK_TAGS.get(found, "Text") if isinstance(found, str) else "Text"
+
+
+#: A message's content block by its type; anything else is validated as text (whose
+#: model names the types it refuses).
 ContentBlockParam = Annotated[
-    Annotated[TextBlockParam, Tag("Text")] | Annotated[ImageBlockParam, Tag("Image")],
-    text_or_image("image"),
+    Annotated[TextBlockParam, Tag("Text")] | Annotated[ImageBlockParam, Tag("Image")]
+    | Annotated[ToolUseBlockParam, Tag("ToolUse")]
+    | Annotated[ToolResultBlockParam, Tag("ToolResult")],
+    Discriminator(_block_kind),
 ]
 
 
-def blocks_text(content: str | Sequence[TextBlockParam | ImageBlockParam]) -> str:
+def blocks_text(content: str | Sequence[Any]) -> str:
     """Content (a string or blocks) as one string of its text."""
     if isinstance(content, str):
         return content
@@ -165,6 +202,13 @@ class MessageParam(RequestModel):
     @model_validator(mode="after")
     def _images_from_user(self) -> MessageParam:
         only_from_user(self.role, self.content, "image blocks")
+        for i, block in enumerate(() if isinstance(self.content, str) else self.content):
+            wrong = ((isinstance(block, ToolUseBlockParam) and self.role != "assistant")
+                     or (isinstance(block, ToolResultBlockParam) and self.role != "user"))
+            if wrong:
+                raise schema_error(INVALID_VALUE, f"content.{i}.type",
+                                   f"'{block.type}' blocks are not allowed in '{self.role}' "
+                                   "messages.")
         return self
 
     @property
@@ -183,8 +227,22 @@ def _thinking_ok(value: Any) -> bool:
     return value is None or (isinstance(value, dict) and value.get("type") == "disabled")
 
 
-def _tool_choice_ok(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") in ("auto", "none"))
+class ToolParam(RequestModel):
+    """One of `tools`: a client tool (name, description, its input's JSON schema)."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: Any = None
+
+
+class ToolChoiceParam(RequestModel):
+    """`tool_choice`: auto, any (at least one call), tool (that one, `name`) or none."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 def _output_config_ok(value: Any) -> bool:
@@ -192,8 +250,6 @@ def _output_config_ok(value: Any) -> bool:
 
 
 _MESSAGES_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": _tool_choice_ok,
     "thinking": _thinking_ok,
     "output_config": _output_config_ok,
 }
@@ -215,6 +271,8 @@ class _Conversation(RequestModel):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -234,6 +292,21 @@ class _Conversation(RequestModel):
                     f"messages.{i}: every message needs non-empty content, except an optional "
                     "final assistant message.",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> _Conversation:
+        names = [t.name for t in self.tools or ()]
+        choice = self.tool_choice
+        if choice is not None and choice.type in ("any", "tool") and not names:
+            raise schema_error(INVALID_VALUE, "tool_choice",
+                               f"tool_choice.type '{choice.type}' needs 'tools'.")
+        if choice is not None and choice.type == "tool" and choice.name not in names:
+            raise schema_error(INVALID_VALUE, "tool_choice.name",
+                               f"tool_choice names the tool {choice.name!r}, which is not "
+                               "among 'tools'.")
+        if len(set(names)) != len(names):
+            raise schema_error(INVALID_VALUE, "tools", "Tool names must be unique.")
         return self
 
     @model_validator(mode="after")
@@ -294,7 +367,7 @@ class CountTokensResponse(BaseModel):
 
 # ---------------------------------------------------------------------------- responses
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
 
 
 class TextBlock(BaseModel):
@@ -302,6 +375,18 @@ class TextBlock(BaseModel):
 
     type: Literal["text"] = "text"
     text: str
+
+
+class ToolUseBlock(BaseModel):
+    """A tool_use content block of the response: the call's id, tool and input."""
+
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ResponseBlock = TextBlock | ToolUseBlock
 
 
 class CacheCreation(BaseModel):
@@ -328,7 +413,7 @@ class AnthropicMessage(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextBlock]
+    content: list[ResponseBlock]
     model: str
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
@@ -347,7 +432,7 @@ class ContentBlockStartEvent(BaseModel):
 
     type: Literal["content_block_start"] = "content_block_start"
     index: int = 0
-    content_block: TextBlock = Field(default_factory=lambda: TextBlock(text=""))
+    content_block: ResponseBlock = Field(default_factory=lambda: TextBlock(text=""))
 
 
 class PingEvent(BaseModel):
@@ -363,12 +448,19 @@ class TextDelta(BaseModel):
     text: str
 
 
+class InputJSONDelta(BaseModel):
+    """The next fragment of a tool_use block's input (JSON text)."""
+
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
 class ContentBlockDeltaEvent(BaseModel):
     """A delta of content block `index`."""
 
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int = 0
-    delta: TextDelta
+    delta: TextDelta | InputJSONDelta
 
 
 class ContentBlockStopEvent(BaseModel):

@@ -21,6 +21,7 @@ from tokenyard.api.anthropic.schemas import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
     ContentBlockStopEvent,
+    InputJSONDelta,
     MessageDelta,
     MessageDeltaEvent,
     MessageDeltaUsage,
@@ -29,10 +30,20 @@ from tokenyard.api.anthropic.schemas import (
     PingEvent,
     StreamEvent,
     TextDelta,
+    ToolUseBlock,
 )
+from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.balancer.generation import Generation
 from tokenyard.errors import APIError
+from tokenyard.text.tools import (
+    CallArguments,
+    CallStart,
+    TextPiece,
+    ToolCallParser,
+    ToolEvent,
+    ToolUse,
+)
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
 from tokenyard.wire.protocol import Pin, cache_writes
 
@@ -52,7 +63,16 @@ class AnthropicStream:
     stop_sequences: Sequence[str] = ()
     #: The request's prompt-cache pins (cache_control breakpoints), for its cache writes.
     pins: Sequence[Pin] = ()
+    #: The request's tools: calls are parsed out of the text and sent as tool_use blocks
+    #: (the text block then opens only when text comes).
+    tools: ToolUse | None = None
     _block_open: bool = False
+    _index: int = 0  # the open (or last) block's index
+    _blocks: int = 0  # blocks opened so far
+    _parser: ToolCallParser | None = None
+
+    def __post_init__(self) -> None:
+        self._parser = tool_parser(self.tools)
 
     def _usage(self, prompt_tokens: int, output_tokens: int, cached_tokens: int
                ) -> AnthropicUsage:
@@ -66,22 +86,56 @@ class AnthropicStream:
             usage=self._usage(prompt_tokens, 0, cached_tokens),
         ))
 
-    def content_block_start(self) -> ContentBlockStartEvent:
-        """Opens the text block (index 0)."""
-        self._block_open = True
-        return ContentBlockStartEvent()
+    def content_block_start(self, block: ToolUseBlock | None = None) -> ContentBlockStartEvent:
+        """Opens the next block: a text block, or `block`."""
+        self._block_open, self._index = True, self._blocks
+        self._blocks += 1
+        if block is None:
+            return ContentBlockStartEvent(index=self._index)
+        return ContentBlockStartEvent(index=self._index, content_block=block)
+
+    def content_block_stop(self) -> list[StreamEvent]:
+        """content_block_stop of the open block (none when no block is open)."""
+        if not self._block_open:
+            return []
+        self._block_open = False
+        return [ContentBlockStopEvent(index=self._index)]
 
     def start_events(self, prompt_tokens: int, cached_tokens: int = 0) -> list[StreamEvent]:
-        """message_start, content_block_start, ping."""
-        return [
-            self.message_start(prompt_tokens, cached_tokens),
-            self.content_block_start(),
-            PingEvent(),
-        ]
+        """message_start, content_block_start (not yet with tools), ping."""
+        opening = [] if self._parser is not None else [self.content_block_start()]
+        return [self.message_start(prompt_tokens, cached_tokens), *opening, PingEvent()]
 
     def text_delta(self, text: str) -> ContentBlockDeltaEvent:
         """content_block_delta with a text_delta."""
-        return ContentBlockDeltaEvent(delta=TextDelta(text=text))
+        return ContentBlockDeltaEvent(index=self._index, delta=TextDelta(text=text))
+
+    def _text_events(self, text: str) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        if not self._block_open:
+            events.append(self.content_block_start())
+        events.append(self.text_delta(text))
+        return events
+
+    def _tool_events(self, events: Sequence[ToolEvent]) -> list[StreamEvent]:
+        """Text pieces into the text block, each call into a tool_use block of its own."""
+        out: list[StreamEvent] = []
+        text_open = False
+        for event in events:
+            if isinstance(event, TextPiece):
+                if self._block_open and not text_open:
+                    out.extend(self.content_block_stop())
+                out.extend(self._text_events(event.text))
+                text_open = True
+            elif isinstance(event, CallStart):
+                out.extend(self.content_block_stop())
+                out.append(self.content_block_start(
+                    ToolUseBlock(id=event.id, name=event.name, input={})))
+                text_open = False
+            elif isinstance(event, CallArguments):
+                out.append(ContentBlockDeltaEvent(
+                    index=self._index, delta=InputJSONDelta(partial_json=event.fragment)))
+        return out
 
     def finish_events(
         self,
@@ -95,11 +149,10 @@ class AnthropicStream:
         reason, sequence = anthropic_stop_reason(
             finish_reason or "stop", stop_reason, self.stop_sequences
         )
+        if reason == "end_turn" and self._parser is not None and self._parser.made_calls:
+            reason = "tool_use"
         usage = self._usage(prompt_tokens, output_tokens, cached_tokens)
-        events: list[StreamEvent] = []
-        if self._block_open:
-            self._block_open = False
-            events.append(ContentBlockStopEvent())
+        events: list[StreamEvent] = self.content_block_stop()
         events.append(MessageDeltaEvent(
             delta=MessageDelta(stop_reason=reason, stop_sequence=sequence),
             usage=MessageDeltaUsage(
@@ -121,10 +174,13 @@ class AnthropicStream:
     ) -> list[StreamEvent]:
         """Events for one engine delta; the usage figures are the request's running totals."""
         events: list[StreamEvent] = []
-        if delta.text:
-            if not self._block_open:
-                events.append(self.content_block_start())
-            events.append(self.text_delta(delta.text))
+        if self._parser is not None:
+            pieces = self._parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                pieces += self._parser.finish()
+            events.extend(self._tool_events(pieces))
+        elif delta.text:
+            events.extend(self._text_events(delta.text))
         if delta.finish_reason is not None:
             events.extend(self.finish_events(
                 delta.finish_reason, delta.stop_reason, prompt_tokens, output_tokens,
@@ -149,8 +205,8 @@ class MessagesFormat:
     terminator = b""
 
     def __init__(self, model: str, stop_sequences: Sequence[str], request_id: str,
-                 pins: Sequence[Pin] = ()) -> None:
-        self.stream = AnthropicStream(new_message_id(), model, stop_sequences, pins)
+                 pins: Sequence[Pin] = (), tools: ToolUse | None = None) -> None:
+        self.stream = AnthropicStream(new_message_id(), model, stop_sequences, pins, tools)
         self.request_id = request_id
         self._started = False
 
@@ -164,6 +220,7 @@ class MessagesFormat:
             stop_sequences=stream.stop_sequences,
             output_tokens=gen.last.num_output_tokens if gen.last is not None else None,
             cache_writes=gen.cache_writes if stream.pins else None,
+            tools=stream.tools,
         )
 
     def head(self) -> list[BaseModel]:

@@ -12,6 +12,7 @@ No I/O, no torch: the HTTP process calls these on its event loop.
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -21,7 +22,6 @@ from tokenyard.api.convert import random_id, sampling_params, stop_list
 from tokenyard.api.images import template_message
 from tokenyard.api.openai.schemas import (
     MAX_N,
-    AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
@@ -33,16 +33,20 @@ from tokenyard.api.openai.schemas import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    ResponseFormatJSONObject,
+    ResponseFormatJSONSchema,
     SamplingFields,
     TextCompletion,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from tokenyard.api.openai.tools import assistant_message
 from tokenyard.errors import INVALID_VALUE, invalid_request, unsupported
 from tokenyard.text.prepare import TemplateMessage
+from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, Logprob
-from tokenyard.wire.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams, SamplingParamsError
 
 #: One prompt of a legacy completions request: text to tokenize, or token ids as given.
 Prompt = str | list[int]
@@ -110,8 +114,48 @@ def _common_kwargs(req: SamplingFields, vocab_size: int | None) -> dict[str, Any
         "min_tokens": req.min_tokens or 0,
         "ignore_eos": bool(req.ignore_eos),
         "skip_special_tokens": req.skip_special_tokens is not False,
+        "guided": guided_decoding(req),
     }
     return kwargs
+
+
+def guided_decoding(req: SamplingFields) -> GuidedDecoding | None:
+    """The grammar `response_format` (or one of vLLM's `guided_*` fields) asks for.
+
+    `json_object` is any JSON object; `json_schema` forces its schema whether `strict` is
+    true or not (the output always parses and validates); no schema is any JSON object.
+    An invalid or unsupported schema is found by the replica, which answers 400 naming
+    ``response_format.json_schema.schema`` (or the guided_* field).
+    """
+    fmt = req.response_format
+    asked: list[tuple[str, str, str]] = []  # (field, grammar kind, spec)
+    if isinstance(fmt, ResponseFormatJSONObject):
+        asked.append(("response_format", "json_object", ""))
+    elif isinstance(fmt, ResponseFormatJSONSchema):
+        schema = fmt.json_schema.schema_
+        asked.append(("response_format.json_schema.schema", *(
+            ("json_object", "") if schema is None else ("json_schema", json.dumps(schema)))))
+    if req.guided_json is not None:
+        spec = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        asked.append(("guided_json", "json_schema", spec))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_grammar is not None:
+        asked.append(("guided_grammar", "ebnf", req.guided_grammar))
+    if req.guided_choice is not None:
+        choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in req.guided_choice)
+        asked.append(("guided_choice", "ebnf", f"root ::= {choices}"))
+    if len(asked) > 1:
+        first, second = (field.split(".")[0] for field, _, _ in asked[:2])
+        raise invalid_request(f"'{first}' and '{second}' cannot be used together.",
+                              param=second, code=INVALID_VALUE)
+    if not asked:
+        return None
+    field, kind, spec = asked[0]
+    try:
+        return GuidedDecoding(kind, spec, param=field)
+    except SamplingParamsError as exc:  # an empty regex or grammar
+        raise invalid_request(str(exc), param=exc.param, code=INVALID_VALUE) from None
 
 
 def chat_request_to_engine(
@@ -317,21 +361,20 @@ def build_chat_completion(
     token_bytes: TokenBytes | None = None,
     system_fingerprint: str | None = None,
     completion_tokens: int | None = None,
+    tools: ToolUse | None = None,
 ) -> ChatCompletion:
     """The non-streamed chat completion for finished `completions` (one per choice);
-    `completion_tokens` defaults to their token ids' count."""
+    `completion_tokens` defaults to their token ids' count; with active `tools`, each
+    choice's calls are split out of its text."""
     choices = []
     for c in sorted(completions, key=lambda c: c.index):
         logprobs = None
         if c.logprobs is not None:
             logprobs = chat_logprobs(c.logprobs, need_bytes(token_bytes))
+        message, finish = assistant_message(
+            c, tools, openai_finish_reason(c.finish_reason) or "stop")
         choices.append(
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                logprobs=logprobs,
-                finish_reason=openai_finish_reason(c.finish_reason) or "stop",
-            )
+            ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
         )
     if completion_tokens is None:
         completion_tokens = sum(len(c.token_ids) for c in completions)

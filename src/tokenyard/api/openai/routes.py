@@ -15,7 +15,9 @@ from tokenyard.api.openai.convert import (
 )
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
-from tokenyard.api.respond import generate, json_response, prepared, token_bytes
+from tokenyard.api.openai.tools import tool_messages, tool_use
+from tokenyard.api.respond import generate, json_response, placed, prepared, token_bytes
+from tokenyard.text.tools import constrained, template_tools
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -25,15 +27,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     served = route(request, req.model, "chat",
                    first_user_text=next((m.text for m in req.messages if m.role == "user"), None))
     messages, params = chat_request_to_engine(req, served.vocab_size)
+    tools, passed_on, native = placed(tool_use(req), served)
+    messages = tool_messages(req, messages, tools, native)
+    params = constrained(params, tools)
     messages = await admit_images(messages, model=served.name,
                                   vision="vision" in served.spec.capabilities)
     prepare, _ = prepared(served)
-    prompt = prepare.conversation(messages, timeline, prefill=False)
+    prompt = prepare.conversation(messages, timeline, prefill=False,
+                                  tools=template_tools(tools, native))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     params = prepare.fit(len(prompt), params, param)
-    fmt = ChatFormat(served.name, params.n, req.include_usage, token_bytes(request, served))
+    fmt = ChatFormat(served.name, params.n, req.include_usage, token_bytes(request, served),
+                     tools or passed_on)
     return await generate(request, served, [prompt], [params], fmt,
-                          stream=bool(req.stream), messages=messages)
+                          stream=bool(req.stream), messages=messages, tools=passed_on)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -2,8 +2,8 @@
 
 Requests are validated strictly for types (a string where a number belongs is a 400, not a
 silent coercion); an unknown top-level field is a 400 naming it, as OpenAI answers.
-Parameters this server does not implement yet (`tools`, `response_format` other than text,
-audio/file content parts, ...) are rejected with a 400 that names them, never dropped
+Parameters this server does not implement yet (`functions`, audio/file content parts,
+...) are rejected with a 400 that names them, never dropped
 silently. Value ranges are checked once, by `SamplingParams`, when `api.openai.convert` builds the
 engine's parameters, so the range rules live in one place.
 
@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     Tag,
     field_validator,
@@ -128,6 +129,53 @@ def join_text(content: str | list[ContentPartParam] | None) -> str:
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
+#: A function's name, as OpenAI allows it.
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(RequestModel):
+    """`tools[].function`: a name, what it does, its arguments' JSON schema."""
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(RequestModel):
+    """One of `tools`: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    """`tool_choice.function`: the function that must be called."""
+
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    """``{"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(RequestModel):
+    """A past call's function and its arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallParam(RequestModel):
+    """One of an assistant message's `tool_calls`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
 
 class ChatMessage(RequestModel):
     """One message of `messages`: role plus content as a string or an array of text parts."""
@@ -136,15 +184,19 @@ class ChatMessage(RequestModel):
     content: str | list[ContentPartParam] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallParam] | None = None
     function_call: Any = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
-        if self.tool_calls:
+        if self.tool_calls and self.role != "assistant":
             raise schema_error(
-                UNSUPPORTED_PARAMETER, "tool_calls",
-                "Assistant 'tool_calls' are not supported by this server yet.",
+                INVALID_VALUE, "tool_calls", "Only assistant messages may have 'tool_calls'.",
+            )
+        if self.role == "tool" and not self.tool_call_id:
+            raise schema_error(
+                INVALID_VALUE, "tool_call_id",
+                "Messages with role 'tool' must have a 'tool_call_id'.",
             )
         if self.function_call is not None:
             raise schema_error(
@@ -181,11 +233,8 @@ def _none_or_empty(value: Any) -> bool:
 
 
 _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": _none_or_empty,
     "functions": _none_or_empty,
-    "tool_choice": lambda v: v is None or v in ("none", "auto"),
     "function_call": lambda v: v is None or v in ("none", "auto"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "audio": _is_none,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _is_none,
@@ -195,8 +244,45 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
+class JSONSchemaFormat(RequestModel):
+    """``response_format.json_schema``: the schema the output must validate against."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # constrained either way: the output always validates
+
+
+class ResponseFormatText(RequestModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(RequestModel):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+    Field(discriminator="type"),
+]
+
+
 class SamplingFields(RequestModel):
     """Generation parameters shared by chat and legacy completions (ranges: SamplingParams)."""
+
+    #: Structured output, forced by a grammar on the replica (`convert.guided_decoding`).
+    response_format: ResponseFormat | None = None
+    #: vLLM's structured-output extras: at most one of them, and not with response_format.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
 
     temperature: float | None = None
     top_p: float | None = None
@@ -238,13 +324,36 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         _reject_unsupported(data, _CHAT_UNSUPPORTED)
-        reject_unknown(data, [*cls.model_fields, *_CHAT_UNSUPPORTED, "parallel_tool_calls"])
+        reject_unknown(data, [*cls.model_fields, *_CHAT_UNSUPPORTED])
         return data
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        choice = self.tool_choice
+        if not names and choice not in (None, "none", "auto"):
+            raise schema_error(
+                INVALID_VALUE, "tool_choice",
+                "'tool_choice' is only allowed when 'tools' are specified.",
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise schema_error(
+                INVALID_VALUE, "tool_choice",
+                f"'tool_choice' names the function '{choice.function.name}', which is not "
+                "among 'tools'.",
+            )
+        if len(set(names)) != len(names):
+            raise schema_error(INVALID_VALUE, "tools", "Function names in 'tools' must be "
+                               "unique.")
+        return self
 
 
 # ---------------------------------------------------------------------------- completions request
@@ -316,12 +425,35 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """A call's function: its name and arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One of `message.tool_calls`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """`choices[].message`."""
+    """`choices[].message`; `tool_calls` is left out when the reply made no call."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.tool_calls is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -371,12 +503,33 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    """A fragment of call `index`: the first carries id, type and function name, the
+    rest only `function.arguments` pieces (the SDK concatenates them)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str]
+
+    @model_serializer(mode="plain")
+    def _serialize(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"] = self.id
+        if self.type is not None:
+            out["type"] = self.type
+        out["function"] = self.function
+        return out
+
+
 class ChunkDelta(BaseModel):
     """`choices[].delta` of a chunk; fields that are not set are left out of the JSON."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="plain")
     def _serialize(self) -> dict[str, Any]:
@@ -387,6 +540,8 @@ class ChunkDelta(BaseModel):
             out["content"] = self.content
         if self.refusal is not None:
             out["refusal"] = self.refusal
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out
 
 

@@ -31,9 +31,12 @@ from tokenyard.api.openai.schemas import (
     CompletionChoice,
     TextCompletion,
 )
+from tokenyard.api.openai.tools import delta_parts
+from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
 from tokenyard.balancer.generation import Generation
 from tokenyard.errors import APIError
+from tokenyard.text.tools import ToolCallParser, ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
 
 #: The `system_fingerprint` of every OpenAI response.
@@ -54,7 +57,10 @@ class ChatStream:
     created: int
     system_fingerprint: str | None = None
     token_bytes: TokenBytes | None = None
+    #: The request's tools: each choice's calls are parsed out of its text as it streams.
+    tools: ToolUse | None = None
     _started: set[int] = field(default_factory=set)
+    _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
 
     def _chunk(self, choice: ChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -81,11 +87,23 @@ class ChatStream:
         logprobs = None
         if delta.logprobs:
             logprobs = chat_logprobs(delta.logprobs, need_bytes(self.token_bytes))
-        if delta.text or logprobs is not None:
+        parser = self._parsers.setdefault(delta.index, tool_parser(self.tools))
+        text, calls = delta.text, None
+        if parser is not None:
+            events = parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                events += parser.finish()
+            text, tool_deltas = delta_parts(events)
+            calls = tool_deltas or None
+        if text or logprobs is not None or calls:
             out.append(self._chunk(ChunkChoice(
-                index=delta.index, delta=ChunkDelta(content=delta.text), logprobs=logprobs,
+                index=delta.index, delta=ChunkDelta(content=text or None if calls else text,
+                                                    tool_calls=calls),
+                logprobs=logprobs,
             )))
         finish = openai_finish_reason(delta.finish_reason)
+        if finish == "stop" and parser is not None and parser.made_calls:
+            finish = "tool_calls"
         if finish is not None:
             out.append(self._chunk(
                 ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=finish)
@@ -197,10 +215,10 @@ class _OpenAIFormat:
 class ChatFormat(_OpenAIFormat):
     """A chat completion of one prompt's n choices."""
 
-    def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes
-                 ) -> None:
+    def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes,
+                 tools: ToolUse | None = None) -> None:
         self.stream: ChatStream = ChatStream(new_chat_id(), model, now(), SYSTEM_FINGERPRINT,
-                                             token_bytes)
+                                             token_bytes, tools)
         super().__init__(self.stream, n, include_usage, token_bytes)
 
     def body(
@@ -213,6 +231,7 @@ class ChatFormat(_OpenAIFormat):
             cached_tokens=gen.num_cached_tokens, token_bytes=self.token_bytes,
             system_fingerprint=SYSTEM_FINGERPRINT,
             completion_tokens=gen.last.num_output_tokens if gen.last is not None else 0,
+            tools=self.stream.tools,
         )
 
     def head(self) -> list[BaseModel]:
