@@ -7,9 +7,9 @@
   comes back when the time is up and its health check passes. A connection refused
   before the first byte marks the replica down at once: the process is gone.
 - **Selection**: with the `affinity` policy, the replica that most recently served the
-  longest prefix of the prompt (its block hashes, `balancer/affinity.py`) wins when that
-  prefix is at least half the prompt's full blocks, unless it carries far more
-  outstanding work than the least loaded one; otherwise (and with
+  longest prefix of the prompt (its block hashes, `balancer/affinity.py`) wins unless its
+  outstanding work exceeds the least loaded one's by more than the prefill the prefix
+  saves (at least 2,048 tokens when it holds most of the prompt); otherwise (and with
   `least`) the replica with the fewest tokens in flight from this gateway, then the
   fewest running and waiting requests in its own stats; `round_robin` is the control.
 - **Failover**: a request that has not received its first byte is tried on the next
@@ -53,12 +53,9 @@ from tokenyard.wire.sampling_params import SamplingParams
 logger = logging.getLogger("tokenyard.balancer")
 
 _T = TypeVar("_T")
-#: Work the preferred (affinity) replica may carry beyond the least loaded one's
-#: (tokens: the factor on the minimum plus this) before the prefix stops deciding.
+#: Outstanding tokens the replica holding most of a prompt may carry beyond the least
+#: loaded one's and still get it (otherwise the allowance is the prefill it saves).
 AFFINITY_SLACK_TOKENS = 2048
-AFFINITY_SLACK_FACTOR = 2.0
-#: The share of the prompt's full blocks a replica must hold for the prefix to decide.
-AFFINITY_MIN_SHARE = 0.5
 MAX_EJECTION_S = 60.0
 #: Health probes in a row without any answer (a round is the interval plus the probe's
 #: timeout: 2 s by default) after which a replica's open connections are closed, so its
@@ -273,11 +270,14 @@ class Pool:
             if depth:
                 best = max(ranked, key=lambda m: depth.get(m.id, 0))
                 least = ranked[0].inflight_tokens
-                # A match of a small share of the prompt (a common system prompt) saves
-                # little prefill: it must not pull every request to one replica.
-                if depth.get(best.id, 0) >= AFFINITY_MIN_SHARE * len(hashes) and (
-                        best.inflight_tokens <= least * AFFINITY_SLACK_FACTOR
-                        + AFFINITY_SLACK_TOKENS):
+                # The held prefix saves its prefill: worth at most that much extra work
+                # queued on its holder (a shared system prompt alone saves little, so it
+                # cannot pull every request to one replica).
+                held = depth.get(best.id, 0)
+                allowance = held * self.block_size
+                if 2 * held >= len(hashes):  # most of the prompt: a conversation, keep it
+                    allowance = max(allowance, AFFINITY_SLACK_TOKENS)
+                if held and best.inflight_tokens - least <= allowance:
                     self.affinity_hits += 1
                     ranked.remove(best)
                     ranked.insert(0, best)
@@ -447,13 +447,39 @@ class Pool:
     ) -> AsyncIterator[CoreDelta]:
         """`Replica.generate` over the pool: the best replica for this prompt (`timeline`
         gets the decision's time as its `balance` stage)."""
-        return self._stream(
+        stream = self._stream(
             lambda m: m.client.generate(request_id, prompt_token_ids, params, cache_salt,
                                         priority, **extra),
             hashes=self.hashes(prompt_token_ids, cache_salt),
             cost=len(prompt_token_ids) + (params.max_tokens or 0),
             priority=priority, request_id=request_id, timeline=timeline,
         )
+        if self.spec.policy != "affinity":
+            return stream
+        return self._remember_output(stream, request_id, prompt_token_ids, cache_salt)
+
+    async def _remember_output(
+        self, stream: AsyncIterator[CoreDelta], request_id: str, prompt: list[int],
+        salt: str | None,
+    ) -> AsyncIterator[CoreDelta]:
+        """Pass the deltas on; once the request finished, record that its replica also
+        holds the prompt followed by the output (a conversation's next turn starts so)."""
+        output: list[int] = []
+        member: Member | None = None
+        try:
+            async for delta in stream:
+                if member is None:
+                    member = self._owner.get(request_id)
+                output.extend(getattr(delta, "new_token_ids", ()))
+                yield delta
+                reason = getattr(delta, "finish_reason", None)
+                if reason is not None and reason != "abort":
+                    if member is not None and output:
+                        await self.affinity.record(
+                            prefix_hashes(prompt + output, self.block_size, salt), member.id)
+                    return
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     async def stop(self, request_id: str, stop: str) -> None:
         member = self._owner.get(request_id)
