@@ -153,11 +153,13 @@ def start_mock(config: MockConfig, seed: int = 0) -> Child:
 
 def start_tokenyard(
     replica_url: str | None, auth: bool = True, *, workers: int = 1, embeddings: bool = False,
+    extra: Sequence[str] = (),
 ) -> tuple[Child, str | None]:
     """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model; with
     `replica_url` None it starts its own replica of the embedded model), and the API key
     its banner shows (None with `auth` off). `workers`: its HTTP worker processes
-    (``--workers``); `embeddings`: start the embeddings pool too (no benchmark calls it).
+    (``--workers``); `embeddings`: start the embeddings pool too (no benchmark calls it);
+    `extra`: more serve flags (e.g. ``--config FILE``).
 
     It gets a state directory of its own (its SQLite store, ledger journal and development
     key, removed when it stops) and neither TOKENYARD_DATABASE_URL nor TOKENYARD_REDIS_URL:
@@ -170,7 +172,8 @@ def start_tokenyard(
     replica = ["--replica-url", replica_url] if replica_url else []
     cmd = [sys.executable, "-m", "tokenyard.cli", "serve", *replica, "--port", "0",
            "--drain-timeout", "2", "--workers", str(workers),
-           *([] if auth else ["--no-auth"]), *([] if embeddings else ["--no-embeddings"])]
+           *([] if auth else ["--no-auth"]), *([] if embeddings else ["--no-embeddings"]),
+           *extra]
     try:
         child = start_child(cmd, _TOKENYARD_READY, _TOKENYARD_URL, env)
     except BaseException:
