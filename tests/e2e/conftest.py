@@ -138,5 +138,7 @@ def child_pids(pid: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    with running_server() as (srv, _):
+    """The session's server, as `make serve` starts it: the chat replica and the
+    embeddings pool."""
+    with running_server(embeddings=True) as (srv, _):
         yield srv

@@ -18,7 +18,22 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def test_models_lists_the_replica_model(client: openai.OpenAI, server: Server) -> None:
-    assert [m.id for m in client.models.list().data] == [server.model]
+    assert [m.id for m in client.models.list().data] == [server.model, "all-minilm-l6-v2"]
+
+
+def test_embeddings_out_of_the_box(client: openai.OpenAI) -> None:
+    """`make serve` starts the embeddings pool beside the chat replica."""
+    texts = ["The cat sleeps.", "A cat is sleeping.", "Stock prices fell."]
+    r = client.embeddings.create(model="all-minilm-l6-v2", input=texts)
+    vectors = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and all(len(v) == 384 for v in vectors)
+    assert r.usage.prompt_tokens > 6 and r.usage.total_tokens == r.usage.prompt_tokens
+
+    def cosine(a: list[float], b: list[float]) -> float:
+        return sum(x * y for x, y in zip(a, b, strict=True))  # unit vectors
+
+    # Meaning, not spelling: the two cat sentences are closer than either is to stocks.
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2]) + 0.2
 
 
 def test_chat_non_stream(client: openai.OpenAI, server: Server) -> None:
