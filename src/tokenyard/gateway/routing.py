@@ -5,9 +5,10 @@
   every turn, so one conversation never flips between model versions mid-way.
 - A shadow share copies that fraction of the alias's traffic (again by conversation hash,
   independent of the canary's draw) to another deployment in the background.
-- Capabilities: a request that needs tools, images, embeddings or a longer context than a
-  deployment declares is refused (400 naming the parameter) rather than sent where it
-  cannot be served.
+- Capabilities: a request that needs tools, images or embeddings that a deployment does
+  not declare is refused (400 naming the parameter) rather than sent where it cannot be
+  served; an upstream's declared `max_context` is its prepare stage's window, so a longer
+  request gets the usual context_length_exceeded.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 
 from tokenyard.deployments import AliasSpec, DeploymentSpec, FleetSpec
-from tokenyard.errors import APIError, invalid_request, model_not_found
+from tokenyard.errors import APIError, model_not_found
 
 _CAPABILITY_WORDS = {
     "chat": "chat completions",
@@ -97,10 +98,3 @@ def require(spec: DeploymentSpec, capability: str, param: str | None = None) -> 
             "unsupported_parameter",
         )
 
-
-def require_context(spec: DeploymentSpec, tokens: int, param: str) -> None:
-    """400 when a request needs more context than an upstream deployment declares."""
-    if spec.max_context is not None and tokens > spec.max_context:
-        raise invalid_request(
-            f"This model's maximum context length is {spec.max_context} tokens; the request "
-            f"needs {tokens}.", param=param, code="context_length_exceeded")
