@@ -33,7 +33,8 @@ from tokenyard.balancer.replica_client import (
 )
 from tokenyard.engine.llm import LLM
 from tokenyard.engine.server import is_loopback
-from tokenyard.wire.protocol import CoreDelta, ReplicaInfo, ReplicaStats
+from tokenyard.wire.protocol import CoreDelta
+from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,8 @@ from __future__ import annotations
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.request import Request
 from tokenyard.engine.scheduler import Scheduler
-from tokenyard.wire.protocol import GenerateRequest, cache_writes, stats_from_json
+from tokenyard.wire.protocol import GenerateRequest, cache_writes
+from tokenyard.wire.replica_info import stats_from_json
 from tokenyard.wire.sampling_params import SamplingParams
 
 BS = 4

@@ -44,7 +44,7 @@ from tokenyard.gateway.admin import Admin
 from tokenyard.gateway.auth import require_admin
 from tokenyard.text.model_files import load_tokenizer
 from tokenyard.text.tokenizer import Tokenizer
-from tokenyard.wire.protocol import ReplicaInfo
+from tokenyard.wire.replica_info import ReplicaInfo
 
 __all__ = ["AppState", "Served", "build_served", "build_state", "make_app"]
 

@@ -22,7 +22,7 @@ from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
-from tokenyard.wire.protocol import ReplicaInfo
+from tokenyard.wire.replica_info import ReplicaInfo
 
 
 @dataclass(eq=False)

@@ -1,11 +1,7 @@
 """Stage 12: one deployment's replicas behind one object — health, selection, failover.
 
-- **Health**: every replica's health route is polled (`health_interval_s`); a replica that
-  fails it takes no new work until it passes again. **Outlier ejection** is passive:
-  `eject_after` consecutive failures (connection errors, 5xx, broken streams) eject a
-  replica for `eject_base_s`, doubled for each ejection in a row (capped at a minute); it
-  comes back when the time is up and its health check passes. A connection refused
-  before the first byte marks the replica down at once: the process is gone.
+- **Health**: every replica's health route is polled (`health_interval_s`); failures
+  eject a replica for a while (`balancer/members.py` keeps that account).
 - **Selection**: with the `affinity` policy, the replica that most recently served the
   longest prefix of the prompt (its block hashes, `balancer/affinity.py`) wins unless its
   outstanding work exceeds the least loaded one's by more than the prefill the prefix
@@ -33,10 +29,17 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tokenyard.balancer.affinity import AffinityTable, LocalAffinity, prefix_hashes
+from tokenyard.balancer.members import (
+    SILENT_PROBES_TO_CUT,
+    Lease,
+    Member,
+    probe,
+    record_failure,
+    record_success,
+)
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
     ReplicaError,
@@ -47,7 +50,8 @@ from tokenyard.balancer.replica_client import (
 from tokenyard.deployments import BalancerSpec
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import EngineStats
-from tokenyard.wire.protocol import CoreDelta, ReplicaInfo, ReplicaStats
+from tokenyard.wire.protocol import CoreDelta
+from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.balancer")
@@ -56,65 +60,7 @@ _T = TypeVar("_T")
 #: Outstanding tokens the replica holding most of a prompt may carry beyond the least
 #: loaded one's and still get it (otherwise the allowance is the prefill it saves).
 AFFINITY_SLACK_TOKENS = 2048
-MAX_EJECTION_S = 60.0
-#: Health probes in a row without any answer (a round is the interval plus the probe's
-#: timeout: 2 s by default) after which a replica's open connections are closed, so its
-#: requests fail over or end instead of waiting out a partition.
-SILENT_PROBES_TO_CUT = 3
 
-
-@dataclass(eq=False)
-class Member:
-    """One replica of the pool and what the balancer knows of it."""
-
-    id: str
-    client: Any
-    healthy: bool = True
-    draining: bool = False
-    ejected_until: float = 0.0
-    ejections: int = 0
-    failures: int = 0
-    inflight: int = 0
-    inflight_tokens: int = 0
-    served: int = 0
-    failed: int = 0
-    stats: EngineStats | None = None
-    #: Health probes in a row that got no answer at all (timed out).
-    silent: int = 0
-
-    def available(self, now: float) -> bool:
-        return self.healthy and not self.draining and now >= self.ejected_until
-
-    def load(self) -> tuple[int, int]:
-        remote = self.stats.num_running + self.stats.num_waiting if self.stats else 0
-        return self.inflight_tokens, remote
-
-    def state(self, now: float) -> str:
-        if self.draining:
-            return "draining"
-        if now < self.ejected_until:
-            return "ejected"
-        return "healthy" if self.healthy else "unhealthy"
-
-
-@dataclass(eq=False)
-class Lease:
-    """A request's hold on a member until it ends."""
-
-    pool: Pool
-    member: Member
-    cost: int
-    released: bool = field(default=False)
-
-    def release(self, wake: bool = True) -> None:
-        """`wake`: capacity was freed (a request ended), so a waiter may try again; a
-        failed attempt frees none (waking then makes two waiters ping-pong)."""
-        if not self.released:
-            self.released = True
-            self.member.inflight -= 1
-            self.member.inflight_tokens -= self.cost
-            if wake:
-                self.pool._wake()
 
 
 class Pool:
@@ -175,7 +121,8 @@ class Pool:
 
     async def check_health(self) -> None:
         """One round of health checks (also each tick of the loop)."""
-        results = await asyncio.gather(*(self._probe(m) for m in self.members))
+        results = await asyncio.gather(
+            *(probe(m, self.spec, self.info_cache) for m in self.members))
         for member, (ok, stats) in zip(self.members, results, strict=True):
             if ok and not member.healthy:
                 logger.info("replica %s of %s is healthy again", member.id, self.name)
@@ -198,24 +145,6 @@ class Pool:
                     await member.client.close()
         self._wake()
 
-    async def _probe(self, member: Member) -> tuple[bool, EngineStats | None]:
-        timeout = max(0.5, self.spec.health_interval_s)
-        try:
-            async with asyncio.timeout(timeout):
-                ok = bool(await member.client.health())
-                stats = None
-                stats_fn = getattr(member.client, "stats", None)
-                if ok and stats_fn is not None and isinstance(self.info_cache, ReplicaInfo):
-                    with contextlib.suppress(ReplicaError):
-                        stats = await stats_fn()
-                member.silent = 0
-                return ok, stats
-        except TimeoutError:
-            member.silent += 1
-            return False, None
-        except (ReplicaError, OSError):
-            return False, None
-
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.spec.health_interval_s)
@@ -236,15 +165,7 @@ class Pool:
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [{
-            "id": m.id, "state": m.state(now), "inflight": m.inflight,
-            "inflight_tokens": m.inflight_tokens, "served": m.served, "failed": m.failed,
-            "ejections": m.ejections,
-            "ejected_for_s": round(max(0.0, m.ejected_until - now), 3),
-            "running": m.stats.num_running if m.stats else None,
-            "waiting": m.stats.num_waiting if m.stats else None,
-            "kv_cache_usage": m.stats.kv_cache_usage if m.stats else None,
-        } for m in self.members]
+        return [m.snapshot(now) for m in self.members]
 
     # ------------------------------------------------------------------ selection
 
@@ -321,13 +242,13 @@ class Pool:
                 except (ReplicaConnectionError, ReplicaStreamError, ReplicaUnauthorized) as exc:
                     lease.release(wake=False)
                     tried.add(member.id)
-                    self._failure(member, exc, before_first_byte=True)
+                    record_failure(member, exc, self.spec, self.name, before_first_byte=True)
                     last = exc
                     continue
                 except BaseException:
                     lease.release(wake=False)
                     raise
-                self._success(member)
+                record_success(member)
                 if hashes:
                     await self.affinity.record(hashes, member.id)
                 return lease, result
@@ -369,24 +290,6 @@ class Pool:
                 future.set_result(None)
                 return
 
-    def _success(self, member: Member) -> None:
-        member.failures = 0
-        member.served += 1
-
-    def _failure(self, member: Member, exc: Exception, *, before_first_byte: bool) -> None:
-        member.failed += 1
-        member.failures += 1
-        if before_first_byte and isinstance(exc, ReplicaConnectionError) and (
-                "Connect" in str(exc) or "refused" in str(exc).lower()):
-            member.healthy = False  # nothing listens: the process is gone
-        if member.failures >= self.spec.eject_after:
-            span = min(MAX_EJECTION_S, self.spec.eject_base_s * 2 ** member.ejections)
-            member.ejected_until = time.monotonic() + span
-            member.ejections += 1
-            member.failures = 0
-            logger.warning("replica %s of %s ejected for %.1f s after %r", member.id,
-                           self.name, span, exc)
-
     async def _stream(
         self,
         open_fn: Callable[[Member], AsyncIterator[_T]],
@@ -421,7 +324,8 @@ class Pool:
                 async for item in stream:
                     yield item
             except (ReplicaConnectionError, ReplicaStreamError) as exc:
-                self._failure(lease.member, exc, before_first_byte=False)
+                record_failure(lease.member, exc, self.spec, self.name,
+                               before_first_byte=False)
                 raise
         finally:
             if stream is not None:

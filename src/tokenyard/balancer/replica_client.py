@@ -24,13 +24,11 @@ from tokenyard.wire.protocol import (
     GenerateRequest,
     Pin,
     ProtocolError,
-    ReplicaInfo,
-    ReplicaStats,
     abort_body,
     dumps,
-    stats_from_json,
     stop_body,
 )
+from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats, stats_from_json
 from tokenyard.wire.sampling_params import SamplingParams
 
 _JSON_HEADERS = {"Content-Type": "application/json"}

@@ -22,23 +22,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import random
 import signal
 import sys
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, fields
 
 from aiohttp import web
 
-from tokenyard.api.errors import render_openai
-from tokenyard.api.sse import SSE_DONE, SSE_HEADERS, openai_stream_error, sse_data
-from tokenyard.errors import APIError
+from tokenyard.bench.mock_core import (
+    MOCK_MODEL,
+    MOCK_TOKENS,
+    RATE_LIMITED,
+    MockConfig,
+    _json,
+    _Run,
+)
+from tokenyard.bench.mock_openai import OpenAIRoutes
 from tokenyard.wire.outputs import EngineStats
 from tokenyard.wire.protocol import (
     ABORT_PATH,
@@ -54,70 +55,24 @@ from tokenyard.wire.protocol import (
     CoreDelta,
     GenerateRequest,
     ProtocolError,
-    ReplicaInfo,
     decode_abort,
     decode_stop,
-    dumps,
     encode_delta,
     encode_stream_error,
     error_body,
 )
+from tokenyard.wire.replica_info import ReplicaInfo
 from tokenyard.wire.sampling_params import SamplingParamsError
 
-#: (token id in SmolLM2's vocabulary, its text): " The quick brown fox jumps over the lazy
-#: dog, and the small cat sleeps in the warm sun." The tests check the ids decode so.
-MOCK_TOKENS: tuple[tuple[int, str], ...] = (
-    (378, " The"), (2365, " quick"), (6354, " brown"), (16438, " fox"), (27003, " jumps"),
-    (690, " over"), (260, " the"), (23790, " lazy"), (2767, " dog"), (28, ","),
-    (284, " and"), (260, " the"), (1165, " small"), (2644, " cat"), (2801, " sleep"),
-    (99, "s"), (281, " in"), (260, " the"), (3091, " warm"), (2388, " sun"), (30, "."),
-)
-MOCK_MODEL = "mock"
 #: Large enough that no tokenizer or prompt is refused for its size.
 MOCK_VOCAB_SIZE = 262_144
 MOCK_CONTEXT = 1_048_576
 CONFIG_PATH = "/mock/config"
-RATE_LIMITED = "rate_limited"
 LISTEN_BACKLOG = 4096
 
 
-@dataclass
-class MockConfig:
-    """Timing (ms), reply length (tokens) and injected failure probabilities (0..1)."""
-
-    output_len: int = 16
-    ttft_ms: float = 0.0
-    itl_ms: float = 1.0
-    inject_429: float = 0.0
-    inject_503: float = 0.0
-    inject_500: float = 0.0
-    inject_stream_error: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.output_len < 1 or self.ttft_ms < 0 or self.itl_ms < 0:
-            raise ValueError("output_len must be >= 1 and the latencies >= 0")
-        failures = (self.inject_429, self.inject_503, self.inject_500, self.inject_stream_error)
-        if any(not 0.0 <= p <= 1.0 for p in failures):
-            raise ValueError("injected failure probabilities must be in [0, 1]")
-        if self.inject_429 + self.inject_503 + self.inject_500 > 1.0:
-            raise ValueError("inject_429 + inject_503 + inject_500 must be <= 1")
-
-
-@dataclass
-class _Run:
-    """A request being generated; /stop or /abort sets `finish` (reason, stop_reason)."""
-
-    finish: tuple[str, str | None] | None = None
-
-
-class MockReplica:
+class MockReplica(OpenAIRoutes):
     """The mock's routes over one `MockConfig` (replaceable while serving)."""
-
-    def __init__(self, config: MockConfig, seed: int = 0) -> None:
-        self.config = config
-        self.rng = random.Random(seed)
-        self.running: dict[str, _Run] = {}
-        self.num_computed_tokens = 0
 
     def make_app(self) -> web.Application:
         """The aiohttp application with the replica routes and the OpenAI ones."""
@@ -133,40 +88,6 @@ class MockReplica:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post(CONFIG_PATH, self.set_config)
         return app
-
-    # -- shared ------------------------------------------------------------------------------
-    def _length(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
-        """(tokens to emit, finish reason of the last one)."""
-        if max_tokens is not None and ignore_eos:
-            return max(1, max_tokens), "length"
-        n = self.config.output_len if max_tokens is None else min(self.config.output_len,
-                                                                  max_tokens)
-        n = max(1, n)
-        return n, "length" if max_tokens is not None and n >= max_tokens else "stop"
-
-    def _injected_status(self) -> int | None:
-        """The status of an injected failure for this request, or None."""
-        c, u = self.config, self.rng.random()
-        for status, p in ((429, c.inject_429), (503, c.inject_503), (500, c.inject_500)):
-            if u < p:
-                return status
-            u -= p
-        return None
-
-    def _fails_mid_stream(self) -> bool:
-        return self.rng.random() < self.config.inject_stream_error
-
-    async def _ticks(self, n: int, run: _Run) -> AsyncIterator[int]:
-        """Token positions 0..n-1 on the mock's clock (first after ttft_ms, then every
-        itl_ms, against absolute deadlines so write time does not add up); ends early
-        when `run` is stopped or aborted."""
-        start = time.perf_counter()
-        for i in range(n):
-            due = start + (self.config.ttft_ms + i * self.config.itl_ms) / 1000.0
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            if run.finish is not None:
-                return
-            yield i
 
     # -- the replica protocol ----------------------------------------------------------------
     async def generate(self, http: web.Request) -> web.StreamResponse:
@@ -257,104 +178,6 @@ class MockReplica:
         """Always ready."""
         return _json({"status": "ok"})
 
-    # -- OpenAI-compatible -------------------------------------------------------------------
-    async def models(self, http: web.Request) -> web.Response:
-        """``GET /v1/models``: the one mock model."""
-        return _json({"object": "list", "data": [
-            {"id": MOCK_MODEL, "object": "model", "created": 0, "owned_by": "tokenyard"}]})
-
-    async def chat_completions(self, http: web.Request) -> web.StreamResponse:
-        """``POST /v1/chat/completions`` with the replica's timing; prompt tokens are
-        counted as whitespace-separated words."""
-        return await self._openai(http, chat=True)
-
-    async def completions(self, http: web.Request) -> web.StreamResponse:
-        """``POST /v1/completions`` (a text prompt), as the chat route."""
-        return await self._openai(http, chat=False)
-
-    async def _openai(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
-        """One OpenAI-compatible answer. A stream is tracked in `running` (the stats'
-        num_running) until it ends or its client leaves. Injected 429/503 carry
-        retry-after and retry-after-ms; a max_tokens below 1 is refused naming it."""
-        try:
-            body = json.loads(await http.read())
-            if chat:
-                prompt_tokens = sum(len(str(m.get("content", "")).split())
-                                    for m in body["messages"])
-            else:
-                prompt_tokens = len(str(body["prompt"]).split())
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            return _openai_error(APIError(400, f"invalid request: {exc!r}",
-                                          param="messages" if chat else "prompt"))
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            return _openai_error(APIError(400, "max_tokens must be at least 1",
-                                          param="max_tokens", code="invalid_value"))
-        status = self._injected_status()
-        if status is not None:
-            retry = {"retry-after": "1", "retry-after-ms": "250"} if status != 500 else None
-            return _openai_error(APIError(status, "injected failure", headers=retry,
-                                          code=RATE_LIMITED if status == 429 else None))
-        n, finish = self._length(max_tokens, bool(body.get("ignore_eos")))
-        prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-        chat_id, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                 "total_tokens": prompt_tokens + n}
-        run = _Run()
-        if not body.get("stream"):
-            async for _ in self._ticks(n, run):
-                pass
-            text = "".join(MOCK_TOKENS[i % len(MOCK_TOKENS)][1] for i in range(n))
-            answer = {"message": {"role": "assistant", "content": text}} if chat else {
-                "text": text}
-            return _json({
-                "id": chat_id, "object": kind, "created": created,
-                "model": MOCK_MODEL, "usage": usage,
-                "choices": [{"index": 0, "finish_reason": finish, **answer}],
-            })
-        fail_after = max(1, n // 2) if self._fails_mid_stream() else None
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-        def chunk(text: str | None, finish_reason: str | None = None) -> bytes:
-            if chat:
-                delta = ({"role": "assistant", "content": ""} if text is None
-                         else {"content": text} if text else {})
-                choice: dict[str, Any] = {"index": 0, "delta": delta}
-            else:
-                choice = {"index": 0, "text": text or ""}
-            return sse_data({
-                "id": chat_id, "object": kind + ".chunk" if chat else kind,
-                "created": created, "model": MOCK_MODEL,
-                "choices": [{**choice, "finish_reason": finish_reason}],
-            })
-
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        self.running[chat_id] = run
-        try:
-            with contextlib.suppress(ConnectionResetError):
-                await response.prepare(http)
-                if chat:
-                    await response.write(chunk(None))
-                async for i in self._ticks(n, run):
-                    if i == fail_after:
-                        break
-                    await response.write(chunk(MOCK_TOKENS[i % len(MOCK_TOKENS)][1]))
-                if fail_after is not None:
-                    await response.write(openai_stream_error(APIError(500, "injected failure")))
-                    await response.write_eof()
-                    return response
-                await response.write(chunk("", finish))
-                if include_usage:
-                    await response.write(sse_data({
-                        "id": chat_id, "object": kind + ".chunk" if chat else kind,
-                        "created": created, "model": MOCK_MODEL, "choices": [],
-                        "usage": usage}))
-                await response.write(SSE_DONE)
-                await response.write_eof()
-        finally:
-            self.running.pop(chat_id, None)
-        return response
-
     # -- control -----------------------------------------------------------------------------
     async def set_config(self, http: web.Request) -> web.Response:
         """``POST /mock/config`` with some `MockConfig` fields: change them; answer all."""
@@ -370,24 +193,12 @@ class MockReplica:
         return _json(asdict(self.config))
 
 
-def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=dumps(obj), status=status, content_type="application/json",
-                        headers=headers)
-
-
 def _replica_failure(status: int) -> web.Response:
     """An injected failure in the replica protocol's shape."""
     if status == 503:
         return _json(error_body("injected overload", OVERLOADED), 503, {"Retry-After": "1"})
     code = RATE_LIMITED if status == 429 else ENGINE_ERROR
     return _json(error_body("injected failure", code), status)
-
-
-def _openai_error(err: APIError) -> web.Response:
-    rendered = render_openai(err)
-    headers = {k: v for k, v in rendered.headers.items() if k != "content-type"}
-    return web.Response(body=rendered.body, status=rendered.status, headers=headers,
-                        content_type="application/json")
 
 
 async def run_mock(

@@ -6,7 +6,7 @@ key), starts the replicas, then runs a `WorkerPool`:
 - **one port**: the parent binds host:port with SO_REUSEPORT without listening (so port
   0 becomes a real port and a port in use fails at once, in the parent), and every worker
   listens on it with SO_REUSEPORT: the kernel spreads new connections across them.
-- **workers** are `python -m tokenyard.cli.workers` processes, each with its own
+- **workers** are `python -m tokenyard.cli.worker_main` processes, each with its own
   `Gateway` on the same database (SQLite: WAL and a busy timeout, `store/db.py`, let
   several processes write) and its own ledger journal, `<journal dir>/worker-<i>`, which
   its start replays (a worker that died leaves its unflushed usage there). A worker reads
@@ -84,8 +84,6 @@ WORKER_START_TIMEOUT_S = 120.0
 #: A worker that lived less than this is "dying young": its restarts back off.
 YOUNG_S = 10.0
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
-#: Connections the kernel queues per worker before accept (as serve.LISTEN_BACKLOG).
-LISTEN_BACKLOG = 1024
 _PR_SET_PDEATHSIG = 1
 
 
@@ -265,7 +263,7 @@ class WorkerPool:
         env = {**os.environ, **self._env, WORKER_SPEC_ENV: spec.to_json(),
                MULTIPROC_DIR_ENV: str(self.metrics_dir)}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenyard.cli.workers", stdout=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "tokenyard.cli.worker_main", stdout=asyncio.subprocess.PIPE,
             stderr=None, preexec_fn=_die_with_parent, env=env,
             # Its own session: a terminal's Ctrl-C reaches the parent only, which drains
             # the workers itself (they would otherwise exit before it knows to stop).
@@ -384,109 +382,3 @@ async def _forward(stream: asyncio.StreamReader) -> None:
     while line := await stream.readline():
         sys.stderr.write(line.decode("utf-8", "replace"))
         sys.stderr.flush()
-
-
-# ------------------------------------------------------------------------ the worker
-
-
-async def run_worker(spec: WorkerSpec) -> int:
-    """One worker: its gateway, the fleet's deployments (pools of its own over the parent's
-    replicas), the app, a listening socket shared with its siblings; on SIGTERM/SIGINT it
-    drains and returns 0; on SIGHUP it reloads the fleet file."""
-    from aiohttp import web
-
-    from tokenyard.api.app import make_app
-    from tokenyard.api.convert import now
-    from tokenyard.cli.fleet import reload
-    from tokenyard.gateway.limits import Limiter
-    from tokenyard.gateway.pipeline import Gateway
-    from tokenyard.gateway.routing import Router
-
-    config = spec.serve_config()
-    gateway: Gateway | None = None
-    runner: web.AppRunner | None = None
-    affinity: Any = None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        if config.redis_url is not None:  # several workers (and hosts) share one table
-            from tokenyard.gateway.redis_affinity import RedisAffinity
-
-            affinity = RedisAffinity(config.redis_url)
-        if spec.auth:
-            limiter: Limiter
-            if spec.limit_socket is not None:
-                from tokenyard.gateway.limit_server import SocketLimiter
-
-                limiter = SocketLimiter(spec.limit_socket)
-            else:
-                from tokenyard.gateway.redis_limits import RedisLimiter
-
-                assert config.redis_url is not None
-                limiter = RedisLimiter(config.redis_url)
-            gateway, _ = await Gateway.open(
-                config.database, limiter, config.journal_dir / f"worker-{spec.index}",
-                config=config)
-        fleet = Fleet(spec.fleet_spec(), _no_local_replicas, config,
-                      Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
-        deployments = await fleet.build()
-        state = AppState(deployments, Router(fleet.spec), now())
-        state.gateway = gateway
-        state.max_body_bytes = config.max_body_bytes
-        state.embeddings = {n: s.pool for n, s in deployments.items()
-                            if s.kind == "embeddings"}
-        app = make_app(state)
-        pid = str(os.getpid())
-
-        async def stamp(request: web.Request, response: web.StreamResponse) -> None:
-            response.headers[WORKER_HEADER] = pid
-
-        app.on_response_prepare.append(stamp)
-        # Open responses get the whole drain timeout: the replicas serve them meanwhile.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=config.drain_timeout_s)
-        await runner.setup()
-        await web.TCPSite(runner, spec.host, spec.port, backlog=LISTEN_BACKLOG,
-                          reuse_port=True).start()
-
-        async def reload_fleet() -> None:
-            try:
-                logger.info("worker %d: %s", spec.index, await reload(fleet, state))
-            except Exception as exc:  # a bad file keeps the running fleet
-                logger.error("worker %d: reload failed, keeping the running fleet: %s",
-                             spec.index, exc)
-
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(reload_fleet()))
-        print(f"{READY_MARK}: worker {spec.index} pid {pid}", flush=True)
-        await stop.wait()
-        state.admitting = False
-        return 0
-    finally:
-        if runner is not None:
-            await runner.cleanup()  # stops listening, waits for open responses
-        if gateway is not None:
-            await gateway.close()  # flushes the ledger
-        if affinity is not None:
-            await affinity.close()
-
-
-async def _no_local_replicas(spec: DeploymentSpec, token: str, port: int) -> Any:
-    """A worker's `Starter`: replicas are the parent's to start."""
-    raise RuntimeError(f"deployment {spec.name}: local replicas are started by the parent; "
-                       "with --workers, restart serve to add them")
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    raw = os.environ.pop(WORKER_SPEC_ENV, None)  # children of ours need not see it
-    if not raw:
-        print(f"error: {WORKER_SPEC_ENV} is not set: workers are started by "
-              "`tokenyard serve --workers N`", file=sys.stderr)
-        return 2
-    return asyncio.run(run_worker(WorkerSpec.from_json(raw)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -52,7 +52,6 @@ from tokenyard.wire.protocol import (
     STOP_PATH,
     GenerateRequest,
     ProtocolError,
-    ReplicaInfo,
     decode_abort,
     decode_stop,
     dumps,
@@ -60,6 +59,7 @@ from tokenyard.wire.protocol import (
     encode_stream_error,
     error_body,
 )
+from tokenyard.wire.replica_info import ReplicaInfo
 from tokenyard.wire.sampling_params import SamplingParamsError
 
 # A 128k-token prompt is about 1 MiB of JSON; aiohttp's default body cap is 1 MiB.

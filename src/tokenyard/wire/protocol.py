@@ -14,8 +14,8 @@ The replica API:
   header). A failure after the stream began arrives as a last line ``{"error": {...}}``.
 - ``POST /v1/engine/abort`` ``{"request_id"}``; ``POST /v1/engine/stop``
   ``{"request_id", "stop"}`` (the HTTP side matched a stop string).
-- ``GET /v1/engine/stats`` (`ReplicaStats`), ``GET /v1/engine/info`` (`ReplicaInfo`),
-  ``GET /healthz``.
+- ``GET /v1/engine/stats`` (`ReplicaStats`), ``GET /v1/engine/info`` (`ReplicaInfo`), both
+  in `wire/replica_info.py`; ``GET /healthz``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tokenyard.wire.outputs import EngineStats
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
 GENERATE_PATH = "/v1/engine/generate"
@@ -419,44 +418,3 @@ def decode_stop(obj: Any) -> tuple[str, str]:
     """(request id, stop string) of a stop body."""
     obj = _object(obj, None)
     return _str(obj.get("request_id"), "request_id"), _str(obj.get("stop"), "stop")
-
-
-# -- stats, info ----------------------------------------------------------------------------
-
-#: ``GET /v1/engine/stats`` carries the engine's own EngineStats, field for field.
-ReplicaStats = EngineStats
-
-
-def stats_from_json(obj: Any) -> EngineStats:
-    """Decode a stats body; fields a newer replica adds beyond these are ignored, and
-    fields with a default may be absent (an older replica)."""
-    obj = _object(obj, None)
-    return EngineStats(**{f.name: obj[f.name] for f in fields(EngineStats)
-                          if f.name in obj or f.default is MISSING})
-
-
-@dataclass
-class ReplicaInfo:
-    """``GET /v1/engine/info``: what the HTTP side needs to know of the replica's model."""
-
-    model: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    block_size: int
-    num_kv_blocks: int
-    #: The weight format served ("float32", "q4_1", ...: `--weights auto` resolved);
-    #: None from a replica older than the field.
-    weights: str | None = None
-
-    def to_json(self) -> Json:
-        """The wire body."""
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, obj: Any) -> ReplicaInfo:
-        """Decode; unknown extra fields are ignored, fields with a default may be absent."""
-        obj = _object(obj, None)
-        return cls(**{f.name: obj[f.name] for f in fields(cls)
-                      if f.name in obj or f.default is MISSING})
-
