@@ -17,12 +17,14 @@ import pytest
 from aiohttp import web
 from PIL import Image, PngImagePlugin
 
-from tokenyard.api.images import (
+from tokenyard.api.image_fetch import (
     ImageLimits,
     ImageRejected,
     IPAddress,
-    admit_images,
     is_public_address,
+)
+from tokenyard.api.images import (
+    admit_images,
     load_image,
     load_images,
     normalise_image,

@@ -33,14 +33,13 @@ from tokenyard.api.openai.schemas import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
-    ResponseFormatJSONObject,
-    ResponseFormatJSONSchema,
     SamplingFields,
     TextCompletion,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from tokenyard.api.openai.tool_schemas import ResponseFormatJSONObject, ResponseFormatJSONSchema
 from tokenyard.api.openai.tools import assistant_message
 from tokenyard.errors import INVALID_VALUE, invalid_request, unsupported
 from tokenyard.text.prepare import TemplateMessage

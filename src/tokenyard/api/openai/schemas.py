@@ -13,23 +13,23 @@ Responses mirror OpenAI's field names and nesting exactly, so the official SDK p
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    Tag,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from tokenyard.api.errors import schema_error
-from tokenyard.api.images import only_from_user, source_problem, text_or_image
-from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
-from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
-from tokenyard.text.content import Detail, ImagePart
+from tokenyard.api.images import only_from_user
+from tokenyard.api.openai.content_parts import ContentPartParam, join_text
+from tokenyard.api.openai.tool_schemas import (
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParam,
+    ToolParam,
+)
+from tokenyard.api.schemas import RequestModel, reject_unknown
+from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER
 
 #: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
 MAX_N = 128
@@ -54,127 +54,7 @@ def _reject_unsupported(
 
 # ---------------------------------------------------------------------------- chat request
 
-_UNSUPPORTED_PARTS = {
-    "input_audio": "Audio",
-    "file": "File",
-    "refusal": "Refusal",
-}
-
-
-class TextContentPart(RequestModel):
-    """``{"type": "text", "text": ...}``."""
-
-    type: Literal["text"]
-    text: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_non_text(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            kind = data.get("type")
-            if isinstance(kind, str) and kind in _UNSUPPORTED_PARTS:
-                raise schema_error(
-                    UNSUPPORTED_VALUE,
-                    "type",
-                    f"{_UNSUPPORTED_PARTS[kind]} content parts ('{kind}') are not supported "
-                    "by this server yet; send text and image parts only.",
-                )
-        return data
-
-
-class ImageURL(RequestModel):
-    """`image_url`: an http(s) URL or a base64 data URI, checked here without a fetch
-    (`api/images.source_problem`); fetched and decoded only for a vision deployment."""
-
-    url: str
-    detail: Detail | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, url: str) -> str:
-        problem = source_problem(url)
-        if problem is not None:
-            raise schema_error(INVALID_VALUE, None, problem)
-        return url
-
-
-class ImageContentPart(RequestModel):
-    """``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}``."""
-
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-    def image_part(self, param: str) -> ImagePart:
-        """This part as the template message's `ImagePart`, named `param`."""
-        return ImagePart(param, self.image_url.url, self.image_url.detail)
-
-
-#: A content part: image parts by their type; anything else is validated as text.
-ContentPartParam = Annotated[
-    Annotated[TextContentPart, Tag("Text")] | Annotated[ImageContentPart, Tag("Image")],
-    text_or_image("image_url"),
-]
-
-
-def join_text(content: str | list[ContentPartParam] | None) -> str:
-    """A message's text as one string (text parts joined by TEXT_PART_SEPARATOR)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return TEXT_PART_SEPARATOR.join(
-        part.text for part in content if isinstance(part, TextContentPart)
-    )
-
-
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
-
-#: A function's name, as OpenAI allows it.
-TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class FunctionDefinition(RequestModel):
-    """`tools[].function`: a name, what it does, its arguments' JSON schema."""
-
-    name: str = Field(pattern=TOOL_NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolParam(RequestModel):
-    """One of `tools`: ``{"type": "function", "function": {...}}``."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(RequestModel):
-    """`tool_choice.function`: the function that must be called."""
-
-    name: str
-
-
-class NamedToolChoice(RequestModel):
-    """``{"type": "function", "function": {"name": ...}}``: call this function."""
-
-    type: Literal["function"]
-    function: FunctionName
-
-
-class ToolCallFunction(RequestModel):
-    """A past call's function and its arguments (JSON text)."""
-
-    name: str
-    arguments: str
-
-
-class ToolCallParam(RequestModel):
-    """One of an assistant message's `tool_calls`."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
 
 
 class ChatMessage(RequestModel):
@@ -242,35 +122,6 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "reasoning_effort": _is_none,
     "verbosity": _is_none,
 }
-
-
-class JSONSchemaFormat(RequestModel):
-    """``response_format.json_schema``: the schema the output must validate against."""
-
-    model_config = ConfigDict(populate_by_name=True)
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # constrained either way: the output always validates
-
-
-class ResponseFormatText(RequestModel):
-    type: Literal["text"]
-
-
-class ResponseFormatJSONObject(RequestModel):
-    type: Literal["json_object"]
-
-
-class ResponseFormatJSONSchema(RequestModel):
-    type: Literal["json_schema"]
-    json_schema: JSONSchemaFormat
-
-
-ResponseFormat = Annotated[
-    ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
-    Field(discriminator="type"),
-]
 
 
 class SamplingFields(RequestModel):
@@ -425,21 +276,6 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
-class FunctionCall(BaseModel):
-    """A call's function: its name and arguments (JSON text)."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    """One of `message.tool_calls`."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class AssistantMessage(BaseModel):
     """`choices[].message`; `tool_calls` is left out when the reply made no call."""
 
@@ -501,26 +337,6 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
-
-
-class ToolCallDelta(BaseModel):
-    """A fragment of call `index`: the first carries id, type and function name, the
-    rest only `function.arguments` pieces (the SDK concatenates them)."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: dict[str, str]
-
-    @model_serializer(mode="plain")
-    def _serialize(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": self.index}
-        if self.id is not None:
-            out["id"] = self.id
-        if self.type is not None:
-            out["type"] = self.type
-        out["function"] = self.function
-        return out
 
 
 class ChunkDelta(BaseModel):

@@ -13,6 +13,8 @@ from tokenyard.api.openai.schemas import (
     AssistantMessage,
     ChatCompletionRequest,
     FinishReason,
+)
+from tokenyard.api.openai.tool_schemas import (
     FunctionCall,
     NamedToolChoice,
     ToolCall,
