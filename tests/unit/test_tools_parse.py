@@ -9,23 +9,24 @@ import json
 
 import pytest
 
-from tokenyard.text.tools import (
+from tokenyard.text.tool_calls import (
     CallArguments,
     CallStart,
-    PastCall,
     TextPiece,
-    Tool,
     ToolCallParser,
-    ToolChoice,
     ToolEvent,
+    split_tool_calls,
+)
+from tokenyard.text.tool_grammar import constrained, structural_tag
+from tokenyard.text.tools import (
+    PastCall,
+    Tool,
+    ToolChoice,
     ToolResult,
     ToolUse,
     assistant_text,
     call_text,
-    constrained,
     results_text,
-    split_tool_calls,
-    structural_tag,
     with_tools,
 )
 from tokenyard.wire.sampling_params import SamplingParams

@@ -21,7 +21,8 @@ from tokenyard.api.context import REQUEST_ID, TIMELINE, read_request, route
 from tokenyard.api.images import admit_images
 from tokenyard.api.respond import first_user_text, generate, json_response, placed, prepared
 from tokenyard.text.content import require_vision
-from tokenyard.text.tools import constrained, template_tools
+from tokenyard.text.tool_grammar import constrained
+from tokenyard.text.tools import template_tools
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

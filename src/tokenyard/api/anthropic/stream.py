@@ -36,14 +36,8 @@ from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.balancer.generation import Generation
 from tokenyard.errors import APIError
-from tokenyard.text.tools import (
-    CallArguments,
-    CallStart,
-    TextPiece,
-    ToolCallParser,
-    ToolEvent,
-    ToolUse,
-)
+from tokenyard.text.tool_calls import CallArguments, CallStart, TextPiece, ToolCallParser, ToolEvent
+from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
 from tokenyard.wire.protocol import Pin, cache_writes
 

@@ -20,17 +20,15 @@ from tokenyard.api.anthropic.schemas import (
 )
 from tokenyard.api.convert import random_id
 from tokenyard.text.content import TemplateMessage
+from tokenyard.text.tool_calls import ToolCallParser, call_parser, split_tool_calls
 from tokenyard.text.tools import (
     PastCall,
     Tool,
-    ToolCallParser,
     ToolChoice,
     ToolResult,
     ToolUse,
     assistant_turn,
-    call_parser,
     result_turns,
-    split_tool_calls,
     with_tools,
 )
 

@@ -17,7 +17,8 @@ from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionReques
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.openai.tools import tool_messages, tool_use
 from tokenyard.api.respond import generate, json_response, placed, prepared, token_bytes
-from tokenyard.text.tools import constrained, template_tools
+from tokenyard.text.tool_grammar import constrained
+from tokenyard.text.tools import template_tools
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -36,7 +36,8 @@ from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
 from tokenyard.balancer.generation import Generation
 from tokenyard.errors import APIError
-from tokenyard.text.tools import ToolCallParser, ToolUse
+from tokenyard.text.tool_calls import ToolCallParser
+from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
 
 #: The `system_fingerprint` of every OpenAI response.

@@ -21,21 +21,23 @@ from tokenyard.api.openai.tool_schemas import (
     ToolCallDelta,
 )
 from tokenyard.text.content import TemplateMessage
-from tokenyard.text.tools import (
+from tokenyard.text.tool_calls import (
     CallArguments,
     CallStart,
-    PastCall,
     TextPiece,
-    Tool,
     ToolCallParser,
-    ToolChoice,
     ToolEvent,
+    call_parser,
+    split_tool_calls,
+)
+from tokenyard.text.tools import (
+    PastCall,
+    Tool,
+    ToolChoice,
     ToolResult,
     ToolUse,
     assistant_turn,
-    call_parser,
     result_turns,
-    split_tool_calls,
     with_tools,
 )
 from tokenyard.wire.outputs import Completion

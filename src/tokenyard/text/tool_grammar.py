@@ -1,0 +1,65 @@
+"""The grammar that forces a reply's tool calls to be valid.
+
+`structural_tag` builds the grammar (an XGrammar structural tag, triggered on
+``<tool_call>``) that makes a malformed call impossible: with `required` or a named tool
+at least one call must come; with `auto` the model may write text, but once it opens a
+call, the call is one of the tools' with arguments valid against its schema.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from tokenyard.text.tools import CALL_END, OPEN, RESPONSE_OPEN, ToolUse, call_begin
+from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
+
+#: The most stop strings a request may have (`SamplingParams.validate`).
+MAX_STOP = 16
+
+
+def structural_tag(use: ToolUse) -> dict[str, Any]:
+    """The XGrammar structural tag that forces valid calls of `use`'s offered tools; each
+    tag is one tool's header, its arguments by the tool's schema, and the closing
+    ``}</tool_call>``. With `required` (or a named tool) the reply is calls only, one a
+    line; with `auto` it is free text until ``<tool_call>`` triggers a call."""
+    tags = [
+        {
+            "begin": call_begin(t.name),
+            # One whitespace character at a time at most: a small model can otherwise
+            # fill max_tokens with newlines inside a call.
+            "content": {"type": "json_schema", "json_schema": _object_schema(t.parameters),
+                        "max_whitespace_cnt": 1},
+            "end": CALL_END,
+        }
+        for t in use.offered
+    ]
+    shape: dict[str, Any] = (
+        {"type": "tags_with_separator", "separator": "\n", "at_least_one": True}
+        if use.choice.mode == "required"
+        else {"type": "triggered_tags", "triggers": [OPEN], "at_least_one": False}
+    )
+    shape.update(tags=tags, stop_after_first=not use.choice.parallel)
+    return {"type": "structural_tag", "format": shape}
+
+
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema, an object when it says no type (``{}`` included):
+    a call's arguments are always an object."""
+    return schema if "type" in schema else {"type": "object", **schema}
+
+
+def constrained(params: SamplingParams, use: ToolUse | None) -> SamplingParams:
+    """`params` for a reply that may call `use`'s tools: ``<tool_response>`` stops it (the
+    model would be writing a result it has not got), and the grammar that forces valid
+    calls (`structural_tag`) is set unless another one (a response_format) already is.
+    Unchanged when the tools are not active."""
+    if use is None or not use.active:
+        return params
+    stop = params.stop if len(params.stop) >= MAX_STOP else [*params.stop, RESPONSE_OPEN]
+    if params.guided is not None:
+        return replace(params, stop=stop)
+    spec = json.dumps(structural_tag(use), ensure_ascii=False)
+    return replace(params, stop=stop,
+                   guided=GuidedDecoding("structural_tag", spec, param="tools"))
