@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenyard.bench.gateway import sample_proc, sample_tree, tree_pids
+from tokenyard.bench.proctree import sample_proc, sample_tree, tree_pids
 from tokenyard.cli import main as cli_main
 
 #: A child that starts a grandchild which spins on the CPU, prints its pid, then waits.

@@ -18,8 +18,9 @@ import aiohttp
 import pytest
 
 from tokenyard.balancer.replica_client import ReplicaClient
-from tokenyard.bench.gateway import Child, start_mock, start_tokenyard
-from tokenyard.bench.mock_replica import CONFIG_PATH, MOCK_TOKENS, MockConfig
+from tokenyard.bench.children import Child, start_mock, start_tokenyard
+from tokenyard.bench.mock_core import MOCK_TOKENS, MockConfig
+from tokenyard.bench.mock_replica import CONFIG_PATH
 from tokenyard.cli import main as cli_main
 from tokenyard.wire.sampling_params import SamplingParams
 

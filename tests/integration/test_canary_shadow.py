@@ -30,7 +30,8 @@ import pytest
 from aiohttp import web
 
 from tests.e2e.conftest import Server, running_server
-from tokenyard.bench.mock_replica import MockConfig, MockReplica
+from tokenyard.bench.mock_core import MockConfig
+from tokenyard.bench.mock_replica import MockReplica
 from tokenyard.deployments import load_fleet
 from tokenyard.gateway.routing import Router, conversation_key
 

@@ -35,7 +35,8 @@ from tokenyard.balancer.replica_client import (
     ReplicaStreamError,
 )
 from tokenyard.balancer.upstream import UpstreamClient, UpstreamGeneration, request_body
-from tokenyard.bench.mock_replica import MOCK_MODEL, MOCK_TOKENS, MockConfig, MockReplica
+from tokenyard.bench.mock_core import MOCK_MODEL, MOCK_TOKENS, MockConfig
+from tokenyard.bench.mock_replica import MockReplica
 from tokenyard.errors import APIError
 from tokenyard.text.content import ImagePart, NormalisedImage, TemplateMessage
 from tokenyard.wire.outputs import Completion, RequestOutput

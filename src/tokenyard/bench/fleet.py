@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenyard.bench.gateway import _MOCK_READY, _TOKENYARD_URL, Child, start_child
+from tokenyard.bench.children import _MOCK_READY, _TOKENYARD_URL, Child, start_child
 from tokenyard.bench.loadgen import Target, run_load
 from tokenyard.bench.stats import percentile
 from tokenyard.bench.workloads import LengthDist, multiturn

@@ -23,40 +23,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import re
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections import deque
-from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tokenyard.bench.children import Child, start_mock, start_tokenyard
 from tokenyard.bench.loadgen import Target, run_load
-from tokenyard.bench.mock_replica import (
-    MOCK_MODEL,
-    MockConfig,
-    add_mock_arguments,
-    config_from_args,
-)
+from tokenyard.bench.mock_core import MOCK_MODEL
+from tokenyard.bench.mock_replica import add_mock_arguments, config_from_args
+from tokenyard.bench.proctree import cpu_pct_between, machine_busy_s, sample_proc, sample_tree
 from tokenyard.bench.serve import cpu_pct, float_list
 from tokenyard.bench.stats import Distribution, Report, difference, summarize
 from tokenyard.bench.workloads import LengthDist, synthetic
 
-START_TIMEOUT_S = 120.0
-_MOCK_READY = re.compile(r"serving at (http://\S+)")
-_TOKENYARD_URL = re.compile(r"tokenyard serving \S+ at (http://\S+)")
-#: The last banner line `tokenyard serve` prints that the harness needs (the key is above).
-_TOKENYARD_READY = re.compile(r"replica: (http://\S+)")
-_API_KEY = re.compile(r"API key: (\S+)")
 WARMUP_REQUESTS = 8
 #: The issue's goal for what tokenyard adds at 500 requests/s with 2 workers (ms).
 GOAL_P50_MS = 1.0
@@ -64,227 +48,6 @@ GOAL_P99_MS = 3.0
 
 
 # ---------------------------------------------------------------------------- processes
-
-
-@dataclass
-class Child:
-    """A subprocess serving HTTP at `url`; its recent output lines are kept in `lines`."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))
-    #: Removed when the process is stopped (tokenyard's state directory).
-    scratch: Path | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def search(self, pattern: re.Pattern[str]) -> str | None:
-        """The first group of the first output line matching `pattern`."""
-        for line in list(self.lines):
-            if m := pattern.search(line):
-                return m.group(1)
-        return None
-
-    def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM, then SIGKILL after `timeout_s`; the exit code."""
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    return self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-            return self.proc.wait()
-        finally:
-            if self.scratch is not None:
-                shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def start_child(
-    cmd: Sequence[str],
-    ready: re.Pattern[str],
-    url: re.Pattern[str] | None = None,
-    env: dict[str, str] | None = None,
-    timeout_s: float = START_TIMEOUT_S,
-) -> Child:
-    """Start `cmd` (stdout and stderr merged) and wait for a line matching `ready`; the
-    URL it serves is the first group of `url` (default: of `ready`) in its output so far.
-    A thread keeps draining its output afterwards. `env` replaces the environment.
-
-    Raises RuntimeError with the output's tail if it exits or times out first.
-    """
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
-    lines: deque[str] = deque(maxlen=200)
-    event = threading.Event()
-
-    def drain() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if ready.search(line):
-                event.set()
-        event.set()  # it ended: let the caller see that
-
-    threading.Thread(target=drain, daemon=True).start()
-    event.wait(timeout_s)
-    child = Child(proc, "", lines)
-    found = child.search(url or ready)
-    if proc.poll() is not None or found is None:
-        child.stop(timeout_s=1.0)
-        raise RuntimeError(f"{' '.join(cmd[:5])} did not start:\n" + "".join(list(lines)[-30:]))
-    child.url = found
-    return child
-
-
-def start_mock(config: MockConfig, seed: int = 0) -> Child:
-    """The mock replica on a free 127.0.0.1 port."""
-    c = config
-    return start_child([
-        sys.executable, "-m", "tokenyard.bench.mock_replica", "--port", "0",
-        "--output-len", str(c.output_len), "--ttft-ms", str(c.ttft_ms), "--itl-ms",
-        str(c.itl_ms), "--inject-429", str(c.inject_429), "--inject-503", str(c.inject_503),
-        "--inject-500", str(c.inject_500), "--inject-stream-error",
-        str(c.inject_stream_error), "--seed", str(seed),
-    ], _MOCK_READY)
-
-
-def start_tokenyard(
-    replica_url: str | None, auth: bool = True, *, workers: int = 1, embeddings: bool = False,
-    extra: Sequence[str] = (),
-) -> tuple[Child, str | None]:
-    """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model; with
-    `replica_url` None it starts its own replica of the embedded model), and the API key
-    its banner shows (None with `auth` off). `workers`: its HTTP worker processes
-    (``--workers``); `embeddings`: start the embeddings pool too (no benchmark calls it);
-    `extra`: more serve flags (e.g. ``--config FILE``).
-
-    It gets a state directory of its own (its SQLite store, ledger journal and development
-    key, removed when it stops) and neither TOKENYARD_DATABASE_URL nor TOKENYARD_REDIS_URL:
-    a benchmark never writes to a real store.
-    """
-    scratch = Path(tempfile.mkdtemp(prefix="tokenyard-bench-"))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TOKENYARD_DATABASE_URL", "TOKENYARD_REDIS_URL")}
-    env["TOKENYARD_STATE_DIR"] = str(scratch)
-    replica = ["--replica-url", replica_url] if replica_url else []
-    cmd = [sys.executable, "-m", "tokenyard.cli", "serve", *replica, "--port", "0",
-           "--drain-timeout", "2", "--workers", str(workers),
-           *([] if auth else ["--no-auth"]), *([] if embeddings else ["--no-embeddings"]),
-           *extra]
-    try:
-        child = start_child(cmd, _TOKENYARD_READY, _TOKENYARD_URL, env)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    child.scratch = scratch
-    return child, child.search(_API_KEY)
-
-
-@dataclass(frozen=True)
-class ProcSample:
-    """A process's CPU time (user + system, s) and resident memory (MiB) at one moment."""
-
-    at: float
-    cpu_s: float
-    rss_mib: float
-    peak_rss_mib: float
-
-
-def _stat(pid: int) -> list[int]:
-    """utime, stime, cutime, cstime of /proc/<pid>/stat, in clock ticks."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    # Fields after the command name, which is in parentheses and may hold spaces.
-    rest = stat[stat.rindex(")") + 2:].split()
-    return [int(v) for v in rest[11:15]]
-
-
-def _memory_mib(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of /proc/<pid>/status, MiB (0 for a zombie)."""
-    memory = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            memory[key] = int(value.split()[0]) / 1024  # kB
-    return memory.get("VmRSS", 0.0), memory.get("VmHWM", 0.0)
-
-
-def sample_proc(pid: int) -> ProcSample:
-    """Read /proc/<pid>/stat and /proc/<pid>/status (Linux)."""
-    utime, stime, _, _ = _stat(pid)
-    rss, peak = _memory_mib(pid)
-    return ProcSample(time.perf_counter(), (utime + stime) / os.sysconf("SC_CLK_TCK"), rss,
-                      peak)
-
-
-def child_pids(pid: int) -> list[int]:
-    """`pid`'s children: /proc/<pid>/task/*/children (each thread's), or a scan of every
-    process's parent where the kernel lacks those files; [] once it has exited."""
-    tasks = Path(f"/proc/{pid}/task")
-    if (tasks / str(pid) / "children").exists():
-        found: list[int] = []
-        for task in tasks.iterdir():
-            with contextlib.suppress(OSError):
-                found += [int(c) for c in (task / "children").read_text().split()]
-        return found
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = (entry / "stat").read_text()
-                if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                    found.append(int(entry.name))
-    return found
-
-
-def tree_pids(root: int, exclude: Collection[int] = ()) -> list[int]:
-    """`root` and all its descendants, less each pid in `exclude` and its subtree."""
-    out: list[int] = []
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in exclude or pid in out:
-            continue
-        out.append(pid)
-        todo += child_pids(pid)
-    return out
-
-
-@dataclass(frozen=True)
-class TreeSample:
-    """A process tree's CPU time (s) and resident memory (MiB) at one moment, summed over
-    its processes; `root_cpu_s` is the root's own CPU time alone."""
-
-    at: float
-    cpu_s: float
-    root_cpu_s: float
-    rss_mib: float
-    peak_rss_mib: float
-    processes: int
-
-
-def sample_tree(root: int, exclude: Collection[int] = ()) -> TreeSample:
-    """Sum /proc's figures over `tree_pids(root, exclude)`. Each process counts its own
-    CPU time and its reaped children's (cutime, cstime), so a descendant that exited
-    between two samples still counts. A process that exits while it is read is skipped.
-    RSS is summed per process (pages shared between them count once per process)."""
-    cpu = root_ticks = processes = 0
-    rss = peak = 0.0
-    for pid in tree_pids(root, exclude):
-        try:
-            times = _stat(pid)
-            memory = _memory_mib(pid)
-        except (OSError, ValueError, IndexError):
-            continue
-        cpu += sum(times)
-        if pid == root:
-            root_ticks = times[0] + times[1]
-        rss, peak, processes = rss + memory[0], peak + memory[1], processes + 1
-    ticks = os.sysconf("SC_CLK_TCK")
-    return TreeSample(time.perf_counter(), cpu / ticks, root_ticks / ticks, rss, peak,
-                      processes)
 
 
 def listen_overflows() -> int:
@@ -301,22 +64,6 @@ def listen_overflows() -> int:
     return 0
 
 
-def machine_busy_s() -> float:
-    """CPU time the whole machine spent busy (all cores, not idle nor iowait), from
-    /proc/stat, in seconds; 0 where it cannot be read."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        ticks = [int(v) for v in fields]
-    except (OSError, ValueError):
-        return 0.0
-    busy = sum(ticks[:8]) - ticks[3] - ticks[4]  # user..steal, less idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_pct_between(a: ProcSample | TreeSample, b: ProcSample | TreeSample) -> float:
-    """CPU use between two samples, in % of one core."""
-    wall = b.at - a.at
-    return 100.0 * (b.cpu_s - a.cpu_s) / wall if wall > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------- measuring

@@ -28,7 +28,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from tokenyard.bench.gateway import start_tokenyard
+from tokenyard.bench.children import start_tokenyard
 from tokenyard.bench.host import cpu_model
 
 PROFILE_MARKER = "\n## Profile"

@@ -19,6 +19,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
+from tokenyard.api.anthropic.tool_schemas import (
+    ToolChoiceParam,
+    ToolParam,
+    ToolUseBlock,
+    ToolUseBlockParam,
+)
 from tokenyard.api.errors import schema_error
 from tokenyard.api.images import (
     anthropic_source_uri,
@@ -138,20 +144,6 @@ class ImageBlockParam(RequestModel):
         return ImagePart(param, self.source.uri)
 
 
-#: A tool's name, as Anthropic allows it.
-TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class ToolUseBlockParam(RequestModel):
-    """``{"type": "tool_use", "id", "name", "input"}``: a call an assistant turn made."""
-
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict[str, Any]
-    cache_control: Any = None
-
-
 class ToolResultBlockParam(RequestModel):
     """``{"type": "tool_result", "tool_use_id", "content", "is_error"}`` in a user message."""
 
@@ -225,24 +217,6 @@ class Metadata(RequestModel):
 
 def _thinking_ok(value: Any) -> bool:
     return value is None or (isinstance(value, dict) and value.get("type") == "disabled")
-
-
-class ToolParam(RequestModel):
-    """One of `tools`: a client tool (name, description, its input's JSON schema)."""
-
-    type: Literal["custom"] | None = None
-    name: str = Field(pattern=TOOL_NAME_PATTERN)
-    description: str | None = None
-    input_schema: dict[str, Any]
-    cache_control: Any = None
-
-
-class ToolChoiceParam(RequestModel):
-    """`tool_choice`: auto, any (at least one call), tool (that one, `name`) or none."""
-
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool | None = None
 
 
 def _output_config_ok(value: Any) -> bool:
@@ -377,14 +351,6 @@ class TextBlock(BaseModel):
     text: str
 
 
-class ToolUseBlock(BaseModel):
-    """A tool_use content block of the response: the call's id, tool and input."""
-
-    type: Literal["tool_use"] = "tool_use"
-    id: str
-    name: str
-    input: dict[str, Any]
-
 
 ResponseBlock = TextBlock | ToolUseBlock
 
@@ -418,109 +384,3 @@ class AnthropicMessage(BaseModel):
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     usage: AnthropicUsage
-
-
-class MessageStartEvent(BaseModel):
-    """First event of a stream: the message with empty content."""
-
-    type: Literal["message_start"] = "message_start"
-    message: AnthropicMessage
-
-
-class ContentBlockStartEvent(BaseModel):
-    """Opens content block `index`."""
-
-    type: Literal["content_block_start"] = "content_block_start"
-    index: int = 0
-    content_block: ResponseBlock = Field(default_factory=lambda: TextBlock(text=""))
-
-
-class PingEvent(BaseModel):
-    """Keep-alive; the SDK skips it."""
-
-    type: Literal["ping"] = "ping"
-
-
-class TextDelta(BaseModel):
-    """New text of a text block."""
-
-    type: Literal["text_delta"] = "text_delta"
-    text: str
-
-
-class InputJSONDelta(BaseModel):
-    """The next fragment of a tool_use block's input (JSON text)."""
-
-    type: Literal["input_json_delta"] = "input_json_delta"
-    partial_json: str
-
-
-class ContentBlockDeltaEvent(BaseModel):
-    """A delta of content block `index`."""
-
-    type: Literal["content_block_delta"] = "content_block_delta"
-    index: int = 0
-    delta: TextDelta | InputJSONDelta
-
-
-class ContentBlockStopEvent(BaseModel):
-    """Closes content block `index`."""
-
-    type: Literal["content_block_stop"] = "content_block_stop"
-    index: int = 0
-
-
-class MessageDelta(BaseModel):
-    """Top-level changes of the message: why it stopped."""
-
-    stop_reason: StopReason | None = None
-    stop_sequence: str | None = None
-
-
-class MessageDeltaUsage(BaseModel):
-    """Cumulative usage sent with message_delta."""
-
-    input_tokens: int | None = None
-    output_tokens: int
-    cache_creation_input_tokens: int | None = None
-    cache_read_input_tokens: int | None = None
-
-
-class MessageDeltaEvent(BaseModel):
-    """Stop reason and final usage."""
-
-    type: Literal["message_delta"] = "message_delta"
-    delta: MessageDelta
-    usage: MessageDeltaUsage
-
-
-class MessageStopEvent(BaseModel):
-    """Last event of a successful stream."""
-
-    type: Literal["message_stop"] = "message_stop"
-
-
-class ErrorDetail(BaseModel):
-    """`error` of an error body or event."""
-
-    type: str
-    message: str
-
-
-class ErrorEvent(BaseModel):
-    """An error after the stream began (HTTP status is already 200)."""
-
-    type: Literal["error"] = "error"
-    error: ErrorDetail
-
-
-StreamEvent = (
-    MessageStartEvent
-    | ContentBlockStartEvent
-    | PingEvent
-    | ContentBlockDeltaEvent
-    | ContentBlockStopEvent
-    | MessageDeltaEvent
-    | MessageStopEvent
-    | ErrorEvent
-)

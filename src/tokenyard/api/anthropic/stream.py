@@ -15,9 +15,7 @@ from tokenyard.api.anthropic.convert import (
     build_anthropic_message,
     new_message_id,
 )
-from tokenyard.api.anthropic.schemas import (
-    AnthropicMessage,
-    AnthropicUsage,
+from tokenyard.api.anthropic.events import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
     ContentBlockStopEvent,
@@ -30,8 +28,9 @@ from tokenyard.api.anthropic.schemas import (
     PingEvent,
     StreamEvent,
     TextDelta,
-    ToolUseBlock,
 )
+from tokenyard.api.anthropic.schemas import AnthropicMessage, AnthropicUsage
+from tokenyard.api.anthropic.tool_schemas import ToolUseBlock
 from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.balancer.generation import Generation

@@ -15,9 +15,8 @@ from tokenyard.api.anthropic.schemas import (
     ResponseBlock,
     TextBlock,
     ToolResultBlockParam,
-    ToolUseBlock,
-    ToolUseBlockParam,
 )
+from tokenyard.api.anthropic.tool_schemas import ToolUseBlock, ToolUseBlockParam
 from tokenyard.api.convert import random_id
 from tokenyard.text.content import TemplateMessage
 from tokenyard.text.tool_calls import ToolCallParser, call_parser, split_tool_calls
