@@ -1,8 +1,9 @@
-"""External OpenAI-compatible upstreams (`balancer/upstream.py`): the client's error
-mapping and the generation's deltas, usage and early close, against the project's mock
-OpenAI server (in this process) and against a real `tokenyard serve --no-auth` (one
-engine process for the module); and both dialects' formats over an upstream generation,
-checked with the official SDKs' types.
+"""External OpenAI-compatible upstreams (`balancer/upstream.py`,
+`balancer/upstream_generation.py`): the client's error mapping and the generation's
+deltas, usage and early close, against the project's mock OpenAI server (in this
+process) and against a real `tokenyard serve --no-auth` (one engine process for the
+module); and both dialects' formats over an upstream generation, checked with the
+official SDKs' types.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from tokenyard.balancer.replica_client import (
     ReplicaRequestError,
     ReplicaStreamError,
 )
-from tokenyard.balancer.upstream import UpstreamClient, UpstreamGeneration, request_body
+from tokenyard.balancer.upstream import UpstreamClient
+from tokenyard.balancer.upstream_generation import UpstreamGeneration, request_body
 from tokenyard.bench.mock_core import MOCK_MODEL, MOCK_TOKENS, MockConfig
 from tokenyard.bench.mock_replica import MockReplica
 from tokenyard.errors import APIError

@@ -109,7 +109,7 @@ def token_bytes(request: web.Request, served: Served) -> Callable[[int], bytes]:
     if served.kind != "upstream":
         assert served.tokenizer is not None
         return served.tokenizer.id_to_token_bytes
-    from tokenyard.balancer.upstream import TokenTable
+    from tokenyard.balancer.upstream_generation import TokenTable
 
     table = request[_TOKENS] = TokenTable()
     return table
@@ -268,7 +268,7 @@ def _generation(
     state, ticket = request.app[STATE], request.get(TICKET)
     priority = ticket.priority if ticket is not None else 0
     if served.kind == "upstream":
-        from tokenyard.balancer.upstream import UpstreamGeneration
+        from tokenyard.balancer.upstream_generation import UpstreamGeneration
 
         return cast(Generation, UpstreamGeneration(
             served.pool, request_id, messages=messages, prompt=text, params=params,

@@ -122,7 +122,7 @@ def _copies(
     """The shadow's generations of the same prompts (None: they cannot go there)."""
     ids = [f"{request_id[:48]}-shadow-{i}" for i in range(len(prompts))]
     if shadow.kind == "upstream":
-        from tokenyard.balancer.upstream import UpstreamGeneration
+        from tokenyard.balancer.upstream_generation import UpstreamGeneration
 
         if messages is None and (texts is None or any(t is None for t in texts)):
             return None

@@ -121,8 +121,8 @@ class Pool:
 
     async def check_health(self) -> None:
         """One round of health checks (also each tick of the loop)."""
-        results = await asyncio.gather(
-            *(probe(m, self.spec, self.info_cache) for m in self.members))
+        with_stats = isinstance(self.info_cache, ReplicaInfo)
+        results = await asyncio.gather(*(probe(m, self.spec, with_stats) for m in self.members))
         for member, (ok, stats) in zip(self.members, results, strict=True):
             if ok and not member.healthy:
                 logger.info("replica %s of %s is healthy again", member.id, self.name)
