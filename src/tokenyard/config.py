@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import ssl
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -135,6 +137,33 @@ class ServeConfig(Settings):
     replica_start_timeout_s: float = 600.0  # a first start converts the GGUF (tens of s)
     max_body_bytes: int = 4 * 2**20  # request bodies above this are refused with 413
     workers: int = 1  # HTTP worker processes on the one port (cli/workers.py)
+    #: Failed authentications one client address may make per minute before every
+    #: attempt from it is refused with 429 for the rest of the minute (0: no limit).
+    auth_failures_per_minute: int = 60
+    #: The edge (api/edge.py), per client address: open connections at most, and
+    #: requests per second (a bucket one second deep); 0 turns either off.
+    edge_connections_per_address: int = 512
+    edge_requests_per_s: float = 500.0
+    #: A request head must arrive whole within this many seconds of the connection
+    #: opening or of its previous response (slowloris); also the idle keep-alive time.
+    header_timeout_s: float = 60.0
+    #: A request line or one header field longer than this is refused (400/431).
+    max_header_bytes: int = 16 * 1024
+    #: A stream whose client takes longer than this to accept one write (it stopped
+    #: reading) is cut, so it frees its generation, its limits' slots and is billed.
+    stream_write_timeout_s: float = 60.0
+    #: HTTPS: the certificate chain and its private key (PEM); both or neither.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    responses_retention_days: float = 30.0  # how long a stored response is kept
+    #: How long `GET /v1/requests/{id}` can find a request (its record is then purged).
+    request_records_retention_hours: float = 24.0
+    #: Between the purges of old request records and expired body captures.
+    request_records_purge_interval_s: float = 300.0
+    #: A captured body is cut (and marked truncated) above this many bytes.
+    capture_max_bytes: int = 64 * 1024
+    #: Extra regular expressions redacted from captured bodies (`--redact-pattern`).
+    redact_patterns: tuple[str, ...] = ()
 
     _ENV: ClassVar[dict[str, str]] = {
         "state_dir": "TOKENYARD_STATE_DIR",
@@ -150,6 +179,18 @@ class ServeConfig(Settings):
         "replica_start_timeout_s": "TOKENYARD_REPLICA_START_TIMEOUT_S",
         "max_body_bytes": "TOKENYARD_MAX_BODY_BYTES",
         "workers": "TOKENYARD_WORKERS",
+        "auth_failures_per_minute": "TOKENYARD_AUTH_FAILURES_PER_MINUTE",
+        "edge_connections_per_address": "TOKENYARD_EDGE_CONNECTIONS_PER_ADDRESS",
+        "edge_requests_per_s": "TOKENYARD_EDGE_REQUESTS_PER_S",
+        "header_timeout_s": "TOKENYARD_HEADER_TIMEOUT_S",
+        "max_header_bytes": "TOKENYARD_MAX_HEADER_BYTES",
+        "stream_write_timeout_s": "TOKENYARD_STREAM_WRITE_TIMEOUT_S",
+        "tls_cert": "TOKENYARD_TLS_CERT",
+        "tls_key": "TOKENYARD_TLS_KEY",
+        "responses_retention_days": "TOKENYARD_RESPONSES_RETENTION_DAYS",
+        "request_records_retention_hours": "TOKENYARD_REQUEST_RECORDS_RETENTION_HOURS",
+        "request_records_purge_interval_s": "TOKENYARD_REQUEST_RECORDS_PURGE_INTERVAL_S",
+        "capture_max_bytes": "TOKENYARD_CAPTURE_MAX_BYTES",
     }
 
     def validate(self) -> None:
@@ -160,8 +201,43 @@ class ServeConfig(Settings):
             raise ValueError("ledger_max_batch must be positive")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
+        if min(self.request_records_retention_hours,
+               self.request_records_purge_interval_s) <= 0 or self.capture_max_bytes < 1:
+            raise ValueError("request record retention, purge interval and capture size "
+                             "must be positive")
+        for pattern in self.redact_patterns:  # refused at start, not at the first capture
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"--redact-pattern {pattern!r}: {exc}") from None
         if self.workers < 1:
             raise ValueError("workers must be positive")
+        if not self.responses_retention_days > 0:
+            raise ValueError("responses_retention_days must be positive")
+        if min(self.edge_connections_per_address, self.edge_requests_per_s) < 0:
+            raise ValueError("edge limits must be >= 0 (0: no limit)")
+        if not self.header_timeout_s > 0 or self.max_header_bytes < 1024:
+            raise ValueError("header_timeout_s must be positive and max_header_bytes >= 1024")
+        if not self.stream_write_timeout_s > 0:
+            raise ValueError("stream_write_timeout_s must be positive")
+        if self.auth_failures_per_minute < 0:
+            raise ValueError("auth_failures_per_minute must be >= 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server's TLS context (TLS 1.2 or newer), or None to serve plain HTTP. Reads
+        the files now, so a wrong path or a key that does not match fails at start."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the TLS certificate {self.tls_cert} and key "
+                             f"{self.tls_key}: {exc}") from exc
+        return context
 
     @property
     def database(self) -> str:

@@ -185,11 +185,10 @@ def permission_denied(message: str) -> APIError:
     return APIError(403, message)
 
 
-def rate_limited(message: str, retry_after_s: float | None = None) -> APIError:
+def rate_limited(message: str, retry_after_s: float | None = None, *,
+                 code: str = "rate_limit_exceeded") -> APIError:
     """429 rate_limit_error with `retry-after`."""
-    return APIError(
-        429, message, code="rate_limit_exceeded", headers=_retry_headers(retry_after_s)
-    )
+    return APIError(429, message, code=code, headers=_retry_headers(retry_after_s))
 
 
 def insufficient_quota(message: str) -> APIError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from typing import Any
 
@@ -163,14 +164,16 @@ def test_context_length_exceeded(server: Server) -> None:
 def test_request_id_echoed_or_generated(server: Server) -> None:
     _, _, headers = post(server.base_url + "/v1/chat/completions", json.dumps(_chat(server)),
                          {"x-request-id": "my-id-42"})
-    assert headers["x-request-id"] == "my-id-42"
+    # The client's id is kept as the prefix of a unique id (api/middleware.py).
+    assert re.fullmatch(r"my-id-42\.[0-9a-f]{16}", headers["x-request-id"])
     timing = headers["Server-Timing"]
     stages = [entry.split(";")[0] for entry in timing.split(", ")]
     # With the gateway on: authenticate first, then authorize, limit, billing pre-check.
     assert stages == ["auth", "parse", "template", "tokenize", "authorize", "limit",
                       "billing", "queue", "prefill", "decode", "balance", "detokenize"]
-    _, _, headers = post(server.base_url + "/v1/chat/completions", b"{")
-    assert headers["x-request-id"]
+    _, _, headers = post(server.base_url + "/v1/chat/completions", b"{",
+                         {"x-request-id": "no spaces allowed"})
+    assert re.fullmatch(r"req_[0-9a-f]{32}", headers["x-request-id"])
 
 
 def test_operational_routes(server: Server) -> None:
@@ -299,7 +302,7 @@ def test_stream_header_has_the_stages_before_the_first_byte_and_the_last_event_a
 ) -> None:
     headers, raw = asyncio.run(_raw_post(server.base_url + "/v1/chat/completions",
                                          _chat(server, stream=True), {"x-request-id": "s-1"}))
-    assert headers["x-request-id"] == "s-1"
+    assert headers["x-request-id"].startswith("s-1.")
     assert headers["content-type"].startswith("text/event-stream")
     header_stages = [e.split(";")[0] for e in headers["Server-Timing"].split(", ")]
     assert header_stages == ["auth", "parse", "template", "tokenize", "authorize", "limit",

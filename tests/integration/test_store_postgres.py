@@ -27,6 +27,17 @@ from tests.unit.test_ledger import (  # noqa: F401
     test_kill_9_before_any_flush_loses_no_appended_record,
     test_replaying_a_journal_twice_inserts_and_bills_nothing_twice,
 )
+from tests.unit.test_request_records import (  # noqa: F401
+    test_a_record_is_found_at_once_then_from_the_store_by_its_org_only,
+    test_captured_bodies_are_redacted_cut_and_shown_to_the_owning_org,
+    test_the_purge_job_deletes_old_records_and_expired_captures,
+)
+from tests.unit.test_responses_store import (  # noqa: F401
+    test_a_chain_expands_oldest_turn_first_inputs_before_outputs,
+    test_a_saved_response_is_read_back_by_its_org_and_by_admins_only,
+    test_an_expired_response_is_not_served_and_the_purge_deletes_only_it,
+    test_delete_is_org_scoped_and_happens_once,
+)
 from tests.unit.test_store import (  # noqa: F401
     test_0002_keeps_rows_gives_them_normal_priority_and_drops_the_cache_write_price,
     test_a_key_s_priority_is_its_own_else_its_org_s,

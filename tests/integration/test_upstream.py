@@ -42,7 +42,7 @@ from tokenyard.bench.mock_replica import MockReplica
 from tokenyard.errors import APIError
 from tokenyard.text.content import ImagePart, NormalisedImage, TemplateMessage
 from tokenyard.wire.outputs import Completion, RequestOutput
-from tokenyard.wire.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
 T = TypeVar("T")
 CHAT = [{"role": "system", "content": "Be brief."},
@@ -598,3 +598,18 @@ def test_request_body_sends_images_as_our_reencoding_only() -> None:
         {"type": "image_url", "image_url": {"url": image.data_uri(), "detail": "low"}},
     ]}]
     assert "example.com" not in json.dumps(body)
+
+
+def test_request_body_passes_a_grammar_on_in_the_upstreams_fields() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spelled = {
+        GuidedDecoding("json_object"): {"response_format": {"type": "json_object"}},
+        GuidedDecoding("json_schema", json.dumps(schema)): {"response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema, "strict": True}}},
+        GuidedDecoding("regex", "[0-9]+"): {"guided_regex": "[0-9]+"},
+        GuidedDecoding("ebnf", 'root ::= "a"'): {"guided_grammar": 'root ::= "a"'},
+    }
+    for guided, fields in spelled.items():
+        body = request_body(SamplingParams(guided=guided), "m", messages=CHAT)
+        assert {k: body[k] for k in fields} == fields, guided

@@ -10,6 +10,7 @@ and the upstream's refusals and failures become tokenyard's own errors.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -118,6 +119,29 @@ def test_a_real_tokenyard_upstream_through_the_anthropic_route(
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed and final.usage.output_tokens > 0
+
+
+def test_structured_output_is_enforced_by_the_upstream_in_both_dialects(
+        fleet: tuple[Server, str]) -> None:
+    """The grammar goes on to the upstream (`response_format`, `guided_regex`): its
+    answer follows it, never silently free text."""
+    server, _ = fleet
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
+              "required": ["colour"], "additionalProperties": False}
+    reply = _openai(server).chat.completions.create(
+        model="up", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=24,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {
+            "name": "c", "schema": schema, "strict": True}})
+    assert set(json.loads(reply.choices[0].message.content or "")) == {"colour"}
+    digits = _openai(server).chat.completions.create(
+        model="up", messages=[{"role": "user", "content": "Pick a number."}], max_tokens=8,
+        temperature=0, extra_body={"guided_regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].message.content or ""), digits
+    message = _anthropic(server).messages.create(
+        model="up", max_tokens=24, messages=[{"role": "user", "content": "Name a colour."}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert message.content[0].type == "text"
+    assert set(json.loads(message.content[0].text)) == {"colour"}
 
 
 def test_the_upstreams_refusals_become_ours(fleet: tuple[Server, str]) -> None:

@@ -175,6 +175,12 @@ def test_cli_creates_a_key_whose_secret_authenticates(tmp_path: Path) -> None:
     key_id = json.loads(made.stdout)["id"]
     assert cli("priority", "set", "--org", org["id"], "low").returncode == 0
     assert cli("priority", "set", "--key", key_id, "high").returncode == 0
+    capture = cli("orgs", "capture", org["id"], "--on", "--retention-days", "3",
+                  "--format", "json")
+    assert json.loads(capture.stdout) == {"org_id": org["id"], "capture": True,
+                                          "retention_days": 3}, capture.stderr
+    shown = json.loads(cli("orgs", "capture", org["id"], "--format", "json").stdout)
+    assert shown["capture"] is True and shown["retention_days"] == 3
     assert "--cache-write" not in cli("prices", "set", "--help").stdout
     listed = cli("keys", "list", "--format", "csv").stdout
     assert secret not in listed and secret[:10] in listed

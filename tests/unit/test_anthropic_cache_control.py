@@ -79,6 +79,19 @@ def test_a_breakpoint_on_the_whole_prompt_leaves_its_last_token_unpinned(
     assert tokens <= len(prompt) - 1 and tokens % BS == 0
 
 
+def test_top_level_cache_control_pins_the_whole_conversation(prepare: Preparer) -> None:
+    # Automatic caching: the breakpoint is the last message's last block, here a string.
+    req = request(cache_control={**EPHEMERAL, "ttl": "1h"}, system=SYSTEM,
+                  messages=[{"role": "user", "content": "Which planet is largest?"}])
+    assert req.cache_breakpoints() == [(0, 0, 3600.0)]
+    prompt = prompt_of(prepare, req)
+    [(tokens, ttl)] = cache_pins(prepare, req, prompt, BS)
+    assert ttl == 3600.0 and tokens == (len(prompt) - 1) // BS * BS  # all but the open turn
+    marked = request(cache_control=EPHEMERAL, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": EPHEMERAL}]}])
+    assert marked.cache_breakpoints() == [(0, 1, 300.0)]  # already marked: counted once
+
+
 def test_no_block_size_means_no_pins(prepare: Preparer) -> None:
     req = request(system=[{"type": "text", "text": SYSTEM, "cache_control": EPHEMERAL}],
                   messages=[{"role": "user", "content": "Hi"}])
@@ -111,11 +124,13 @@ def test_a_bad_ttl_is_refused_naming_it() -> None:
 def test_usage_splits_read_written_and_plain_input() -> None:
     plain = anthropic_usage(100, 5, 32)
     assert (plain.input_tokens, plain.cache_read_input_tokens,
-            plain.cache_creation_input_tokens, plain.cache_creation) == (68, 32, 0, None)
+            plain.cache_creation_input_tokens) == (68, 32, 0)
+    # The SDK's Usage has the split object in every body, zeros without breakpoints.
+    assert plain.cache_creation.model_dump() == {"ephemeral_5m_input_tokens": 0,
+                                                 "ephemeral_1h_input_tokens": 0}
     pinned = anthropic_usage(100, 5, 32, (16, 32))
     assert (pinned.input_tokens, pinned.cache_read_input_tokens,
             pinned.cache_creation_input_tokens) == (20, 32, 48)
-    assert pinned.cache_creation is not None
     assert pinned.cache_creation.ephemeral_1h_input_tokens == 32
 
 

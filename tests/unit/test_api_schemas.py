@@ -272,6 +272,15 @@ def test_an_unknown_top_level_field_is_refused_by_name() -> None:
         assert refused.value.message.startswith("Unrecognized request argument supplied")
 
 
+def test_an_unknown_field_named_by_a_non_ascii_digit_is_a_400_not_a_500() -> None:
+    # "¹".isdigit() is true but int("¹") raises: found by the fuzzer (it was a 500).
+    for name in ("¹", "0¹", "٣"):
+        with pytest.raises(APIError) as refused:
+            parse_body(MessagesRequest, json.dumps(
+                {"model": "m", "max_tokens": 1, "messages": [], name: 1}).encode())
+        assert refused.value.status == 400 and name in refused.value.message
+
+
 def test_vllm_extras_reach_the_sampling_parameters() -> None:
     req = parse_body(ChatCompletionRequest, json.dumps(
         chat(ignore_eos=True, skip_special_tokens=False, min_tokens=3)).encode())
@@ -581,7 +590,7 @@ def test_chat_chunks_parse_with_the_sdk() -> None:
     chunks.append(stream.usage_chunk(10, 16, 4))
     raws = [json.loads(c.model_dump_json()) for c in chunks]
     parsed = [OpenAIChatCompletionChunk.model_validate(r) for r in raws]
-    assert raws[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert raws[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
     assert all(r["object"] == "chat.completion.chunk" for r in raws)
     assert all(r["usage"] is None for r in raws[:-1])
     text = {0: "", 1: ""}
@@ -856,3 +865,19 @@ def test_sse_stream_of_a_chat_parses_back() -> None:
     assert events[-1].is_done
     text = "".join(e.json()["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert text == FULL_TEXT
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "model": "other", "messages": [{"role": "user", "content": "hi"}]}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi", "content": "ho"}]}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+    b'"response_format": {"type": "json_object", "type": "text"}}',
+])
+def test_a_key_twice_in_one_object_is_a_400_naming_it(raw: bytes) -> None:
+    with pytest.raises(APIError) as info:
+        parse_body(ChatCompletionRequest, raw)
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+    assert "appears twice" in info.value.message
+    # the same keys once each are fine
+    parse_body(ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", '
+               b'"content": "hi"}], "response_format": {"type": "json_object"}}')

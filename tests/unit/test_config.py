@@ -52,6 +52,42 @@ def test_a_bad_value_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None
         ServeConfig.from_env(key_cache_ttl_s=-1.0)
 
 
+def test_responses_retention_comes_from_the_environment_then_serve_s_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenyard.cli.main import _light_parser, serve_config
+
+    parser = _light_parser("serve")
+    assert serve_config(parser.parse_args(["serve"])).responses_retention_days == 30.0
+    monkeypatch.setenv("TOKENYARD_RESPONSES_RETENTION_DAYS", "7")
+    assert serve_config(parser.parse_args(["serve"])).responses_retention_days == 7.0
+    args = parser.parse_args(["serve", "--responses-retention-days", "0.5"])
+    assert serve_config(args).responses_retention_days == 0.5
+    with pytest.raises(ValueError, match="responses_retention_days"):
+        serve_config(parser.parse_args(["serve", "--responses-retention-days", "0"]))
+
+
+def test_request_records_retention_and_redaction_patterns_from_serve_s_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenyard.cli.main import _light_parser, serve_config
+
+    parser = _light_parser("serve")
+    config = serve_config(parser.parse_args(["serve"]))
+    assert config.request_records_retention_hours == 24.0 and config.redact_patterns == ()
+    monkeypatch.setenv("TOKENYARD_REQUEST_RECORDS_RETENTION_HOURS", "2")
+    assert serve_config(parser.parse_args(["serve"])).request_records_retention_hours == 2.0
+    config = serve_config(parser.parse_args([
+        "serve", "--request-records-retention-hours", "0.5", "--redact-pattern", "ACME-\\d+",
+        "--redact-pattern", "secret"]))
+    assert config.request_records_retention_hours == 0.5
+    assert config.redact_patterns == ("ACME-\\d+", "secret")
+    with pytest.raises(ValueError, match="redact-pattern"):
+        serve_config(parser.parse_args(["serve", "--redact-pattern", "("]))
+    with pytest.raises(ValueError, match="retention"):
+        serve_config(parser.parse_args(["serve", "--request-records-retention-hours", "0"]))
+
+
 def test_engine_config_reads_the_environment_the_same_way(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -68,16 +104,19 @@ def test_the_gateway_runs_on_the_values_it_was_given(tmp_path: Path) -> None:
     from tokenyard.gateway.pipeline import Gateway
 
     config = ServeConfig(state_dir=tmp_path, billing_refresh_s=0.5, prices_refresh_s=30.0,
-                         ledger_flush_interval_s=0.2, ledger_max_batch=7)
+                         ledger_flush_interval_s=0.2, ledger_max_batch=7,
+                         responses_retention_days=2.0)
 
-    async def main() -> tuple[float, float, float, int, bool]:
+    async def main() -> tuple[float, float, float, int, bool, float, bool]:
         gateway, dev_key = await Gateway.open(config.database, InProcessLimiter(),
                                               config.journal_dir, config=config)
         try:
             billing, ledger = gateway.billing, gateway.billing.ledger
+            purging = gateway.responses._task is not None and not gateway.responses._task.done()
             return (billing.refresh_s, billing.prices_refresh_s, ledger.flush_interval,
-                    ledger.max_batch, dev_key is not None)
+                    ledger.max_batch, dev_key is not None,
+                    gateway.responses.retention.total_seconds(), purging)
         finally:
             await gateway.close()
 
-    assert asyncio.run(main()) == (0.5, 30.0, 0.2, 7, True)
+    assert asyncio.run(main()) == (0.5, 30.0, 0.2, 7, True, 2 * 86_400.0, True)

@@ -40,6 +40,12 @@ def test_every_input_shape_openai_takes_is_read_as_a_list_of_inputs(
     assert req.encoding_format == "float"
 
 
+def test_a_null_encoding_format_is_the_default() -> None:
+    """litellm sends `"encoding_format": null`; OpenAI reads it as not given (floats)."""
+    assert _parse({"model": "m", "input": "x", "encoding_format": None}).encoding_format in (
+        None, "float")
+
+
 @pytest.mark.parametrize("body,param", [
     ({"model": "m", "input": []}, "input"),
     ({"model": "m", "input": ""}, "input"),

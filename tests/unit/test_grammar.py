@@ -102,6 +102,25 @@ def test_invalid_grammars_raise_grammar_error_naming_the_field(
     assert "/project/" not in str(info.value)  # XGrammar's source paths are cut off
 
 
+def test_a_cached_failure_names_the_field_of_the_request_that_asked(
+    compiler: GrammarCompiler,
+) -> None:
+    """The same bad schema through two routes: each refusal names its own field, though
+    the second is answered from the first's cached compile."""
+    schema = '{"not": {"type": "string"}}'
+    first = compiler.state(GuidedDecoding("json_schema", schema, param="text.format.schema"),
+                           [])
+    with pytest.raises(GrammarError):
+        first.future.result()
+    assert first.error is not None and first.error.param == "text.format.schema"
+    second = compiler.state(GuidedDecoding(
+        "json_schema", schema, param="response_format.json_schema.schema"), [])
+    assert second.future is first.future  # from the cache
+    assert second.error is not None
+    assert second.error.param == "response_format.json_schema.schema"
+    assert "'not'" in str(second.error)
+
+
 @pytest.mark.parametrize(("fmt", "good", "bad"), [
     ("date", ["2024-02-28", "0001-12-31"], ["0000-01-01", "2023-02-30", "2023-04-31"]),
     ("date-time", ["2024-01-31T23:59:59.5+02:00"], ["2024-01-31T10:00:60Z", "2024-01-31T10:00"]),

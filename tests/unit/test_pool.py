@@ -362,7 +362,7 @@ def test_a_request_waits_for_a_released_lease() -> None:
             await h.__anext__()
         waiter = asyncio.create_task(collect(pool, "w"))
         await asyncio.sleep(0.1)
-        assert not waiter.done() and len(pool._waiters) == 1
+        assert not waiter.done() and len(pool._waiting._waiters) == 1
         a.gate.set()
         b.gate.set()
         started = time.monotonic()
@@ -393,7 +393,7 @@ def test_waiters_are_served_in_priority_order() -> None:
         await asyncio.sleep(0.02)
         high = asyncio.create_task(request("high", 1))
         await asyncio.sleep(0.02)
-        assert len(pool._waiters) == 2
+        assert len(pool._waiting._waiters) == 2
         a.gate.set()
         await holder.aclose()
         await asyncio.wait_for(asyncio.gather(low, high), 5.0)
@@ -436,7 +436,7 @@ def test_the_queue_times_out_with_overloaded() -> None:
         with pytest.raises(ReplicaOverloaded):
             await collect(pool, "late")
         assert 0.25 < time.monotonic() - started < 1.0
-        assert not pool._waiters or all(f.done() for _, _, f in pool._waiters)
+        assert not pool._waiting._waiters or all(f.done() for _, _, f in pool._waiting._waiters)
         a.gate.set()
         await holder.aclose()
         assert_no_leases(pool)

@@ -24,11 +24,10 @@ def record(alias: str, shadow: str, primary_ms: float, shadow_ms: float, match: 
 def test_recorded_results_are_reported_per_pair(database_url: str) -> None:  # noqa: F811
     async def scenario(store: Store) -> None:
         recorder = ShadowRecorder(store, flush_s=0.01)
-        recorder.start()
         for ms, shadow_ms, match in ((10, 30, True), (20, 50, False), (30, 90, True)):
-            recorder.record(record("a", "s1", ms, shadow_ms, match))
-        recorder.record(record("a", "s2", 5, 5, True, tokens=(4, 4)))
-        recorder.record(record("b", "s1", 1, 2, False, at=T0 - timedelta(days=2)))
+            recorder.add(record("a", "s1", ms, shadow_ms, match))
+        recorder.add(record("a", "s2", 5, 5, True, tokens=(4, 4)))
+        recorder.add(record("b", "s1", 1, 2, False, at=T0 - timedelta(days=2)))
         await recorder.close()  # writes what is left
 
         rows = await shadow_report_of(store)

@@ -29,7 +29,7 @@ from tokenyard.text.tools import (
     results_text,
     with_tools,
 )
-from tokenyard.wire.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
 NAMES = {"get_weather", "search"}
 
@@ -202,6 +202,17 @@ def test_constrained_sets_a_grammar_only_for_active_tools() -> None:
     assert json.loads(guided.spec) == structural_tag(ToolUse(TOOLS))
     assert constrained(params, ToolUse(TOOLS, ToolChoice("none"))).guided is None
     assert constrained(params, None) is params
+
+
+def test_a_forced_call_takes_the_grammar_from_a_response_format() -> None:
+    """With a text format and tools, `auto` keeps the format (the model may answer in
+    text); `required` or a named tool forces calls, whose grammar replaces it."""
+    fmt = GuidedDecoding("json_object", "", param="response_format")
+    params = SamplingParams(guided=fmt)
+    assert constrained(params, ToolUse(TOOLS)).guided == fmt
+    for choice in (ToolChoice("required"), ToolChoice("required", "search")):
+        guided = constrained(params, ToolUse(TOOLS, choice)).guided
+        assert guided is not None and guided.kind == "structural_tag", choice
 
 
 # ---------------------------------------------------------------------------- native templates

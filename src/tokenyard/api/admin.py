@@ -9,6 +9,9 @@
     POST /admin/v1/orgs/{org_id}/priority    {priority: high|normal|low}
     POST /admin/v1/orgs/{org_id}/credit      {amount}
     POST /admin/v1/orgs/{org_id}/spend_cap   {cap (null: none), project_id?}
+    POST /admin/v1/orgs/{org_id}/capture     {enabled?: bool (default true),
+                                              retention_days? (default 7)}
+    GET  /admin/v1/orgs/{org_id}/capture
     POST /admin/v1/keys                      {org_id, name?, project_id?, models?,
                                               max_context_tokens?, admin?, rpm?, tpm?,
                                               max_concurrency?, expires_at?, priority?}
@@ -108,6 +111,10 @@ def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
          lambda a, r: _with_args(r, lambda x: a.add_credit(r.match_info[m], x)), 200),
         ("POST", "/admin/v1/orgs/{org_id}/spend_cap",
          lambda a, r: _with_args(r, lambda x: a.set_spend_cap(r.match_info[m], x)), 200),
+        ("POST", "/admin/v1/orgs/{org_id}/capture",
+         lambda a, r: _with_args(r, lambda x: a.set_capture(r.match_info[m], x)), 200),
+        ("GET", "/admin/v1/orgs/{org_id}/capture", lambda a, r: a.capture(r.match_info[m]),
+         200),
         ("POST", "/admin/v1/keys", lambda a, r: _with_args(r, a.create_key), 201),
         ("GET", "/admin/v1/keys", lambda a, r: a.list_keys(r.query.get("org_id")), 200),
         ("POST", "/admin/v1/keys/{key_id}/revoke",

@@ -9,7 +9,8 @@ replica's step loop.
 The package, by job: `middleware` (request id, Server-Timing, authentication, body cap,
 Idempotency-Key, errors in each dialect's shape), `openai/` and `anthropic/` (each
 dialect's schemas, conversions, stream and routes), `respond` (the one response writer),
-`sse` (the one SSE encoder), `ops` (probes, metrics, the OpenAPI document), `admin`.
+`sse` (the one SSE encoder), `ops` (probes, metrics, the OpenAPI document), `admin`,
+`web` (the browser pages).
 
 aiohttp.web rather than FastAPI: it was measured cheaper per request on this machine, and
 every route here validates its own body with `parse_body` anyway.
@@ -28,6 +29,8 @@ from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.anthropic.routes import add_anthropic_routes
 from tokenyard.api.context import KEY, STATE, AppState, Served
 from tokenyard.api.convert import now
+from tokenyard.api.dashboard import add_dashboard_routes
+from tokenyard.api.edge import EDGE, Edge
 from tokenyard.api.fleet_admin import add_fleet_routes
 from tokenyard.api.middleware import middleware
 from tokenyard.api.moderation import install as install_moderation
@@ -35,6 +38,10 @@ from tokenyard.api.openai.embeddings import add_embeddings_routes
 from tokenyard.api.openai.moderations import add_moderation_routes
 from tokenyard.api.openai.routes import add_openai_routes
 from tokenyard.api.ops import add_ops_routes
+from tokenyard.api.requests import add_request_routes
+from tokenyard.api.responses.routes import add_responses_routes
+from tokenyard.api.responses.stored import add_stored_response_routes
+from tokenyard.api.web import add_web_routes
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import ReplicaClient
@@ -111,7 +118,7 @@ def _admin_of(request: web.Request) -> Admin:
     if gateway is None:
         raise not_found("Administration needs the gateway: this server runs with --no-auth.")
     require_admin(request[KEY])
-    return Admin(gateway.store)
+    return Admin(gateway.store, gateway.requests)
 
 
 def make_app(state: AppState) -> web.Application:
@@ -120,14 +127,20 @@ def make_app(state: AppState) -> web.Application:
     # reading it, and parse_body's check gives the same 413 for the rest.
     app = web.Application(middlewares=[middleware], client_max_size=state.max_body_bytes)
     app[STATE] = state
+    app[EDGE] = Edge(state.edge)
     add_openai_routes(app)
     add_embeddings_routes(app)
     add_anthropic_routes(app)
+    add_responses_routes(app)  # POST /v1/responses
     add_ops_routes(app)
+    add_request_routes(app)  # GET /v1/requests/{id}
     add_admin_routes(app, _admin_of)
     add_fleet_routes(app)  # /admin/v1/deployments, replicas/drain; the shadow runner
     add_moderation_routes(app)  # /v1/moderations, the orgs' moderation policies
     install_moderation(app)
+    add_stored_response_routes(app)  # GET/DELETE /v1/responses/{id}, its input_items
+    add_web_routes(app)  # the chat page at /, the dashboard at /dashboard
+    add_dashboard_routes(app)  # /admin/v1/dashboard: what the dashboard polls
 
     async def start_pools(app: web.Application) -> None:
         for served in app[STATE].deployments.values():

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
+from tokenyard.api.edge import EdgeLimits
 from tokenyard.api.errors import parse_body
 from tokenyard.balancer.pool import Pool
 from tokenyard.config import ServeConfig
@@ -20,6 +21,7 @@ from tokenyard.gateway.pipeline import Gateway, Ticket
 from tokenyard.gateway.routing import Route, Router, conversation_key, require
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.telemetry.tracing import TraceIds
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.replica_info import ReplicaInfo
@@ -71,6 +73,8 @@ class AppState:
     gateway: Gateway | None = None
     #: Request bodies above this are refused with 413 before any parsing.
     max_body_bytes: int = ServeConfig.max_body_bytes
+    #: Per client address: connections, request rate, header timeout and size.
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
     #: Embeddings deployments by name → what their route calls.
     embeddings: dict[str, Any] = field(default_factory=dict)
     #: Pools of removed deployments still finishing their requests.
@@ -110,6 +114,14 @@ TIMELINE: web.RequestKey[Timeline] = web.RequestKey("timeline", Timeline)
 KEY: web.RequestKey[KeyContext] = web.RequestKey("api_key", KeyContext)
 TICKET: web.RequestKey[Ticket] = web.RequestKey("ticket", Ticket)
 ROUTE: web.RequestKey[Route] = web.RequestKey("route", Route)
+#: The generations of a generating request (what the request's summary reads).
+GENERATIONS: web.RequestKey[list[Any]] = web.RequestKey("generations", list)
+#: The API error code of a request that failed (before or after its 200).
+ERROR_CODE: web.RequestKey[str] = web.RequestKey("error_code", str)
+#: The response's own id (``chatcmpl-…``, ``msg_…``), for the trace's gen_ai.response.id.
+RESPONSE_ID: web.RequestKey[str] = web.RequestKey("response_id", str)
+#: The request's span ids, when traces are exported (telemetry/tracing.py).
+TRACE: web.RequestKey[TraceIds] = web.RequestKey("trace", TraceIds)
 
 _M = TypeVar("_M", bound=BaseModel)
 

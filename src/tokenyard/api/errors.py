@@ -191,7 +191,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     ctx = err.get("ctx") or {}
     if kind in _CUSTOM_TYPES and isinstance(ctx.get("field"), str):
         extra = ctx["field"].split(".")
-        loc = (*loc, *(int(s) if s.isdigit() else s for s in extra))
+        # isdigit() alone holds for "¹" too, which int() refuses: ASCII digits only.
+        loc = (*loc, *(int(s) if s.isascii() and s.isdigit() else s for s in extra))
     param = param_path(loc)
     if kind == "json_invalid":
         return malformed_json(msg.removeprefix("Invalid JSON: "))
@@ -239,6 +240,36 @@ def parse_body(model: type[_M], raw: bytes | str, max_bytes: int | None = None) 
     if not raw.strip():
         raise malformed_json("the body is empty")
     try:
-        return model.model_validate_json(raw)
+        parsed = model.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    _refuse_duplicate_keys(raw)
+    return parsed
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return out
+
+
+def _refuse_duplicate_keys(raw: bytes | str) -> None:
+    """400 for an object with a key twice. The validator keeps the last one silently, so
+    a body that says two things (a model allowed, then another) would be read as one of
+    them; a second parse, only of bodies that validated, tells (about 10 µs for a
+    typical 2 KB chat body, beside milliseconds of request CPU)."""
+    try:
+        json.loads(raw, object_pairs_hook=_unique_object)
+    except _DuplicateKey as exc:
+        raise malformed_json(f"the key {str(exc)!r} appears twice in one object") from None
+    except ValueError:  # what the validator accepted and json does not: let it stand
+        pass

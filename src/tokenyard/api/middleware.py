@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -13,27 +15,39 @@ from typing import Any, cast
 from aiohttp import web
 
 from tokenyard.api.context import (
+    ERROR_CODE,
     KEY,
     REQUEST_ID,
     STATE,
     TICKET,
     TIMELINE,
+    TRACE,
 )
+from tokenyard.api.edge import EDGE
 from tokenyard.api.errors import render_anthropic, render_openai
 from tokenyard.api.ratelimit_headers import ratelimit_headers
+from tokenyard.api.request_end import request_ended
 from tokenyard.api.sse import SSE_HEADERS
+from tokenyard.api.web import is_public
 from tokenyard.errors import APIError, body_too_large, internal_error, not_found
 from tokenyard.gateway import idempotency
 from tokenyard.gateway.pipeline import Gateway, RateLimitExceeded
+from tokenyard.telemetry import tracing
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.telemetry.tracing import TRACEPARENT
 
 logger = logging.getLogger("tokenyard.api")
 
 REQUEST_ID_HEADER = "x-request-id"
-#: Routes anyone may call (probes, scrapes, the schema); everything else needs a key.
+#: A client's x-request-id is kept (as the prefix of the request's id) only when it is
+#: short, printable and safe in a log line, a URL path and a trace attribute.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,39}")
+#: Routes anyone may call (probes, scrapes, the schema, and the browser pages:
+#: `api/web.py`); everything else needs a key.
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 #: Routes that take an Idempotency-Key.
-IDEMPOTENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+IDEMPOTENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages",
+                              "/v1/responses"})
 
 _RECORDING: web.RequestKey[bool] = web.RequestKey("recording", bool)
 
@@ -46,6 +60,7 @@ def is_anthropic(request: web.Request) -> bool:
 
 
 def _error_response(request: web.Request, err: APIError) -> web.Response:
+    request[ERROR_CODE] = err.code or err.type
     rendered = (
         render_anthropic(err, request.get(REQUEST_ID))
         if is_anthropic(request) else render_openai(err)
@@ -62,17 +77,53 @@ def _error_response(request: web.Request, err: APIError) -> web.Response:
 
 @web.middleware
 async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """x-request-id and Server-Timing on every response, and every failure in the route's
-    own error shape."""
-    timeline = request[TIMELINE] = Timeline()
-    request_id = request.headers.get(REQUEST_ID_HEADER) or f"req_{uuid.uuid4().hex}"
-    request[REQUEST_ID] = request_id
+    """x-request-id and Server-Timing on every response, every failure in the route's
+    own error shape, and the request's summary once it ended."""
+    request[TIMELINE] = Timeline()
+    started_at = time.time()
+    request[REQUEST_ID] = new_request_id(request.headers.get(REQUEST_ID_HEADER))
+    response: web.StreamResponse | None = None
+    outgoing = None
+    if tracing.enabled() and (ids := tracing.begin(request.headers.get(TRACEPARENT))):
+        request[TRACE] = ids
+        outgoing = tracing.OUTGOING.set(ids.traceparent())  # what calls to replicas carry
     try:
+        response = await _respond(request, handler)
+        return response
+    finally:
+        if outgoing is not None:
+            tracing.OUTGOING.reset(outgoing)
+        # Soon, not now: a non-streamed body is written after this returns, and the
+        # summary, its log line and its spans should cost the response no latency.
+        asyncio.get_running_loop().call_soon(request_ended, request, response, started_at)
+
+
+def new_request_id(client_id: str | None) -> str:
+    """The request's one id: in the response's x-request-id, the ledger row, the log line,
+    the trace and (``<id>-<i>`` per prompt) the replica's request.
+
+    It is always unique and chosen here: the ledger keeps one row per id, so an id a
+    client could repeat would let its second request go unbilled, or collide with
+    another tenant's. A usable client id is kept as a prefix (``<client id>.<16 hex>``),
+    so the client still finds its own id in logs and traces; anything else is ignored.
+    """
+    suffix = uuid.uuid4().hex
+    if client_id and _CLIENT_ID.fullmatch(client_id):
+        return f"{client_id}.{suffix[:16]}"
+    return f"req_{suffix}"
+
+
+async def _respond(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The handler's response, or the error it raised in the route's error shape."""
+    request_id = request[REQUEST_ID]
+    try:
+        request.app[EDGE].admit(request)
         gateway = request.app[STATE].gateway
-        if gateway is None or request.path in PUBLIC_PATHS:
+        if gateway is None or request.path in PUBLIC_PATHS or is_public(request.path):
             response = await handler(request)
         else:
-            request[KEY] = await gateway.authenticate(request.headers, timeline)
+            request[KEY] = await gateway.authenticate(request.headers, request[TIMELINE],
+                                                         request.remote)
             idem_key = request.headers.get(idempotency.HEADER)
             if idem_key is not None and request.method == "POST" and (
                 request.path in IDEMPOTENT_PATHS
@@ -139,8 +190,9 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def stream_failed(response: web.StreamResponse) -> None:
-    """Mark a stream that ended in an error event, after its 200 went out."""
+def stream_failed(request: web.Request, response: web.StreamResponse, err: APIError) -> None:
+    """Mark a stream that ended in an error event `err`, after its 200 went out."""
+    request[ERROR_CODE] = err.code or err.type
     if isinstance(response, RecordingStreamResponse):
         response.failed = True
 

@@ -7,17 +7,17 @@ parameters and a `Format` (the dialect's shape of this one response) to `generat
 2. starts a generation per prompt on the replica (refusals surface before any byte),
 3. answers with the non-streamed body, or streams the format's events as SSE: events of
    one replica step go out in one write, held back while the next step is already in;
-   the last event carries the request's `timings`; a failure after the 200 becomes the
-   dialect's error event,
-4. settles the ticket with what the generations really used — for a stream, before its
-   last bytes go out, so a response the client saw complete always has its ledger row.
+   the last event (or the body) carries the request's `timings` and, behind the gateway,
+   its `cost`; a failure after the 200 becomes the dialect's error event,
+4. settles the ticket with what the generations really used — before the body or a
+   stream's last bytes go out, so a response the client saw complete always has its
+   ledger row, and its `cost` is that row's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
@@ -25,13 +25,24 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tokenyard.api import moderation, shadow
-from tokenyard.api.context import KEY, REQUEST_ID, ROUTE, STATE, TICKET, TIMELINE, Served
+from tokenyard.api.capture import BodyCapture, capture_of
+from tokenyard.api.context import (
+    GENERATIONS,
+    KEY,
+    REQUEST_ID,
+    RESPONSE_ID,
+    ROUTE,
+    STATE,
+    TICKET,
+    TIMELINE,
+    Served,
+)
+from tokenyard.api.edge import EDGE
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.balancer.generation import Generation, finished_completions, merged
 from tokenyard.errors import APIError, internal_error, invalid_request
 from tokenyard.gateway.routing import require
-from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.text.tools import ToolUse, renders_tools
@@ -83,12 +94,17 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=to_json(obj), status=status, content_type="application/json")
 
 
-def with_timings(event: BaseModel, timeline: Timeline) -> dict[str, Any]:
-    """A stream's last event with the request's stage durations (ms) as `timings` — the
-    Server-Timing figures the header could not hold, since it went out before decoding.
-    (llama.cpp's server puts a `timings` object in its last chunk too; SDKs ignore it.)"""
+def with_timings(event: BaseModel, request: web.Request) -> dict[str, Any]:
+    """A response's last event (or its whole body) with the request's stage durations (ms)
+    as `timings` — the Server-Timing figures the header could not hold, since a stream's
+    went out before decoding — and, behind the gateway, its `cost`: the ledger row's
+    charge with its line items, as decimal strings. (llama.cpp's server puts a `timings`
+    object in its last chunk too; SDKs ignore both.)"""
     body = event.model_dump(mode="json")
-    body["timings"] = timeline.timings_ms()
+    body["timings"] = request[TIMELINE].timings_ms()
+    ticket = request.get(TICKET)
+    if ticket is not None and ticket.cost is not None:
+        body["cost"] = ticket.cost.to_json()
     return body
 
 
@@ -152,21 +168,28 @@ async def generate(
     params: Sequence[SamplingParams], fmt: Format, *, stream: bool,
     messages: Sequence[Any] | None = None, texts: Sequence[str | None] | None = None,
     pins: Sequence[Pin] = (), tools: ToolUse | None = None,
+    finish: Callable[[], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:
     """Admit a request of `prompts` (each with its fitted `params`) for deployment
     `served`, answer it in `fmt`'s shape, then settle it whatever happened (client gone,
     engine failure, refusal). `messages` / `texts`: the chat messages or prompt texts,
     for a deployment that takes text rather than token ids (an upstream); `pins`: prompt
     prefixes the replica keeps cached (Anthropic's cache_control); `tools`: passed on to
-    an upstream that declares them (an engine sees them in its prompt)."""
+    an upstream that declares them (an engine sees them in its prompt); `finish`: run
+    once the response is settled, before its body or its stream's last bytes go out
+    (the Responses dialect stores the response there, for the client's next turn)."""
+    response_id = getattr(getattr(fmt, "stream", None), "id", None)  # chatcmpl-…, msg_…
+    if isinstance(response_id, str):
+        request[RESPONSE_ID] = response_id
     await _admit(request, served, prompts, params)
+    capture = await capture_of(request)  # None unless the org captures bodies
     try:  # input moderation (api/moderation.py): a blocked input is refused, unbilled
         await moderation.check_input(request, served, prompts, messages=messages, texts=texts)
     except BaseException:
         _settle(request, [])
         raise
     base_id = request[REQUEST_ID]
-    gens = [
+    gens = request[GENERATIONS] = [
         _generation(request, served, base_id if len(prompts) == 1 else f"{base_id}-{i}", p,
                     fp, messages=messages, text=texts[i] if texts else None, pins=pins,
                     tools=tools)
@@ -180,12 +203,21 @@ async def generate(
         # Sent together: the replica batches them; a refusal of any refuses the request.
         await _each(gens, lambda gen: gen.start())
         if not stream:
-            return json_response(fmt.body(gens, await _each(gens, finished_completions)))
-        return await _stream(request, fmt, gens)
+            completions = await _each(gens, finished_completions)
+            _settle(request, gens)  # the body carries the cost the ledger row charges
+            body = with_timings(fmt.body(gens, completions), request)
+            if finish is not None:
+                await finish()
+            if capture is not None:
+                capture.send(body)
+            return json_response(body)
+        return await _stream(request, fmt, gens, finish, capture)
     finally:
         for gen in gens:
             await gen.close()
         _settle(request, gens)
+        if capture is not None:
+            capture.send(None)  # failed or cancelled: the request alone
 
 
 async def _each(
@@ -208,45 +240,66 @@ async def _outputs(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, Reque
 
 
 async def _stream(
-    request: web.Request, fmt: Format, gens: Sequence[Generation]
+    request: web.Request, fmt: Format, gens: Sequence[Generation],
+    finish: Callable[[], Awaitable[None]] | None = None,
+    capture: BodyCapture | None = None,
 ) -> web.StreamResponse:
     response = await open_stream(request)
+    if capture is not None:
+        capture.watch(gens)
     pending = [fmt.encode(event) for event in fmt.head()]
     final: list[Any] = []
     unfinished = len(gens)
     try:
         async for i, out in _outputs(gens):
+            if capture is not None:
+                capture.add(i, out)
             events = fmt.events(i, out)
             unfinished -= out.finished
             if unfinished:
                 pending.extend(fmt.encode(event) for event in events)
                 if not any(gen.backlog for gen in gens):
-                    await _send(response, pending)
+                    await _send(request, response, pending)
             else:
                 final = events  # held: the very last event carries the timings
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client is gone: nothing to tell it
     except Exception as exc:
-        pending.append(fmt.error(_stream_failure(request, exc)))
-        stream_failed(response)
+        err = _stream_failure(request, exc)
+        pending.append(fmt.error(err))
+        stream_failed(request, response, err)
     else:
         final.extend(fmt.tail(gens))
+        _settle(request, gens)  # metered before the last byte: see the module's docstring
         if final:
-            final[-1] = with_timings(final[-1], request[TIMELINE])
+            final[-1] = with_timings(final[-1], request)
+        if capture is not None:
+            capture.send(with_timings(capture.streamed_body(fmt, gens), request))
         pending.extend(fmt.encode(event) for event in final)
         pending.append(fmt.terminator)
-    _settle(request, gens)  # metered before the last byte: see the module's docstring
-    await _send(response, pending)
+    _settle(request, gens)  # (a failed stream: settled here, once)
+    if finish is not None:
+        await finish()
+    await _send(request, response, pending)
     return response
 
 
-async def _send(response: web.StreamResponse, pending: list[bytes]) -> None:
+async def _send(request: web.Request, response: web.StreamResponse,
+                pending: list[bytes]) -> None:
     """Write the events in `pending` in one write (one syscall, one HTTP chunk) and
-    empty it; nothing when it is empty."""
+    empty it; nothing when it is empty. A client that does not take the write within the
+    edge's stream write timeout has stopped reading: its connection is closed and the
+    request ends as a disconnect (ConnectionResetError)."""
     if pending:
         data = b"".join(pending)
         pending.clear()
-        await response.write(data)
+        try:
+            await asyncio.wait_for(response.write(data),
+                                   request.app[EDGE].limits.stream_write_timeout_s)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading its stream") from None
 
 
 def _stream_failure(request: web.Request, exc: Exception) -> APIError:
@@ -298,7 +351,7 @@ async def _admit(
     chosen = request.get(ROUTE)
     request[TICKET] = await gateway.admit_prompts(
         request[KEY], model=served.name, endpoint=request.path,
-        request_id=f"req_{uuid.uuid4().hex}", prompts=prompts, params=params,
+        request_id=request[REQUEST_ID], prompts=prompts, params=params,
         timeline=request[TIMELINE], alias=chosen.alias if chosen is not None else None,
     )
 

@@ -52,7 +52,6 @@ class Shadows:
     async def start(self, _app: web.Application) -> None:
         if self.state.gateway is not None:
             self.recorder = ShadowRecorder(self.state.gateway.store)
-            self.recorder.start()
 
     async def close(self, _app: web.Application) -> None:
         """Cancel the copies still running, then write the results already in."""
@@ -69,7 +68,7 @@ class Shadows:
 
     def record(self, record: ShadowRecord) -> None:
         if self.recorder is not None:
-            self.recorder.record(record)
+            self.recorder.add(record)
         else:
             logger.info("shadow %s", record)
 

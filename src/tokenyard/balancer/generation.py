@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 from typing import cast
@@ -88,9 +87,9 @@ class Generation:
         self.priority = priority
         self.pins = list(pins)
         self.timeline = timeline if timeline is not None else Timeline()
-        # The replica's id must be unique even when clients reuse an x-request-id; the
-        # client's id stays as a prefix so replica logs can be matched to it.
-        self.request_id = f"{request_id[:64]}.{uuid.uuid4().hex[:12]}"
+        # The request's own id (api/middleware.py makes it unique, whatever the client
+        # sent), so the replica's logs and spans carry the id the client sees.
+        self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.processor = OutputProcessor(tokenizer)

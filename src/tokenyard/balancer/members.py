@@ -75,7 +75,21 @@ class Member:
             "running": self.stats.num_running if self.stats else None,
             "waiting": self.stats.num_waiting if self.stats else None,
             "kv_cache_usage": self.stats.kv_cache_usage if self.stats else None,
+            **_cache_figures(self.stats),
         }
+
+
+def _cache_figures(stats: EngineStats | None) -> dict[str, Any]:
+    """A replica's KV blocks in use (of its pool) and its prefix hit rate since it started
+    (hit tokens over looked-up tokens; None before any lookup)."""
+    if stats is None:
+        return {"kv_blocks_used": None, "kv_blocks": None, "prefix_hit_rate": None}
+    queries = stats.prefix_cache_queries
+    return {
+        "kv_blocks_used": stats.num_kv_blocks - stats.num_free_kv_blocks,
+        "kv_blocks": stats.num_kv_blocks,
+        "prefix_hit_rate": round(stats.prefix_cache_hits / queries, 4) if queries else None,
+    }
 
 
 class Waking(Protocol):
@@ -151,4 +165,6 @@ def record_failure(
         member.ejections += 1
         member.failures = 0
         logger.warning("replica %s of %s ejected for %.1f s after %r", member.id,
-                       pool, span, exc)
+                       pool, span, exc, extra={
+                           "event": "replica_ejected", "replica": member.id, "deployment": pool,
+                           "ejected_for_s": span, "error": repr(exc)})

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import logging
 import time
@@ -47,6 +46,7 @@ from tokenyard.balancer.replica_client import (
     ReplicaStreamError,
     ReplicaUnauthorized,
 )
+from tokenyard.balancer.wait_queue import WaitQueue
 from tokenyard.deployments import BalancerSpec
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import EngineStats
@@ -86,8 +86,7 @@ class Pool:
         self.block_size = block_size
         self.info_cache = info
         self._rr = itertools.count()
-        self._seq = itertools.count()
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiting = WaitQueue()
         self._owner: dict[str, Member] = {}
         self._health_task: asyncio.Task[None] | None = None
         self._memo: tuple[int, int, str | None, list[int]] = (0, -1, None, [])
@@ -125,13 +124,16 @@ class Pool:
         results = await asyncio.gather(*(probe(m, self.spec, with_stats) for m in self.members))
         for member, (ok, stats) in zip(self.members, results, strict=True):
             if ok and not member.healthy:
-                logger.info("replica %s of %s is healthy again", member.id, self.name)
+                logger.info("replica %s of %s is healthy again", member.id, self.name,
+                            extra={"event": "replica_readmitted", "replica": member.id,
+                                   "deployment": self.name})
                 forget = getattr(self.affinity, "forget", None)
                 if forget is not None:  # it may have restarted with an empty cache
                     forget(member.id)
             elif not ok and member.healthy:
                 logger.warning("replica %s of %s failed its health check", member.id,
-                               self.name)
+                               self.name, extra={"event": "replica_unhealthy",
+                                                 "replica": member.id, "deployment": self.name})
             member.healthy = ok
             if stats is not None:
                 member.stats = stats
@@ -140,7 +142,9 @@ class Pool:
                 # would wait for it indefinitely; closing its connections fails over those
                 # before their first byte and ends the others with an error.
                 logger.warning("replica %s of %s does not answer; closing its connections",
-                               member.id, self.name)
+                               member.id, self.name, extra={
+                                   "event": "replica_silent", "replica": member.id,
+                                   "deployment": self.name})
                 with contextlib.suppress(Exception):
                     await member.client.close()
         self._wake()
@@ -160,8 +164,17 @@ class Pool:
         for member in self.members:
             if member.id == member_id:
                 member.draining = draining
+                logger.info("replica %s of %s %s", member_id, self.name,
+                            "draining" if draining else "back in service", extra={
+                                "event": "replica_drain" if draining else "replica_undrain",
+                                "replica": member_id, "deployment": self.name})
                 return True
         return False
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting here for a replica with room (the full-pool queue)."""
+        return len(self._waiting)
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -255,7 +268,8 @@ class Pool:
             if full is None:
                 raise last or ReplicaConnectionError(
                     f"no replica of {self.name} is available")
-            await self._queue(priority, deadline, full)
+            await self._waiting.wait(priority, deadline, full, self.spec.queue_max,
+                                     self.name)
             tried.clear()  # everyone may have room now
 
     def _lease(self, member: Member, cost: int) -> Lease:
@@ -263,32 +277,9 @@ class Pool:
         member.inflight_tokens += cost
         return Lease(self, member, cost)
 
-    async def _queue(self, priority: int, deadline: float, full: ReplicaOverloaded) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0 or len(self._waiters) >= self.spec.queue_max:
-            raise ReplicaOverloaded(full.retry_after or 1.0,
-                                    f"every replica of {self.name} is busy", "overloaded")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (priority, next(self._seq), future)
-        heapq.heappush(self._waiters, entry)
-        try:
-            await asyncio.wait_for(asyncio.shield(future), min(left, 0.5))
-        except TimeoutError:
-            pass  # look again: a replica's own queue may have room without a release here
-        finally:
-            if not future.done():
-                future.cancel()
-            if entry in self._waiters:  # not woken: leave no stale entry to count
-                self._waiters.remove(entry)
-                heapq.heapify(self._waiters)
-
     def _wake(self) -> None:
-        """Let the first waiter (by priority) try again."""
-        while self._waiters:
-            _, _, future = heapq.heappop(self._waiters)
-            if not future.done():
-                future.set_result(None)
-                return
+        """Let the first waiting request (by priority) try again."""
+        self._waiting.wake()
 
     async def _stream(
         self,
@@ -319,6 +310,8 @@ class Pool:
                 attempt, hashes=hashes, cost=cost, priority=priority, timeline=timeline)
             if request_id is not None:
                 self._owner[request_id] = lease.member
+            if timeline is not None:
+                timeline.replica = lease.member.id
             yield first
             try:
                 async for item in stream:

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from tokenyard.balancer.http_client import PooledClient
+from tokenyard.telemetry.tracing import OUTGOING, TRACEPARENT
 from tokenyard.wire.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
@@ -127,9 +128,13 @@ class ReplicaClient(PooledClient):
         body = dumps(GenerateRequest(
             request_id, prompt_token_ids, params, cache_salt, priority, list(pins)
         ).to_json())
+        headers = self._json_headers
+        traceparent = OUTGOING.get()  # the gateway's span of this request, when traced
+        if traceparent is not None:
+            headers = {**headers, TRACEPARENT: traceparent}
         try:
             response = await self._get_session().post(
-                self.base_url + GENERATE_PATH, data=body, headers=self._json_headers
+                self.base_url + GENERATE_PATH, data=body, headers=headers
             )
         except aiohttp.ClientError as exc:
             raise ReplicaConnectionError(f"{self.base_url}: {exc}") from exc

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, cast
@@ -28,7 +29,7 @@ from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, openai_content
 from tokenyard.text.tools import CallsAsText, ToolUse, openai_tools
 from tokenyard.wire.outputs import CompletionDelta, Logprob, RequestOutput
-from tokenyard.wire.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
 #: Finish reasons that pass through as they are; any other non-null one becomes "stop".
 _FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
@@ -91,7 +92,28 @@ def request_body(
     body.update((k, v) for k, v in optional.items() if v is not None)
     if tools is not None and tools.active:
         body.update(openai_tools(tools))
+    elif p.guided is not None:
+        body.update(guided_body(p.guided))
     return body
+
+
+def guided_body(guided: GuidedDecoding) -> dict[str, Any]:
+    """A grammar as the upstream's fields: JSON output as OpenAI's `response_format`
+    (what every OpenAI-compatible server takes); a regex or an EBNF grammar as
+    `guided_regex` / `guided_grammar`, the spelling tokenyard's own routes and vLLM's
+    take (a server without them refuses the request, which comes back as its 400, never
+    an answer that ignored the grammar). A structural tag only comes from tools, which an
+    upstream gets as tools."""
+    if guided.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if guided.kind == "json_schema":
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": json.loads(guided.spec), "strict": True}}}
+    if guided.kind == "regex":
+        return {"guided_regex": guided.spec}
+    if guided.kind == "ebnf":
+        return {"guided_grammar": guided.spec}
+    return {"structured_outputs": {guided.kind: guided.spec}}
 
 
 # ---------------------------------------------------------------------------- logprobs

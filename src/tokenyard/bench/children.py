@@ -114,25 +114,32 @@ def start_mock(config: MockConfig, seed: int = 0) -> Child:
 
 def start_tokenyard(
     replica_url: str | None, auth: bool = True, *, workers: int = 1, embeddings: bool = False,
-    extra: Sequence[str] = (),
+    extra: Sequence[str] = (), env_extra: dict[str, str] | None = None,
 ) -> tuple[Child, str | None]:
     """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model; with
     `replica_url` None it starts its own replica of the embedded model), and the API key
     its banner shows (None with `auth` off). `workers`: its HTTP worker processes
     (``--workers``); `embeddings`: start the embeddings pool too (no benchmark calls it);
-    `extra`: more serve flags (e.g. ``--config FILE``).
+    `extra`: more serve flags (e.g. ``--config FILE``); `env_extra`: more environment
+    (e.g. the OTLP endpoint). Variables of OpenTelemetry's not in `env_extra` are
+    dropped, so tracing is on only when asked for.
 
     It gets a state directory of its own (its SQLite store, ledger journal and development
     key, removed when it stops) and neither TOKENYARD_DATABASE_URL nor TOKENYARD_REDIS_URL:
-    a benchmark never writes to a real store.
+    a benchmark never writes to a real store. The edge's per-address limits are off.
     """
     scratch = Path(tempfile.mkdtemp(prefix="tokenyard-bench-"))
     env = {k: v for k, v in os.environ.items()
-           if k not in ("TOKENYARD_DATABASE_URL", "TOKENYARD_REDIS_URL")}
+           if k not in ("TOKENYARD_DATABASE_URL", "TOKENYARD_REDIS_URL")
+           and not k.startswith("OTEL_")}
+    env.update(env_extra or {})
     env["TOKENYARD_STATE_DIR"] = str(scratch)
     replica = ["--replica-url", replica_url] if replica_url else []
     cmd = [sys.executable, "-m", "tokenyard.cli", "serve", *replica, "--port", "0",
            "--drain-timeout", "2", "--workers", str(workers),
+           # The load generator is one address sending at the rates the edge's
+           # per-address limits exist to refuse: measure the gateway, not the refusals.
+           "--edge-requests-per-s", "0", "--edge-connections-per-address", "0",
            *([] if auth else ["--no-auth"]), *([] if embeddings else ["--no-embeddings"]),
            *extra]
     try:
@@ -142,3 +149,9 @@ def start_tokenyard(
         raise
     child.scratch = scratch
     return child, child.search(_API_KEY)
+
+
+def start_otlp_sink() -> Child:
+    """An OTLP/HTTP endpoint that discards what it gets (`otlp_sink.py`), on a free port."""
+    return start_child([sys.executable, "-m", "tokenyard.bench.otlp_sink", "--port", "0"],
+                       _MOCK_READY)

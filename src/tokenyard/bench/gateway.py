@@ -9,8 +9,11 @@ percentile is the gateway's latency minus the direct latency at that percentile.
 
 `--workers 1,2` runs the whole sweep once per worker count (``tokenyard serve --workers
 N``, started afresh each time, against the same mock), so the counts sit side by side in
-one table. tokenyard's CPU (% of one core, and ms per request) and RSS are summed over its
-process tree, read from /proc before and after each run: the serve parent and every
+one table; `--telemetry off,traces` does the same for what tokenyard observes (`off`: no
+request log lines; `logs`: serve's default JSON line per request; `traces`: that and
+OpenTelemetry spans exported to a sink process, `otlp_sink.py`). Metrics are always on.
+tokenyard's CPU (% of one core, and ms per request) and RSS are summed over its process
+tree, read from /proc before and after each run: the serve parent and every
 descendant (its HTTP workers), less the mock and the load generator, which are this
 process's own children or itself. Reaped descendants count through their parent's
 cutime/cstime, so a worker restarted mid-run loses nothing.
@@ -32,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tokenyard.bench.children import Child, start_mock, start_tokenyard
+from tokenyard.bench.children import Child, start_mock, start_otlp_sink, start_tokenyard
 from tokenyard.bench.loadgen import Target, run_load
 from tokenyard.bench.mock_core import MOCK_MODEL
 from tokenyard.bench.mock_replica import add_mock_arguments, config_from_args
@@ -42,6 +45,9 @@ from tokenyard.bench.stats import Distribution, Report, difference, summarize
 from tokenyard.bench.workloads import LengthDist, synthetic
 
 WARMUP_REQUESTS = 8
+#: `--telemetry` variants: serve's extra flags, and whether spans are exported.
+TELEMETRY = {"off": (["--log-level", "warning"], False), "logs": ([], False),
+             "traces": ([], True)}
 #: The issue's goal for what tokenyard adds at 500 requests/s with 2 workers (ms).
 GOAL_P50_MS = 1.0
 GOAL_P99_MS = 3.0
@@ -106,6 +112,8 @@ class RatePoint:
     overhead_ttft_ms: dict[str, float] | None
     #: tokenyard's HTTP worker processes (``serve --workers``).
     workers: int = 1
+    #: What tokenyard observed meanwhile (a `TELEMETRY` variant).
+    telemetry: str = "logs"
 
 
 async def measure_rate(
@@ -176,6 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--telemetry", type=_telemetry, default=["logs"],
+                        help="off, logs (serve's default: a JSON line per request), traces "
+                             "(logs and OTLP spans to a sink); a list (off,traces) runs the "
+                             "sweep once per variant, side by side (default logs)")
     parser.add_argument("--workers", type=_worker_counts, default=[1],
                         help="tokenyard's HTTP worker processes (serve --workers); a list "
                              "(1,2) runs the sweep once per count, side by side (default 1)")
@@ -190,6 +202,13 @@ def _worker_counts(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError("workers must be >= 1")
     return counts
+
+
+def _telemetry(text: str) -> list[str]:
+    variants = [v.strip() for v in text.split(",") if v.strip()]
+    if not variants or any(v not in TELEMETRY for v in variants):
+        raise argparse.ArgumentTypeError(f"telemetry variants are {', '.join(TELEMETRY)}")
+    return variants
 
 
 def _modes(text: str) -> list[bool]:
@@ -217,8 +236,9 @@ def render_markdown(points: Sequence[RatePoint], cores: int, load_before: float)
     """The results as a markdown table, the worker counts compared where there are several,
     and the note on shared cores."""
     lines = [
-        "| workers | rate req/s | mode | sent/s direct / gw | e2e p50 / p99 ms direct | "
-        "e2e p50 / p99 ms gateway | overhead e2e p50 / p99 ms | overhead TTFT p50 / p99 ms | "
+        "| workers (telemetry) | rate req/s | mode | sent/s direct / gw | "
+        "e2e p50 / p99 ms direct | e2e p50 / p99 ms gateway | overhead e2e p50 / p99 ms | "
+        "overhead TTFT p50 / p99 ms | "
         "failed direct / gw | tokenyard CPU % (processes) | tokenyard CPU ms/req "
         "(parent alone) | tokenyard RSS MiB | load generator CPU % direct / gw | "
         "mock CPU % direct / gw | all three CPU % gw | machine CPU % gw (others) | "
@@ -229,7 +249,8 @@ def render_markdown(points: Sequence[RatePoint], cores: int, load_before: float)
         d, g = p.direct, p.gateway
         total = (g.tokenyard_cpu_pct or 0) + g.client_cpu_pct + g.mock_cpu_pct
         lines.append(
-            f"| {p.workers} | {p.rate:g} | {'stream' if p.stream else 'non-stream'} | "
+            f"| {p.workers} ({p.telemetry}) | {p.rate:g} | "
+            f"{'stream' if p.stream else 'non-stream'} | "
             f"{d.sent_rate:.0f} / {g.sent_rate:.0f} | "
             f"{_pair(d.report.e2e_ms)} | {_pair(g.report.e2e_ms)} | "
             f"{_pair(p.overhead_e2e_ms)} | {_pair(p.overhead_ttft_ms)} | "
@@ -242,7 +263,8 @@ def render_markdown(points: Sequence[RatePoint], cores: int, load_before: float)
             f"{g.machine_cpu_pct:.0f} ({max(0.0, g.machine_cpu_pct - total):.0f}) | "
             f"{_lag(d)} / {_lag(g)} | {d.listen_overflows} / {g.listen_overflows} |"
         )
-    lines += ["", *compare_workers(points), note(cores, load_before)]
+    lines += ["", *compare_workers(points), *compare_telemetry(points),
+              note(cores, load_before)]
     return "\n".join(lines)
 
 
@@ -272,6 +294,32 @@ def compare_workers(points: Sequence[RatePoint]) -> list[str]:
             cells.append(cell)
         lines.append(f"- {rate:g} req/s {'stream' if stream else 'non-stream'}: "
                      + "; ".join(cells))
+    return [*lines, ""]
+
+
+def compare_telemetry(points: Sequence[RatePoint]) -> list[str]:
+    """Where the run has several telemetry variants: at each worker count, rate and mode,
+    each variant's overhead p50 / p99 and its p50 minus the first variant's."""
+    variants = list(dict.fromkeys(p.telemetry for p in points))
+    if len(variants) < 2:
+        return []
+    lines = ["Telemetry variants side by side (overhead e2e p50 / p99 ms; in brackets the "
+             f"p50 minus {variants[0]}'s):", ""]
+    by_key = {(p.workers, p.rate, p.stream, p.telemetry): p for p in points}
+    for workers, rate, stream in dict.fromkeys((p.workers, p.rate, p.stream) for p in points):
+        base = by_key.get((workers, rate, stream, variants[0]))
+        cells = []
+        for variant in variants:
+            point = by_key.get((workers, rate, stream, variant))
+            if point is None or point.overhead_e2e_ms is None:
+                continue
+            cell = f"{variant}: {_pair(point.overhead_e2e_ms)}"
+            if base is not None and base.overhead_e2e_ms and point is not base:
+                delta = point.overhead_e2e_ms["p50"] - base.overhead_e2e_ms["p50"]
+                cell += f" [{delta:+.3f}]"
+            cells.append(cell)
+        lines.append(f"- {workers} worker{'s' if workers > 1 else ''}, {rate:g} req/s "
+                     f"{'stream' if stream else 'non-stream'}: " + "; ".join(cells))
     return [*lines, ""]
 
 
@@ -325,14 +373,22 @@ async def run_harness(
     return points
 
 
-def run_workers(args: argparse.Namespace, mock: Child, workers: int) -> tuple[
-        list[RatePoint], float]:
-    """Start ``tokenyard serve --workers`` in front of `mock`, run every rate and mode,
-    stop it; the points and the tree's peak RSS (MiB, each process's peak summed)."""
-    tokenyard, banner_key = start_tokenyard(mock.url, auth=not args.no_auth, workers=workers)
+def run_workers(
+    args: argparse.Namespace, mock: Child, workers: int, telemetry: str = "logs",
+    sink: Child | None = None,
+) -> tuple[list[RatePoint], float]:
+    """Start ``tokenyard serve --workers`` in front of `mock`, observing as `telemetry`
+    says (spans to `sink`), run every rate and mode, stop it; the points and the tree's
+    peak RSS (MiB, each process's peak summed)."""
+    flags, traced = TELEMETRY[telemetry]
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} if traced and sink is not None else {}
+    tokenyard, banner_key = start_tokenyard(mock.url, auth=not args.no_auth, workers=workers,
+                                            extra=flags, env_extra=env)
     try:
         api_key = args.api_key or banner_key
         points = asyncio.run(run_harness(args, mock, tokenyard, api_key, workers))
+        for point in points:
+            point.telemetry = telemetry
         peak = sample_tree(tokenyard.pid, (mock.pid, os.getpid())).peak_rss_mib
     finally:
         tokenyard.stop()
@@ -346,14 +402,19 @@ def main(args: argparse.Namespace) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()[0]
     mock = start_mock(config, args.seed)
+    sink = start_otlp_sink() if "traces" in args.telemetry else None
     points: list[RatePoint] = []
     peaks: dict[int, float] = {}
     try:
         for workers in args.workers:
-            done, peaks[workers] = run_workers(args, mock, workers)
-            points += done
+            for telemetry in args.telemetry:
+                done, peak = run_workers(args, mock, workers, telemetry, sink)
+                peaks[workers] = max(peaks.get(workers, 0.0), peak)
+                points += done
     finally:
         mock.stop()
+        if sink is not None:
+            sink.stop()
     cores = os.cpu_count() or 1
     print(render_markdown(points, cores, load_before))
     print("tokenyard peak RSS (its processes' peaks summed): " + ", ".join(
@@ -364,7 +425,8 @@ def main(args: argparse.Namespace) -> int:
                 "rates": args.rates, "duration_s": args.duration,
                 "modes": ["stream" if m else "non-stream" for m in args.modes],
                 "input_len": args.input_len, "mock": asdict(config), "seed": args.seed,
-                "auth": not args.no_auth, "workers": args.workers, "started": started,
+                "auth": not args.no_auth, "workers": args.workers,
+                "telemetry": args.telemetry, "started": started,
             },
             "cores": cores,
             "points": [asdict(p) for p in points],

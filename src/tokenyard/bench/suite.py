@@ -46,6 +46,9 @@ SERVE_RUNS: list[tuple[str, list[str]]] = [
 GATEWAY_ARGS = ["--rates", "100,300,500", "--duration", "5"]
 #: The issue's goal is at 500 requests/s with 2 HTTP workers: beside 1, in one run.
 GATEWAY_WORKERS_ARGS = ["--rates", "500", "--duration", "5", "--workers", "1,2"]
+#: The observability issue's goal: logs and traces add ≤ 0.2 ms p50; the three side by side.
+GATEWAY_TELEMETRY_ARGS = ["--rates", "100,200", "--duration", "5", "--telemetry",
+                          "traces,logs,off"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,13 +114,17 @@ def gateway_section() -> str:
     """bench gateway: a mock replica direct vs through tokenyard."""
     cmd = _cli("bench", "gateway", *GATEWAY_ARGS, "--quiet")
     workers = _cli("bench", "gateway", *GATEWAY_WORKERS_ARGS, "--quiet")
+    telemetry = _cli("bench", "gateway", *GATEWAY_TELEMETRY_ARGS, "--quiet")
     intro = ("What tokenyard's HTTP process (gateway on) adds in front of a mock replica "
              "that answers at once: the same open-loop load direct to the mock and through "
              "tokenyard, at each rate. Goal (gateway issue): ≤ 1 ms p50, ≤ 3 ms p99 at "
-             "500 requests/s; the fleet issue: with `--workers 2`.")
+             "500 requests/s; the fleet issue: with `--workers 2`; the observability issue: "
+             "logs and traces together ≤ 0.2 ms p50 more than with both off.")
     return _section("Gateway overhead (`tokenyard bench gateway`)",
                     [("Mock replica, direct vs through tokenyard", cmd, _run(cmd)),
-                     ("One HTTP worker and two, side by side", workers, _run(workers))], intro)
+                     ("One HTTP worker and two, side by side", workers, _run(workers)),
+                     ("Telemetry off, logs, traces, side by side", telemetry,
+                      _run(telemetry))], intro)
 
 
 def fleet_section() -> str:

@@ -8,6 +8,7 @@
     tokenyard admin prices set SmolLM2-135M-Instruct.Q4_1 --input 0.10 --output 0.40
     tokenyard admin credit add org_… 25.00
     tokenyard admin orgs set-moderation org_… --input block --output flag
+    tokenyard admin orgs capture org_… --on --retention-days 3     (--off; no flag: show)
     tokenyard admin usage --group-by day --format csv
     tokenyard admin shadow report --alias smollm2 --since 2026-11-22
     tokenyard admin deployments                         (these two ask the running server:
@@ -65,6 +66,15 @@ def add_admin_parser(sub: Any) -> None:
     moderation.add_argument("org_id")
     moderation.add_argument("--input", choices=["off", "flag", "block"])
     moderation.add_argument("--output", choices=["off", "flag", "block"])
+    capture = orgs.add_parser("capture", parents=[fmt],
+                              help="capture the org's request and response bodies, redacted "
+                                   "(no flag: show the setting)")
+    capture.add_argument("org_id")
+    on_off = capture.add_mutually_exclusive_group()
+    on_off.add_argument("--on", dest="enabled", action="store_const", const=True)
+    on_off.add_argument("--off", dest="enabled", action="store_const", const=False)
+    capture.add_argument("--retention-days", type=int,
+                         help="days each capture is kept (default 7)")
 
     projects = nouns.add_parser("projects", parents=[fmt]).add_subparsers(
         dest="verb", required=True)
@@ -146,6 +156,8 @@ def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | l
         ("orgs", "create"): lambda ad: ad.create_org(a),
         ("orgs", "list"): lambda ad: ad.list_orgs(),
         ("orgs", "set-moderation"): lambda ad: org_moderation(ad.store, args.org_id, a),
+        ("orgs", "capture"): lambda ad: (ad.capture(args.org_id) if args.enabled is None
+                                         else ad.set_capture(args.org_id, a)),
         ("projects", "create"): lambda ad: ad.create_project(args.org_id, a),
         ("keys", "create"): lambda ad: ad.create_key(a),
         ("keys", "list"): lambda ad: ad.list_keys(args.org_id),

@@ -89,7 +89,9 @@ class Fleet:
             if self.stopping:
                 return
             logger.error("replica %s of %s exited with code %s; restarting it", child.url,
-                         child.spec.name, code)
+                         child.spec.name, code, extra={
+                             "event": "replica_exited", "replica": child.url,
+                             "deployment": child.spec.name, "exit_code": code})
             while not self.stopping:
                 try:
                     child.proc, url, child.forward = await self.starter(
@@ -195,7 +197,9 @@ async def reload(fleet: Fleet, state: AppState) -> str:
         task.add_done_callback(fleet.background.discard)
     summary = (f"reloaded {fleet.spec.path}: {len(deployments)} deployments, "
                f"{len(new.aliases)} aliases, {len(gone)} draining")
-    logger.info("%s", summary)
+    logger.info("%s", summary, extra={
+        "event": "reloaded", "file": str(fleet.spec.path), "deployments": sorted(deployments),
+        "aliases": sorted(new.aliases), "draining": [pool.name for pool in gone]})
     return summary
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenyard.cli.admin import add_admin_parser, run_admin
 from tokenyard.cli.embed import add_embed_parser, embed_kwargs
-from tokenyard.config import add_engine_args, engine_kwargs, replica_token
+from tokenyard.config import ServeConfig, add_engine_args, engine_kwargs, replica_token
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -64,11 +64,25 @@ def _embed(args: argparse.Namespace) -> int:
     return serve_embeddings(token=replica_token(), **embed_kwargs(args))
 
 
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """`serve`'s settings: defaults < TOKENYARD_* environment < its flags."""
+    return ServeConfig.from_env(drain_timeout_s=args.drain_timeout, workers=args.workers,
+                                tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                responses_retention_days=args.responses_retention_days,
+                                request_records_retention_hours=args.records_retention,
+                                edge_connections_per_address=args.edge_connections,
+                                edge_requests_per_s=args.edge_rate,
+                                header_timeout_s=args.header_timeout,
+                                max_header_bytes=args.max_header_bytes,
+                                stream_write_timeout_s=args.stream_write_timeout,
+                                redact_patterns=tuple(args.redact_pattern or ()) or None)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tokenyard.cli.serve import serve
-    from tokenyard.config import ServeConfig
 
-    config = ServeConfig.from_env(drain_timeout_s=args.drain_timeout, workers=args.workers)
+    config = serve_config(args)
+    config.ssl_context()  # a bad certificate or key fails now, before any replica starts
 
     # The replica child gets the same engine flags back, spelled as its parser wants them.
     flags = {"num_threads": "--threads"}
@@ -80,7 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
             args.host, args.port, engine_args, model=args.model, config=config,
             replica_url=args.replica_url, auth=args.auth, fleet_file=args.config,
             replicas=args.replicas, embeddings=args.embeddings, policy=args.policy,
-            queue_timeout_s=args.queue_timeout,
+            queue_timeout_s=args.queue_timeout, log_format=args.log_format,
+            log_level=args.log_level,
         )
     except (RuntimeError, OSError) as exc:  # the replica failed to start, port in use, ...
         print(f"error: {exc}", file=sys.stderr)
@@ -172,6 +187,42 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--workers", type=int,
                        help="HTTP worker processes sharing the port (default 1, "
                        "$TOKENYARD_WORKERS)")
+    serve.add_argument("--tls-cert", type=Path,
+                       help="serve HTTPS with this certificate chain (PEM; with --tls-key; "
+                       "$TOKENYARD_TLS_CERT)")
+    serve.add_argument("--tls-key", type=Path,
+                       help="the certificate's private key (PEM; $TOKENYARD_TLS_KEY)")
+    serve.add_argument("--responses-retention-days", type=float,
+                       help="days a stored response of /v1/responses is kept (default 30, "
+                       "$TOKENYARD_RESPONSES_RETENTION_DAYS)")
+    serve.add_argument("--edge-connections-per-address", type=int, dest="edge_connections",
+                       help="open connections one client address may hold; the next is "
+                       "refused with 429 (default 512, 0: no limit, "
+                       "$TOKENYARD_EDGE_CONNECTIONS_PER_ADDRESS)")
+    serve.add_argument("--edge-requests-per-s", type=float, dest="edge_rate",
+                       help="requests per second one client address may send before 429 "
+                       "(default 500, 0: no limit, $TOKENYARD_EDGE_REQUESTS_PER_S)")
+    serve.add_argument("--header-timeout", type=float,
+                       help="seconds a request head may take to arrive, and an idle "
+                       "connection may stay open (default 60, $TOKENYARD_HEADER_TIMEOUT_S)")
+    serve.add_argument("--max-header-bytes", type=int,
+                       help="longest request line or header field (default 16384, "
+                       "$TOKENYARD_MAX_HEADER_BYTES)")
+    serve.add_argument("--stream-write-timeout", type=float,
+                       help="seconds a stream's client may take to accept one write before "
+                       "it is cut (default 60, $TOKENYARD_STREAM_WRITE_TIMEOUT_S)")
+    serve.add_argument("--log-format", choices=["json", "text"], default="json",
+                       help="stderr log lines: one JSON object each (default), or text")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                       default="info", help="the least severe level logged (default info; "
+                       "each request's line is info)")
+    serve.add_argument("--request-records-retention-hours", type=float,
+                       dest="records_retention",
+                       help="how long GET /v1/requests/{id} finds a request (default 24, "
+                       "$TOKENYARD_REQUEST_RECORDS_RETENTION_HOURS)")
+    serve.add_argument("--redact-pattern", action="append", metavar="REGEX",
+                       help="also redact matches of this regular expression from captured "
+                       "bodies (repeatable)")
     add_engine_args(serve)
 
 

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from aiohttp import web
 from tokenyard.api.app import make_app
 from tokenyard.api.context import AppState, Served
 from tokenyard.api.convert import now
+from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.replica_client import ReplicaError
 from tokenyard.cli.fleet import Fleet, Starter, reload
@@ -37,6 +37,7 @@ from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.routing import Router
+from tokenyard.telemetry import logs
 
 logger = logging.getLogger("tokenyard.serve")
 
@@ -160,6 +161,7 @@ async def run(
         state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
         state.max_body_bytes = config.max_body_bytes
+        state.edge = EdgeLimits.of(config)
         state.embeddings = {n: s.pool for n, s in deployments.items()
                             if s.kind == "embeddings"}
         if config.workers > 1:  # they serve; this process supervises (cli/workers.py)
@@ -168,18 +170,22 @@ async def run(
             await workers.start()
             bound = workers.port
         else:
-            # handler_cancellation: a client that goes away cancels its handler, which
-            # closes the replica stream, which aborts the request there and frees its blocks.
-            runner = web.AppRunner(make_app(state), handler_cancellation=True,
-                                   shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
+            runner = edge_runner(make_app(state), shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S)
+            await start_edge(runner)
+            site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG,
+                               ssl_context=config.ssl_context())
             await site.start()
             bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
         replica_urls = ", ".join(m.id for m in state.default.pool.members)
-        print(banner(f"http://{shown}:{bound}", state.model, replica_urls, api_key),
+        scheme = "https" if config.tls_cert is not None else "http"
+        print(banner(f"{scheme}://{shown}:{bound}", state.model, replica_urls, api_key),
               flush=True)
+        logger.info("serving %s on port %d", state.model, bound, extra={
+            "event": "started", "model": state.model, "host": host, "port": bound,
+            "deployments": {n: [m.id for m in s.pool.members]
+                            for n, s in state.deployments.items()},
+            "workers": config.workers, "auth": auth})
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -220,12 +226,12 @@ def _name_default(fleet: Fleet, deployments: dict[str, Served]) -> dict[str, Ser
 
 
 async def _reload(fleet: Fleet, state: AppState) -> None:
+    """SIGHUP: reload the fleet file (`reload` logs the outcome)."""
     try:
-        print(f"tokenyard serve: {await reload(fleet, state)}", file=sys.stderr, flush=True)
+        await reload(fleet, state)
     except Exception as exc:  # a bad file keeps the running fleet
-        logger.error("reload failed, keeping the running fleet: %s", exc)
-        print(f"tokenyard serve: reload failed, keeping the running fleet: {exc}",
-              file=sys.stderr, flush=True)
+        logger.error("reload failed, keeping the running fleet: %s", exc,
+                     extra={"event": "reload_failed", "error": str(exc)})
 
 
 async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None]:
@@ -253,7 +259,10 @@ async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None]:
         return gateway, None
 
 
-def serve(host: str, port: int, engine_args: Sequence[str], **kwargs: Any) -> int:
-    """Blocking entry point of `tokenyard serve` (keyword arguments: `run`'s)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def serve(host: str, port: int, engine_args: Sequence[str], *, log_format: str = "json",
+          log_level: str = "info", **kwargs: Any) -> int:
+    """Blocking entry point of `tokenyard serve` (other keyword arguments: `run`'s).
+    The log settings reach the worker processes through the environment."""
+    os.environ[logs.FORMAT_ENV], os.environ[logs.LEVEL_ENV] = log_format, log_level
+    logs.configure(log_format, log_level)
     return asyncio.run(run(host, port, engine_args, **kwargs))

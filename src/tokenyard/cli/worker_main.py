@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenyard.api.context import AppState
+from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.cli.fleet import Fleet
 from tokenyard.cli.workers import READY_MARK, WORKER_HEADER, WORKER_SPEC_ENV, WorkerSpec
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import DeploymentSpec
+from tokenyard.telemetry import logs
 
 logger = logging.getLogger("tokenyard.workers")
 
@@ -73,6 +75,7 @@ async def run_worker(spec: WorkerSpec) -> int:
         state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
         state.max_body_bytes = config.max_body_bytes
+        state.edge = EdgeLimits.of(config)
         state.embeddings = {n: s.pool for n, s in deployments.items()
                             if s.kind == "embeddings"}
         app = make_app(state)
@@ -83,11 +86,10 @@ async def run_worker(spec: WorkerSpec) -> int:
 
         app.on_response_prepare.append(stamp)
         # Open responses get the whole drain timeout: the replicas serve them meanwhile.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=config.drain_timeout_s)
-        await runner.setup()
+        runner = edge_runner(app, shutdown_timeout=config.drain_timeout_s)
+        await start_edge(runner)
         await web.TCPSite(runner, spec.host, spec.port, backlog=LISTEN_BACKLOG,
-                          reuse_port=True).start()
+                          reuse_port=True, ssl_context=config.ssl_context()).start()
 
         async def reload_fleet() -> None:
             try:
@@ -117,7 +119,7 @@ async def _no_local_replicas(spec: DeploymentSpec, token: str, port: int) -> Any
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logs.configure()  # the format and level `tokenyard serve` put in the environment
     raw = os.environ.pop(WORKER_SPEC_ENV, None)  # children of ours need not see it
     if not raw:
         print(f"error: {WORKER_SPEC_ENV} is not set: workers are started by "

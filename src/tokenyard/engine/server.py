@@ -35,6 +35,7 @@ from aiohttp.typedefs import Handler
 from tokenyard.config import EngineConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
+from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample.grammar import GrammarError, GuidedState
 from tokenyard.engine.scheduler import QueueFullError
@@ -164,21 +165,28 @@ class ReplicaServer:
             return _json(error_body(str(exc), INVALID_REQUEST), status=400)
         self._in_flight.add(wire.request_id)
         self._idle.clear()
+        spans = ReplicaSpans.start(http.headers, wire.request_id)  # None unless traced
+        error: str | None = None
         try:
             response = web.StreamResponse(headers={"Content-Type": NDJSON})
             try:
                 await response.prepare(http)
                 async for batch in stream:
+                    if spans is not None:
+                        spans.saw(batch)
                     await response.write(b"".join(encode_delta(out) for out in batch))
                 await response.write_eof()
             except ConnectionResetError:
                 pass  # the client left; `finally` aborts the request
             except Exception as exc:  # the engine failed this request after it began
+                error = f"engine step failed: {exc}"
                 with contextlib.suppress(ConnectionResetError):
-                    await response.write(encode_stream_error(f"engine step failed: {exc}"))
+                    await response.write(encode_stream_error(error))
                     await response.write_eof()
             return response
         finally:
+            if spans is not None:
+                spans.export(error)
             # Also reached on cancellation (the client disconnected): abort what is left.
             stream.close()
             self._in_flight.discard(wire.request_id)
@@ -191,7 +199,10 @@ class ReplicaServer:
         if grammars is None or guided is None:
             raise GrammarError("guided", "this replica cannot run constrained decoding")
         state = grammars.state(guided, request.eos_token_ids)  # thread-safe
-        await asyncio.wrap_future(state.future)  # raises the compile's GrammarError
+        with contextlib.suppress(Exception):  # a failure is read back as `state.error`
+            await asyncio.wrap_future(state.future)
+        if (error := state.error) is not None:
+            raise error
         return state
 
     async def abort(self, http: web.Request) -> web.Response:

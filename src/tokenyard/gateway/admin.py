@@ -1,4 +1,5 @@
-"""Administration: orgs, projects, keys, limits, prices, credit, spend caps, usage reports.
+"""Administration: orgs, projects, keys, limits, prices, credit, spend caps, usage reports,
+body capture.
 
 One set of operations behind both `tokenyard admin …` (which opens the store itself) and
 `/admin/v1/…` (admin-scoped keys). Each takes plain JSON-like arguments, validates them
@@ -17,6 +18,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any, cast, get_args
 
+from tokenyard.gateway.requests import DEFAULT_CAPTURE_DAYS, RequestLog
 from tokenyard.gateway.shadow import shadow_report_of
 from tokenyard.store.money import format_money, parse_money
 from tokenyard.store.records import (
@@ -29,6 +31,7 @@ from tokenyard.store.records import (
     priority_name,
 )
 from tokenyard.store.repo import Store
+from tokenyard.store.requests import capture_settings
 
 Json = dict[str, Any]
 GROUPS: tuple[str, ...] = get_args(GroupBy)
@@ -161,8 +164,11 @@ def usage_json(row: UsageRow) -> Json:
 class Admin:
     """The administrative operations over one `Store`."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, requests: RequestLog | None = None) -> None:
+        """`requests`: the serving process's request log, so that a capture setting
+        applies there at once (the CLI has none: a server picks it up within seconds)."""
         self.store = store
+        self.requests = requests if requests is not None else RequestLog(store)
 
     async def create_org(self, args: Mapping[str, Any]) -> Json:
         limits = _limits(args)
@@ -283,6 +289,26 @@ class Admin:
         rows = await shadow_report_of(self.store, alias=_str(args, "alias", required=False),
                                       since=_time(args, "since"))
         return [asdict(row) for row in rows]
+
+    async def set_capture(self, org_id: str, args: Mapping[str, Any]) -> Json:
+        """Capture the org's request and response bodies (redacted) for `retention_days`
+        (default 7), or stop (`enabled` false; captures already kept stay until they
+        expire)."""
+        await self._org(org_id)
+        enabled = args.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise AdminError("enabled", "enabled must be true or false")
+        days = _opt_int(args, "retention_days")
+        if days == 0:
+            raise AdminError("retention_days", "retention_days must be >= 1")
+        days = (days or DEFAULT_CAPTURE_DAYS) if enabled else None
+        await self.requests.set_capture(org_id, days)
+        return {"org_id": org_id, "capture": enabled, "retention_days": days}
+
+    async def capture(self, org_id: str) -> Json:
+        await self._org(org_id)
+        days = (await capture_settings(self.store.db)).get(org_id)
+        return {"org_id": org_id, "capture": days is not None, "retention_days": days}
 
     async def _org(self, org_id: str) -> None:
         if await self.store.get_org(org_id) is None:

@@ -19,11 +19,19 @@ from dataclasses import dataclass, field
 
 from tokenyard.errors import APIError, insufficient_quota
 from tokenyard.store.ledger import LedgerWriter, UsageRecord
-from tokenyard.store.money import Prices, cost_micros, format_money
+from tokenyard.store.money import (
+    Prices,
+    cost_micros,
+    cost_quarters,
+    format_exact,
+    format_money,
+)
 from tokenyard.store.records import KeyContext
 from tokenyard.store.repo import Store
 
 logger = logging.getLogger("tokenyard.gateway.billing")
+#: The currency of every price and balance (prices are set in it; nothing converts).
+CURRENCY = "USD"
 #: How long a refresh waits for the ledger to commit what this process settled.
 FLUSH_WAIT_S = 2.0
 
@@ -190,11 +198,7 @@ class Billing:
     def cost(prices: Prices, usage: Usage) -> int:
         """Micros: uncached input, cached input, prompt-cache writes and output at the
         model's prices."""
-        cached = min(usage.cached_tokens, usage.prompt_tokens)
-        write_1h = min(usage.cache_write_1h_tokens, usage.prompt_tokens - cached)
-        write_5m = min(usage.cache_write_5m_tokens, usage.prompt_tokens - cached - write_1h)
-        return cost_micros(prices, usage.prompt_tokens - cached - write_5m - write_1h, cached,
-                           usage.output_tokens, write_5m, write_1h)
+        return cost_micros(prices, *_priced_counts(usage))
 
     def meter(
         self,
@@ -229,6 +233,37 @@ class Billing:
         if view is not None:
             view.local.append((self._seq, key.project_id, record.cost_micros))
         return record
+
+
+def _priced_counts(usage: Usage) -> tuple[int, int, int, int, int]:
+    """(uncached input, cached input, output, 5-minute writes, 1-hour writes): the
+    prompt split so that no token is priced twice."""
+    cached = min(usage.cached_tokens, usage.prompt_tokens)
+    write_1h = min(usage.cache_write_1h_tokens, usage.prompt_tokens - cached)
+    write_5m = min(usage.cache_write_5m_tokens, usage.prompt_tokens - cached - write_1h)
+    return (usage.prompt_tokens - cached - write_5m - write_1h, cached, usage.output_tokens,
+            write_5m, write_1h)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one request was charged: `micros`, the ledger row's cost (rounded once), and
+    its exact line items (`cost_quarters`)."""
+
+    micros: int
+    items: dict[str, int]
+
+    @classmethod
+    def of(cls, prices: Prices, usage: Usage, micros: int) -> Cost:
+        return cls(micros, cost_quarters(prices, *_priced_counts(usage)))
+
+    def to_json(self) -> dict[str, str]:
+        """Decimal strings (money is never a float here): the total charged, then each
+        line item exactly; the cache-write item only when the request wrote any."""
+        out = {"currency": CURRENCY, "total": format_money(self.micros)}
+        out.update({name: format_exact(q) for name, q in self.items.items()
+                    if q or name != "cache_write"})
+        return out
 
 
 def _quota(message: str) -> APIError:

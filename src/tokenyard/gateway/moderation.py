@@ -19,7 +19,6 @@ background tasks and only record. Every flagged or blocked text becomes a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
@@ -33,6 +32,7 @@ from tokenyard.balancer.moderation_client import ModerationClient, ModerationUna
 from tokenyard.deployments import MODERATION_MODES, ModerationSpec
 from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.admin import AdminError
+from tokenyard.gateway.batch_writer import BatchWriter
 from tokenyard.store.moderation import (
     ModerationEvent,
     insert_events,
@@ -231,56 +231,25 @@ class Policy:
 OFF = Policy("off", "off", None)
 
 
-class EventRecorder:
-    """Queues moderation events and writes them in batches from a background task; a
-    failed write is logged and dropped (an audit row is never worth failing a request
-    for). Without a store, events are only logged."""
+class EventRecorder(BatchWriter[ModerationEvent]):
+    """Queues moderation events and writes them in batches from a background task
+    (`BatchWriter`); without a store, events are only logged."""
 
     def __init__(self, store: Store | None, *, flush_s: float = 0.25,
                  max_pending: int = 10_000) -> None:
+        async def write(events: list[ModerationEvent]) -> None:
+            assert store is not None
+            await insert_events(store.db, events)
+
+        super().__init__(write, "moderation events", flush_s=flush_s,
+                         max_pending=max_pending)
         self.store = store
-        self.flush_s = flush_s
-        self.max_pending = max_pending
-        self.queue: list[ModerationEvent] = []
-        self.dropped = 0
-        self._ready = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
 
-    def add(self, event: ModerationEvent) -> None:
+    def add(self, row: ModerationEvent) -> None:
         if self.store is None:
-            logger.info("moderation %s", event)
+            logger.info("moderation %s", row)
             return
-        if len(self.queue) >= self.max_pending:
-            self.dropped += 1
-            return
-        self.queue.append(event)
-        self._ready.set()
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_loop())
-
-    async def _write_loop(self) -> None:
-        while True:
-            await self._ready.wait()
-            await asyncio.sleep(self.flush_s)
-            self._ready.clear()
-            await self.write()
-
-    async def write(self) -> None:
-        events, self.queue = self.queue, []
-        if self.store is None or not events:
-            return
-        try:
-            await insert_events(self.store.db, events)
-        except Exception as exc:
-            logger.warning("dropped %d moderation events: %s", len(events), exc)
-
-    async def aclose(self) -> None:
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(BaseException):
-                await self._writer
-            self._writer = None
-        await self.write()
+        super().add(row)
 
 
 class Moderator:
@@ -387,11 +356,11 @@ class Moderator:
         """Wait for the background checks in flight (tests and shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        await self.recorder.write()
+        await self.recorder.flush()
 
     async def aclose(self) -> None:
         await self.drain()
-        await self.recorder.aclose()
+        await self.recorder.close()
         for classifier in self._classifiers.values():
             if isinstance(classifier, UpstreamClassifier):
                 await classifier.client.close()

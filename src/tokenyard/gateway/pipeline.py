@@ -25,13 +25,17 @@ from tokenyard.config import ServeConfig
 from tokenyard.deployments import PriceSpec
 from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
-from tokenyard.gateway.billing import Billing, Usage
+from tokenyard.gateway.auth_throttle import FailedAuthThrottle
+from tokenyard.gateway.billing import Billing, Cost, Usage
 from tokenyard.gateway.limits import Admission, Limiter, RateLimited, Subject
+from tokenyard.gateway.requests import RequestLog
+from tokenyard.gateway.responses import StoredResponses
 from tokenyard.store.db import Database
 from tokenyard.store.ledger import LedgerWriter
 from tokenyard.store.money import Prices
 from tokenyard.store.records import KeyContext, Limits
 from tokenyard.store.repo import Store
+from tokenyard.telemetry import request_log
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -52,6 +56,16 @@ class Ticket:
     request_id: str
     prices: Prices
     finished: bool = field(default=False)
+    #: Set by `finish`: what the request used and how it ended, and what it was charged
+    #: (None: not metered, nothing ran); the ledger row holds the same figures.
+    usage: Usage | None = None
+    status: str | None = None
+    cost: Cost | None = None
+
+    @property
+    def cost_micros(self) -> int | None:
+        """What the request was billed in micros (None: not metered)."""
+        return self.cost.micros if self.cost is not None else None
 
     @property
     def cache_salt(self) -> str:
@@ -105,13 +119,25 @@ class Gateway:
     """Authentication, authorization, limits, billing and metering over one store."""
 
     def __init__(
-        self, store: Store, limiter: Limiter, billing: Billing, *, key_ttl_s: float = 1.0
+        self, store: Store, limiter: Limiter, billing: Billing, *, key_ttl_s: float = 1.0,
+        responses_retention_days: float = ServeConfig.responses_retention_days,
+        auth_failures_per_minute: int = 0,
+        requests: RequestLog | None = None,
     ) -> None:
         self.store = store
         self.limiter = limiter
         self.billing = billing
+        #: Request records and body capture (`GET /v1/requests/{id}`), off the path.
+        self.requests = requests if requests is not None else RequestLog(store)
         self.auth = Authenticator(store.find_key, ttl_s=key_ttl_s)
+        #: The Responses API's stored responses (their purge runs once `open` starts it).
+        self.responses = StoredResponses(store, retention_days=responses_retention_days)
+        self.auth_throttle = FailedAuthThrottle(auth_failures_per_minute)
         self._settling: set[asyncio.Task[None]] = set()
+        #: Limiter admissions taken and not yet settled back (each holds its subjects'
+        #: concurrency slots until then). Read-only figure: once traffic stops it must come
+        #: back to 0, which the reliability suite checks through the dashboard.
+        self.admissions_open = 0
 
     @classmethod
     async def open(
@@ -119,7 +145,8 @@ class Gateway:
         *, config: ServeConfig | None = None,
     ) -> tuple[Gateway, str | None]:
         """Open the store (migrating it), start the ledger writer (replaying what a crashed
-        gateway left in its journal) and create the default org on an empty database.
+        gateway left in its journal) and the purge of expired stored responses, and create
+        the default org on an empty database.
         `config` sets the caches' lifetimes and the ledger's batching (default: defaults).
         Returns the gateway and the new development key's secret (None if not new)."""
         config = config or ServeConfig()
@@ -135,12 +162,23 @@ class Gateway:
             raise
         billing = Billing(store, ledger, refresh_s=config.billing_refresh_s,
                           prices_refresh_s=config.prices_refresh_s)
-        return cls(store, limiter, billing, key_ttl_s=config.key_cache_ttl_s), dev_key
+        requests = RequestLog(store, config)
+        await requests.start()
+        request_log.add_observer(requests.observe)
+        gateway = cls(store, limiter, billing, key_ttl_s=config.key_cache_ttl_s,
+                      responses_retention_days=config.responses_retention_days,
+                      auth_failures_per_minute=config.auth_failures_per_minute,
+                      requests=requests)
+        gateway.responses.start()
+        return gateway, dev_key
 
     async def close(self) -> None:
         """Wait for pending settlements, flush the ledger, close everything."""
+        await self.responses.close()
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
+        request_log.remove_observer(self.requests.observe)
+        await self.requests.close()
         await self.billing.ledger.close(timeout=10.0)
         await self.limiter.close()
         await self.store.db.close()
@@ -151,10 +189,17 @@ class Gateway:
             await self.store.set_price(model, input=spec.input,
                                        cached_input=spec.cached_input, output=spec.output)
 
-    async def authenticate(self, headers: Mapping[str, str], timeline: Timeline) -> KeyContext:
+    async def authenticate(
+        self, headers: Mapping[str, str], timeline: Timeline, address: str | None = None,
+    ) -> KeyContext:
+        """The calling key; 401 for a bad one, 429 for an `address` (the TCP peer) that
+        failed too often of late (gateway/auth_throttle.py)."""
+        self.auth_throttle.check(address)
         try:
             key = await self.auth.authenticate(headers)
-        except APIError:
+        except APIError as err:
+            if err.status == 401:
+                self.auth_throttle.failed(address)
             raise
         except Exception as exc:  # the store is down: the client may retry, not a 500
             raise _unavailable("key store", exc) from None
@@ -189,6 +234,7 @@ class Gateway:
             raise RateLimitExceeded(refusal) from None
         except Exception as exc:  # Redis is down
             raise _unavailable("rate limiter", exc) from None
+        self.admissions_open += 1
         timeline.mark("limited")
         ticket = Ticket(key, admission, model, endpoint, request_id, Prices())
         try:
@@ -235,11 +281,13 @@ class Gateway:
         if ticket.finished:
             return
         ticket.finished = True
+        ticket.usage, ticket.status = usage, status
         if usage is not None and (usage.output_tokens or status != FAILED):
-            self.billing.meter(
+            record = self.billing.meter(
                 ticket.key, request_id=ticket.request_id, model=ticket.model,
                 endpoint=ticket.endpoint, status=status, usage=usage, prices=ticket.prices,
             )
+            ticket.cost = Cost.of(ticket.prices, usage, record.cost_micros)
         used = usage.total_tokens if usage is not None else 0
         task = asyncio.get_running_loop().create_task(self._settle(ticket.admission, used))
         self._settling.add(task)
@@ -250,6 +298,8 @@ class Gateway:
             await self.limiter.settle(admission, used)
         except Exception:
             logger.exception("settling a rate-limit reservation failed")
+        finally:
+            self.admissions_open -= 1
 
 
 def _unavailable(what: str, exc: Exception) -> APIError:

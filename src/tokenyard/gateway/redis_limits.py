@@ -26,6 +26,8 @@ import os
 from collections.abc import Sequence
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from tokenyard.gateway.limits import (
     CONCURRENCY_RETRY_AFTER,
@@ -149,7 +151,12 @@ class RedisLimiter:
     def __init__(self, url: str, prefix: str = "tokenyard:rl:", lease_ttl: float = 600.0) -> None:
         """`url`: redis://…; `prefix`: this deployment's keys (the hash tag); `lease_ttl`:
         seconds after which a concurrency slot that was never settled frees itself."""
-        self._redis = Redis.from_url(url, decode_responses=True)
+        # One immediate retry on a new connection after a connection error: once Redis
+        # restarts, every idle pooled connection is dead until used, and without it each
+        # would fail one request with 503 long after Redis is back. The cost, only when a
+        # reply is lost after the script ran: the request counted twice in its buckets
+        # (its slot is one ZADD of the lease id, so not twice).
+        self._redis = Redis.from_url(url, decode_responses=True, retry=Retry(NoBackoff(), 1))
         self.key_prefix = "{" + prefix + "}"
         self._lease_ttl_ms = max(1, round(lease_ttl * 1000))
         self._admit = self._redis.register_script(_ADMIT)

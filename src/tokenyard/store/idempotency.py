@@ -8,6 +8,7 @@ as absent and is replaced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,6 +21,8 @@ from tokenyard.store.tables import idempotency_records as records
 
 DEFAULT_TTL_S = 86_400.0  # how long a response stays replayable
 DEFAULT_RUNNING_LEASE_S = 900.0  # longer than any request may run
+#: Where a running claim keeps its owner (the headers column is empty until it is done).
+OWNER = "x-tokenyard-claim-owner"
 MAX_ATTEMPTS = 5  # insert / read rounds before giving up (a row deleted under us)
 
 
@@ -31,8 +34,14 @@ async def begin(
     body_hash: str,
     ttl_s: float = DEFAULT_TTL_S,
     running_lease_s: float = DEFAULT_RUNNING_LEASE_S,
+    owner: str | None = None,
+    owner_is_dead: Callable[[str], bool] | None = None,
 ) -> tuple[IdemOutcome, IdempotencyRecord | None]:
     """Claim `key` for a request whose body hashes to `body_hash` (SHA-256 hex).
+
+    `owner` names the claiming process (kept with the claim while it runs); a running
+    claim whose owner `owner_is_dead` says is gone (a gateway worker killed mid-request)
+    is taken over at once instead of answering 409 until its lease runs out.
 
     Returns ('new', None): the caller runs the request, then `complete` or `release`;
     ('replay', record): a response is stored for the same body; ('running', record): the
@@ -50,6 +59,7 @@ async def begin(
         "key": key,
         "body_hash": body_hash,
         "state": "running",
+        "headers": None if owner is None else {OWNER: owner},
         "created_at": now,
         "expires_at": now + timedelta(seconds=ttl_s),
     }
@@ -71,6 +81,13 @@ async def begin(
         record = _record(found)
         if record.body_hash != body_hash:
             return "mismatch", record
+        holder = record.headers.get(OWNER) if record.state == "running" else None
+        if holder is not None and owner_is_dead is not None and owner_is_dead(holder):
+            async with engine.begin() as conn:  # only that claim: not one made since
+                await conn.execute(delete(records).where(
+                    this_key, records.c.state == "running",
+                    records.c.created_at == record.created_at))
+            continue
         return ("running" if record.state == "running" else "replay"), record
     raise RuntimeError(f"idempotency key {key!r} kept changing under {MAX_ATTEMPTS} attempts")
 

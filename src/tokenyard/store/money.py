@@ -24,27 +24,40 @@ class Prices:
     output: int = 0  # generated tokens
 
 
+def cost_quarters(
+    prices: Prices, uncached_input: int, cached_input: int, output: int,
+    cache_write_5m: int = 0, cache_write_1h: int = 0,
+) -> dict[str, int]:
+    """Each line item of one request's cost in quarter micro-units per million tokens
+    (exact integers, not rounded): "input" (uncached), "cached_input", "output" and
+    "cache_write" (prompt-cache writes: the input price times 1.25 kept 5 minutes, times 2
+    kept 1 hour, Anthropic's multipliers)."""
+    counts = (uncached_input, cached_input, output, cache_write_5m, cache_write_1h)
+    if min(counts) < 0:
+        raise ValueError(f"token counts must be non-negative, got {counts}")
+    return {
+        "input": 4 * uncached_input * prices.input,
+        "cached_input": 4 * cached_input * prices.cached_input,
+        "output": 4 * output * prices.output,
+        "cache_write": (5 * cache_write_5m + 8 * cache_write_1h) * prices.input,
+    }
+
+
+#: What one `cost_quarters` unit is in currency units (a quarter micro per million tokens).
+QUARTER_UNIT = Decimal(1) / (4 * TOKENS_PER_PRICE_UNIT * MICROS_PER_UNIT)
+
+
 def cost_micros(
     prices: Prices, uncached_input: int, cached_input: int, output: int,
     cache_write_5m: int = 0, cache_write_1h: int = 0,
 ) -> int:
     """Cost in micros of one request's token counts under `prices`.
 
-    Prompt-cache writes cost the input price times 1.25 (kept 5 minutes) or 2 (kept
-    1 hour), Anthropic's multipliers. Exact integer arithmetic, in quarter micros: the
-    per-million products are summed first and divided once, rounding half up (0.5 micro
-    -> 1 micro).
+    Exact integer arithmetic, in quarter micros (`cost_quarters`): the per-million
+    products are summed first and divided once, rounding half up (0.5 micro -> 1 micro).
     """
-    counts = (uncached_input, cached_input, output, cache_write_5m, cache_write_1h)
-    if min(counts) < 0:
-        raise ValueError(f"token counts must be non-negative, got {counts}")
-    quarters = (
-        4 * uncached_input * prices.input
-        + 4 * cached_input * prices.cached_input
-        + 4 * output * prices.output
-        + 5 * cache_write_5m * prices.input
-        + 8 * cache_write_1h * prices.input
-    )
+    quarters = sum(cost_quarters(prices, uncached_input, cached_input, output,
+                                 cache_write_5m, cache_write_1h).values())
     # Floor division of (n + d/2) rounds half up for the non-negative n we have here.
     divisor = 4 * TOKENS_PER_PRICE_UNIT
     return (quarters + divisor // 2) // divisor
@@ -68,3 +81,13 @@ def parse_money(text: str) -> int:
 def format_money(micros: int) -> str:
     """A decimal string with exactly 6 places from micros: 12_500_000 -> "12.500000"."""
     return f"{Decimal(micros).scaleb(-6):.6f}"
+
+
+def format_exact(quarters: int) -> str:
+    """A line item (`cost_quarters`) as an exact decimal string of currency units, never
+    fewer than 6 places: 6 (quarter micros per million) -> "0.0000000000015" is kept
+    whole rather than rounded, so the parts add up to the unrounded total."""
+    amount = (Decimal(quarters) * QUARTER_UNIT).normalize()
+    text = f"{amount:f}"
+    whole, _, frac = text.partition(".")
+    return f"{whole}.{frac.ljust(6, '0')}"

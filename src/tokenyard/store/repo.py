@@ -287,10 +287,13 @@ class Store(Accounts):
         body_hash: str,
         ttl_s: float = idempotency.DEFAULT_TTL_S,
         running_lease_s: float = idempotency.DEFAULT_RUNNING_LEASE_S,
+        owner: str | None = None,
+        owner_is_dead: Callable[[str], bool] | None = None,
     ) -> tuple[IdemOutcome, IdempotencyRecord | None]:
         """Claim an Idempotency-Key (see `idempotency.begin`)."""
         return await idempotency.begin(
-            self.db.engine, self.clock(), org_id, key, body_hash, ttl_s, running_lease_s
+            self.db.engine, self.clock(), org_id, key, body_hash, ttl_s, running_lease_s,
+            owner, owner_is_dead,
         )
 
     async def idem_complete(

@@ -26,6 +26,7 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     String,
     Table,
+    Text,
     TypeDecorator,
 )
 
@@ -245,4 +246,75 @@ moderation_events = Table(
     Column("categories", JSON, nullable=False),
     Column("scores", JSON, nullable=False),
     Index(None, "org_id", "created_at"),
+)
+
+#: Long enough for any response id a client may send back ("resp_" + 48 hex is OpenAI's).
+RESPONSE_ID = 100
+
+stored_responses = Table(
+    "stored_responses",
+    metadata,
+    # One row per response `POST /v1/responses` stored: whose it is, the response it
+    # continued (its chain is followed through this column), the response object as the
+    # client received it, its own turn's input items, and when it stops being served.
+    Column("id", String(RESPONSE_ID), primary_key=True),
+    Column("org_id", String(ID), nullable=False),
+    Column("project_id", String(ID), nullable=True),
+    Column("key_id", String(ID), nullable=True),
+    Column("previous_response_id", String(RESPONSE_ID), nullable=True),
+    Column("response", JSON, nullable=False),
+    Column("input_items", JSON, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False, index=True),
+)
+
+request_records = Table(
+    "request_records",
+    metadata,
+    # One row per finished request that reached a deployment, written in batches after
+    # it ended and deleted after the serve's retention window: whose it was, where it
+    # ran, how it ended, its token counts, its stage durations (ms), what it was charged.
+    Column("request_id", String(64), primary_key=True),
+    Column("created_at", UTCDateTime, nullable=False, index=True),
+    Column("org_id", String(ID), nullable=True),
+    Column("project_id", String(ID), nullable=True),
+    Column("key_prefix", String(16), nullable=True),
+    Column("endpoint", String(100), nullable=False),
+    Column("model", String(200), nullable=True),
+    Column("deployment", String(200), nullable=True),
+    Column("replica", String(200), nullable=True),
+    Column("status", Integer, nullable=False),  # HTTP
+    Column("error_code", String(64), nullable=True),
+    Column("finish_reason", String(200), nullable=True),
+    Column("stream", Boolean, nullable=False),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("cached_tokens", Integer, nullable=False),
+    Column("output_tokens", Integer, nullable=False),
+    Column("cost_micros", BigInteger, nullable=True),  # NULL: not billed
+    Column("timings", JSON, nullable=False),  # stage → ms
+    Column("duration_ms", Float, nullable=False),
+)
+
+org_capture = Table(
+    "org_capture",
+    metadata,
+    # An org whose request and response bodies are captured (no row: off), and how many
+    # days each capture is kept.
+    Column("org_id", String(ID), ForeignKey("orgs.id"), primary_key=True),
+    Column("retention_days", Integer, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+)
+
+request_captures = Table(
+    "request_captures",
+    metadata,
+    # The redacted request and response bodies of a captured org's request (text: JSON
+    # when whole, cut at the capture limit when `truncated`), deleted at `expires_at`.
+    Column("request_id", String(64), primary_key=True),
+    Column("org_id", String(ID), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False, index=True),
+    Column("request", Text, nullable=False),
+    Column("response", Text, nullable=True),
+    Column("truncated", Boolean, nullable=False),
 )

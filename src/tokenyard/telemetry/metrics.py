@@ -50,6 +50,8 @@ from tokenyard.wire.outputs import EngineStats
 
 prometheus_client.disable_created_metrics()
 
+#: A histogram's cumulative counts per upper bound (`TokenyardMetrics.histogram_buckets`).
+Buckets = tuple[tuple[float, float], ...]
 #: The variable that puts prometheus_client in multiprocess mode (its directory of files).
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: Content type of the text exposition format `render` writes.
@@ -211,16 +213,32 @@ class TokenyardMetrics:
             finished_reasons=finished_reasons,
         )
 
+    def _source(self) -> CollectorRegistry:
+        """This process's registry, or in multiprocess mode one that sums every worker's."""
+        path = multiprocess_dir()
+        if path is None:
+            return self.registry
+        source = CollectorRegistry()
+        MultiProcessCollector(source, path)
+        return source
+
+    def histogram_buckets(self) -> dict[str, Buckets]:
+        """Each latency histogram's cumulative bucket counts (every worker's), by its
+        name after the prefix: ``time_to_first_token_seconds`` → ((le, count), …), the
+        last bound +Inf."""
+        out: dict[str, Buckets] = {}
+        for family in self._source().collect():
+            if family.type != "histogram":
+                continue
+            out[family.name.removeprefix(PREFIX)] = tuple(
+                (float(sample.labels["le"]), sample.value) for sample in family.samples
+                if sample.name.endswith("_bucket"))
+        return out
+
     def render(self) -> str:
         """The ``/metrics`` page: the per-request metrics (every worker's, summed, in
         multiprocess mode), then the engine-wide ones of the last snapshot."""
-        path = multiprocess_dir()
-        if path is None:
-            source = self.registry
-        else:
-            source = CollectorRegistry()
-            MultiProcessCollector(source, path)
-        text = generate_latest(source).decode()
+        text = generate_latest(self._source()).decode()
         if self.stats is not None:
             text += render_engine_stats(self.stats)
         return text

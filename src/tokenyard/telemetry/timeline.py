@@ -49,7 +49,7 @@ class Timeline:
     timeline is touched only by the event-loop task that serves it.
     """
 
-    __slots__ = ("_accumulated", "events", "num_tokens")
+    __slots__ = ("_accumulated", "events", "num_tokens", "replica")
 
     def __init__(self, received_ns: int | None = None) -> None:
         #: event name → time in ns (perf_counter_ns); ``received`` is stamped at creation.
@@ -59,6 +59,8 @@ class Timeline:
         #: tokens seen by `mark_token` (all completions together).
         self.num_tokens = 0
         self._accumulated: dict[str, int] = {}
+        #: The replica (pool member id) the balancer chose, for the request's summary.
+        self.replica: str | None = None
 
     def mark(self, event: str, now_ns: int | None = None) -> int:
         """Stamp `event` now (or at `now_ns`); return the stamp in ns. A later mark replaces it."""

@@ -53,12 +53,15 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
 def constrained(params: SamplingParams, use: ToolUse | None) -> SamplingParams:
     """`params` for a reply that may call `use`'s tools: ``<tool_response>`` stops it (the
     model would be writing a result it has not got), and the grammar that forces valid
-    calls (`structural_tag`) is set unless another one (a response_format) already is.
+    calls (`structural_tag`) is set unless another one (a response_format) already is and
+    the choice lets the model answer in text. A forced call (required, or a named tool)
+    takes the grammar even then, as OpenAI's tool_choice does: the reply is calls only,
+    which a text format does not govern (instructor sends both in its Responses mode).
     Unchanged when the tools are not active."""
     if use is None or not use.active:
         return params
     stop = params.stop if len(params.stop) >= MAX_STOP else [*params.stop, RESPONSE_OPEN]
-    if params.guided is not None:
+    if params.guided is not None and use.choice.mode != "required":
         return replace(params, stop=stop)
     spec = json.dumps(structural_tag(use), ensure_ascii=False)
     return replace(params, stop=stop,

@@ -1,17 +1,19 @@
 """The Anthropic dialect's conversions: a messages request in; the message, its usage
 and its stream events out.
 
-Inbound: template messages (`system` first) and a `SamplingParams`, range errors named as
-the client spelled them (`stop_sequences`). A final assistant message is a prefill: the
-prepare stage (`text/prepare.py`) lets the model continue it. Outbound: Anthropic's usage
-accounting (`input_tokens` are the prompt tokens *not* read from the cache), stop reasons,
-the non-streamed message. The stream's events are built in `api/anthropic/stream.py`.
+Inbound: template messages (`system` first) and a `SamplingParams` (with the grammar of
+`output_config.format`), range errors named as the client spelled them (`stop_sequences`).
+A final assistant message is a prefill: the prepare stage (`text/prepare.py`) lets the
+model continue it. Outbound: Anthropic's usage accounting (`input_tokens` are the prompt
+tokens *not* read from the cache), stop reasons, the non-streamed message. The stream's
+events are built in `api/anthropic/stream.py`.
 
 No I/O, no torch: the HTTP process calls these on its event loop.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +33,7 @@ from tokenyard.text.prepare import Preparer, TemplateMessage
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion
 from tokenyard.wire.protocol import Pin
-from tokenyard.wire.sampling_params import SamplingParams
+from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
 
 def new_message_id() -> str:
@@ -70,9 +72,22 @@ def anthropic_request_to_engine(
         "max_tokens": req.max_tokens,
         "stop": stop_list(req.stop_sequences),
         "ignore_eos": bool(req.ignore_eos),
+        "guided": output_guided(req),
     }
     params = sampling_params({"stop": "stop_sequences"}, **kwargs)
     return anthropic_messages(req), params
+
+
+def output_guided(req: MessagesRequest) -> GuidedDecoding | None:
+    """The grammar `output_config.format` (or the beta `output_format`) asks for: the
+    reply is one JSON value valid against the schema, as with OpenAI's `response_format`
+    json_schema. An invalid or unsupported schema is found by the replica, which answers
+    400 naming the field."""
+    asked = req.output_schema
+    if asked is None:
+        return None
+    field, schema = asked
+    return GuidedDecoding("json_schema", json.dumps(schema), param=field)
 
 
 def cache_prefixes(req: MessagesRequest) -> list[tuple[list[TemplateMessage], float]]:
@@ -84,8 +99,9 @@ def cache_prefixes(req: MessagesRequest) -> list[tuple[list[TemplateMessage], fl
     for index, block, ttl in req.cache_breakpoints():
         role, content = (("system", req.system) if index is None
                          else (req.messages[index].role, req.messages[index].content))
-        assert isinstance(content, list)  # only blocks carry cache_control
-        cut: TemplateMessage = {"role": role, "content": blocks_text(content[:block + 1])}
+        # A string content has a breakpoint only from the top-level cache_control.
+        text = content if isinstance(content, str) else blocks_text((content or [])[:block + 1])
+        cut: TemplateMessage = {"role": role, "content": text}
         head = [] if index is None else full[:first + index]
         prefixes.append(([*head, cut], ttl))
     return prefixes
@@ -148,8 +164,8 @@ def anthropic_usage(
         output_tokens=output_tokens,
         cache_creation_input_tokens=written,
         cache_read_input_tokens=cached,
-        cache_creation=None if cache_writes is None else CacheCreation(
-            ephemeral_5m_input_tokens=written_5m, ephemeral_1h_input_tokens=written_1h),
+        cache_creation=CacheCreation(ephemeral_5m_input_tokens=written_5m,
+                                     ephemeral_1h_input_tokens=written_1h),
     )
 
 

@@ -78,6 +78,7 @@ class MessageDeltaUsage(BaseModel):
     output_tokens: int
     cache_creation_input_tokens: int | None = None
     cache_read_input_tokens: int | None = None
+    server_tool_use: None = None
 
 
 class MessageDeltaEvent(BaseModel):

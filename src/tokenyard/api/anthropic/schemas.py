@@ -3,9 +3,12 @@
 Requests: `max_tokens` is required (as Anthropic requires it), `system` is a string or a list
 of text blocks, message content is a string or a list of blocks of which `text`,
 `tool_use` (assistant), `tool_result` and `image` (user) are supported; document and
-thinking blocks and enabled `thinking` are answered with a 400 naming them. `tools` are
-client tools (name, description, input_schema); `tool_choice` is auto, any, tool or
-none. Unknown fields are ignored.
+thinking blocks are answered with a 400 naming them. `tools` are client tools (name,
+description, input_schema); `tool_choice` is auto, any, tool or none (auto and none also
+without tools). The other top-level options are `api.anthropic.request_fields`'s; a
+top-level field no version of the API documents is a 400 naming it, in Anthropic's error
+shape. Fields unknown inside nested objects are ignored (an SDK's response blocks sent
+back as a conversation carry extra ones).
 
 Responses and stream events mirror Anthropic's shapes so the official SDK parses them. Usage
 follows Anthropic's accounting: `input_tokens` counts the prompt tokens that were *not* read
@@ -14,11 +17,16 @@ from the cache; `cache_read_input_tokens` the ones that were.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
+from tokenyard.api.anthropic.request_fields import (
+    REFUSED,
+    ConversationOptions,
+    GenerationOptions,
+)
 from tokenyard.api.anthropic.tool_schemas import (
     ToolChoiceParam,
     ToolParam,
@@ -31,8 +39,13 @@ from tokenyard.api.images import (
     only_from_user,
     source_problem,
 )
-from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
-from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
+from tokenyard.api.schemas import (
+    TEXT_PART_SEPARATOR,
+    RequestModel,
+    reject_unknown,
+    reject_unsupported,
+)
+from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_VALUE
 from tokenyard.text.content import ImagePart
 from tokenyard.wire.protocol import TTL_1H, TTL_5M
 
@@ -209,50 +222,25 @@ class MessageParam(RequestModel):
         return blocks_text(self.content)
 
 
-class Metadata(RequestModel):
-    """`metadata`: an opaque end-user id."""
-
-    user_id: str | None = None
-
-
-def _thinking_ok(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "disabled")
-
-
-def _output_config_ok(value: Any) -> bool:
-    return not (isinstance(value, dict) and value.get("format") is not None)
-
-
-_MESSAGES_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "thinking": _thinking_ok,
-    "output_config": _output_config_ok,
-}
-
-
-def _reject_unsupported(data: Any) -> None:
-    if not isinstance(data, dict):
-        return
-    for name, ok in _MESSAGES_UNSUPPORTED.items():
-        if name in data and not ok(data[name]):
-            field = "output_config.format" if name == "output_config" else name
-            raise schema_error(
-                UNSUPPORTED_PARAMETER, field,
-                f"'{field}' is not supported by this server yet.",
-            )
-
-
-class _Conversation(RequestModel):
+class _Conversation(ConversationOptions):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlockParam] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
+    #: Automatic caching: a breakpoint on the last block of the last message.
+    cache_control: CacheControl | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
-        _reject_unsupported(data)
-        reject_unknown(data, [*cls.model_fields, *_MESSAGES_UNSUPPORTED])
+        reject_unsupported(data, REFUSED)
+        reject_unknown(data, [*cls.model_fields, *REFUSED])
+        if isinstance(data, dict) and data.get("output_format") is not None and isinstance(
+                data.get("output_config"), dict) and data["output_config"].get("format"):
+            raise schema_error(INVALID_VALUE, "output_format",
+                               "'output_format' and 'output_config.format' cannot be used "
+                               "together.")
         return data
 
     @model_validator(mode="after")
@@ -295,8 +283,9 @@ class _Conversation(RequestModel):
         return self
 
     def cache_breakpoints(self) -> list[tuple[int | None, int, float]]:
-        """Every block with `cache_control`, in prompt order: (message index, None for
-        `system`; block index; TTL in seconds)."""
+        """Every block with `cache_control`, in prompt order, then the top-level one's
+        (the last message's last block; a string content is its block 0): (message
+        index, None for `system`; block index; TTL in seconds)."""
         places: list[tuple[int | None, str | Sequence[Any] | None]] = [
             (None, self.system), *((i, m.content) for i, m in enumerate(self.messages))
         ]
@@ -306,6 +295,12 @@ class _Conversation(RequestModel):
                 ttl = _breakpoint_ttl(getattr(block, "cache_control", None))
                 if ttl is not None:
                     found.append((index, j, ttl))
+        if self.cache_control is not None:  # automatic: the last block of the last message
+            last = len(self.messages) - 1
+            content = self.messages[last].content
+            block = 0 if isinstance(content, str) else max(len(content) - 1, 0)
+            if not found or found[-1][:2] != (last, block):
+                found.append((last, block, self.cache_control.seconds))
         return found
 
     @property
@@ -314,7 +309,7 @@ class _Conversation(RequestModel):
         return None if self.system is None else blocks_text(self.system)
 
 
-class MessagesRequest(_Conversation):
+class MessagesRequest(_Conversation, GenerationOptions):
     """POST /v1/messages."""
 
     max_tokens: int = Field(ge=1)
@@ -322,9 +317,7 @@ class MessagesRequest(_Conversation):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    metadata: Metadata | None = None
     stream: bool | None = None
-    service_tier: str | None = None  # one tier here: accepted, without effect
     #: vLLM's extension, for benchmarks: generate past the end-of-sequence token.
     ignore_eos: bool | None = None
 
@@ -364,13 +357,16 @@ class CacheCreation(BaseModel):
 
 class AnthropicUsage(BaseModel):
     """`usage` of a message: input_tokens excludes the cache-read and cache-written
-    tokens; `cache_creation` splits the written ones (requests with breakpoints only)."""
+    tokens; `cache_creation` splits the written ones by TTL. No server tools run here
+    (`server_tool_use` null); every request is served at the standard tier."""
 
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
-    cache_creation: CacheCreation | None = None
+    cache_creation: CacheCreation = Field(default_factory=CacheCreation)
+    server_tool_use: None = None
+    service_tier: Literal["standard"] = "standard"
 
 
 class AnthropicMessage(BaseModel):
@@ -384,3 +380,4 @@ class AnthropicMessage(BaseModel):
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     usage: AnthropicUsage
+    container: None = None  # no code-execution container runs here

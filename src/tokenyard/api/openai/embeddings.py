@@ -11,7 +11,6 @@ little-endian float32 bytes the openai SDK decodes; `dimensions` must be the mod
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, Literal
 
 from aiohttp import web
@@ -39,7 +38,8 @@ class EmbeddingRequest(RequestModel):
 
     input: Input
     model: str
-    encoding_format: Literal["float", "base64"] = "float"
+    # null is the default, as OpenAI takes it: litellm sends `"encoding_format": null`.
+    encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
 
@@ -90,7 +90,7 @@ def _check_inputs(ids: list[list[int]], max_tokens: int, vocab_size: int) -> Non
                                   f"[0, {vocab_size}).", param="input", code=INVALID_VALUE)
 
 
-def _body(result: EmbedResult, model: str, encoding: str) -> dict[str, Any]:
+def _body(result: EmbedResult, model: str, encoding: str | None) -> dict[str, Any]:
     """OpenAI's response: a list of embeddings with their index, and the usage."""
     vector: Any = (lambda i: result.embeddings[i]) if encoding == "base64" else (
         lambda i: unpack_floats(result.embeddings[i]))
@@ -149,7 +149,7 @@ async def _admit(request: web.Request, model: str, ids: list[list[int]]) -> Tick
     if gateway is None:
         return None
     ticket = await gateway.admit(
-        request[KEY], model=model, endpoint=request.path, request_id=f"req_{uuid.uuid4().hex}",
+        request[KEY], model=model, endpoint=request.path, request_id=request[REQUEST_ID],
         prompt_tokens=sum(len(t) for t in ids), max_tokens=0,
         context_tokens=max(len(t) for t in ids), timeline=request[TIMELINE],
     )

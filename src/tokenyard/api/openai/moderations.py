@@ -24,7 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, model_validator
 
 from tokenyard.api.admin import admin_of
-from tokenyard.api.context import KEY, STATE, TIMELINE, read_request
+from tokenyard.api.context import KEY, REQUEST_ID, STATE, TIMELINE, read_request
 from tokenyard.api.errors import schema_error
 from tokenyard.api.moderation import moderator_of
 from tokenyard.api.respond import json_response
@@ -136,7 +136,7 @@ async def moderations(request: web.Request) -> web.Response:
     if gateway is not None:
         ticket = await gateway.admit(
             request[KEY], model=model, endpoint=request.path,
-            request_id=f"req_{uuid.uuid4().hex}", prompt_tokens=tokens, max_tokens=0,
+            request_id=request[REQUEST_ID], prompt_tokens=tokens, max_tokens=0,
             timeline=timeline)
     verdicts = None
     try:

@@ -2,17 +2,17 @@
 
 Requests are validated strictly for types (a string where a number belongs is a 400, not a
 silent coercion); an unknown top-level field is a 400 naming it, as OpenAI answers.
-Parameters this server does not implement yet (`functions`, audio/file content parts,
-...) are rejected with a 400 that names them, never dropped
-silently. Value ranges are checked once, by `SamplingParams`, when `api.openai.convert` builds the
-engine's parameters, so the range rules live in one place.
+Documented fields without effect here are accepted, and the ones this server does not
+implement (`functions`, audio, audio/file content parts, ...) are 400s naming them
+(`api.openai.platform_fields`), never dropped silently. Value ranges are checked once, by
+`SamplingParams`, when `api.openai.convert` builds the engine's parameters, so the range
+rules live in one place.
 
 Responses mirror OpenAI's field names and nesting exactly, so the official SDK parses them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer, model_validator
@@ -20,6 +20,13 @@ from pydantic import BaseModel, Field, model_serializer, model_validator
 from tokenyard.api.errors import schema_error
 from tokenyard.api.images import only_from_user
 from tokenyard.api.openai.content_parts import ContentPartParam, join_text
+from tokenyard.api.openai.platform_fields import (
+    CHAT_UNSUPPORTED,
+    SERVICE_TIER,
+    ChatHints,
+    PlatformFields,
+    ServiceTier,
+)
 from tokenyard.api.openai.tool_schemas import (
     NamedToolChoice,
     ResponseFormat,
@@ -28,28 +35,13 @@ from tokenyard.api.openai.tool_schemas import (
     ToolCallParam,
     ToolParam,
 )
-from tokenyard.api.schemas import RequestModel, reject_unknown
+from tokenyard.api.schemas import Acceptable, RequestModel, reject_unknown, reject_unsupported
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER
 
 #: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
 MAX_N = 128
 #: Upper bound on the legacy completions `logprobs` (the engine computes at most 20).
 MAX_COMPLETION_LOGPROBS = 20
-
-
-def _reject_unsupported(
-    data: Any, accepted: dict[str, Callable[[Any], bool]], what: str = "parameter"
-) -> None:
-    """Raise a schema error naming the first key of `data` whose value is not accepted."""
-    if not isinstance(data, dict):
-        return
-    for name, ok in accepted.items():
-        if name in data and not ok(data[name]):
-            raise schema_error(
-                UNSUPPORTED_PARAMETER,
-                name,
-                f"The '{name}' {what} is not supported by this server yet.",
-            )
 
 
 # ---------------------------------------------------------------------------- chat request
@@ -104,27 +96,7 @@ class StreamOptions(RequestModel):
     include_obfuscation: bool | None = None
 
 
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
-def _none_or_empty(value: Any) -> bool:
-    return value is None or value == []
-
-
-_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "functions": _none_or_empty,
-    "function_call": lambda v: v is None or v in ("none", "auto"),
-    "audio": _is_none,
-    "modalities": lambda v: v is None or v == ["text"],
-    "prediction": _is_none,
-    "web_search_options": _is_none,
-    "reasoning_effort": _is_none,
-    "verbosity": _is_none,
-}
-
-
-class SamplingFields(RequestModel):
+class SamplingFields(PlatformFields):
     """Generation parameters shared by chat and legacy completions (ranges: SamplingParams)."""
 
     #: Structured output, forced by a grammar on the replica (`convert.guided_decoding`).
@@ -151,13 +123,6 @@ class SamplingFields(RequestModel):
     #: vLLM's extras: generate past the end-of-sequence token; keep special tokens in text.
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    #: Accepted and without effect on the answer: tags and hints for OpenAI's own platform.
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None  # prefix caching here is automatic, per org
-    safety_identifier: str | None = None
-    store: bool | None = None  # nothing is kept for later retrieval either way
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 
@@ -167,7 +132,7 @@ class SamplingFields(RequestModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatHints):
     """POST /v1/chat/completions."""
 
     model: str
@@ -182,8 +147,8 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
-        _reject_unsupported(data, _CHAT_UNSUPPORTED)
-        reject_unknown(data, [*cls.model_fields, *_CHAT_UNSUPPORTED])
+        reject_unsupported(data, CHAT_UNSUPPORTED)
+        reject_unknown(data, [*cls.model_fields, *CHAT_UNSUPPORTED])
         return data
 
     @model_validator(mode="after")
@@ -209,7 +174,7 @@ class ChatCompletionRequest(SamplingFields):
 
 # ---------------------------------------------------------------------------- completions request
 
-_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+_COMPLETION_UNSUPPORTED: dict[str, Acceptable] = {
     "suffix": lambda v: v is None or v == "",
 }
 
@@ -230,7 +195,7 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
-        _reject_unsupported(data, _COMPLETION_UNSUPPORTED)
+        reject_unsupported(data, _COMPLETION_UNSUPPORTED)
         reject_unknown(data, [*cls.model_fields, *_COMPLETION_UNSUPPORTED])
         return data
 
@@ -277,11 +242,14 @@ class ChoiceLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """`choices[].message`; `tool_calls` is left out when the reply made no call."""
+    """`choices[].message`; `tool_calls` is left out when the reply made no call.
+    `annotations` (web-search citations on OpenAI) is always empty here, `refusal` null:
+    a moderated reply ends with finish_reason content_filter instead."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
@@ -305,12 +273,14 @@ class PromptTokensDetails(BaseModel):
     """`usage.prompt_tokens_details`: prompt tokens the prefix cache served."""
 
     cached_tokens: int = 0
+    audio_tokens: int = 0
 
 
 class CompletionTokensDetails(BaseModel):
-    """`usage.completion_tokens_details` (no reasoning or prediction tokens here: all 0)."""
+    """`usage.completion_tokens_details` (no reasoning, audio or prediction tokens here)."""
 
     reasoning_tokens: int = 0
+    audio_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
 
@@ -334,13 +304,15 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    service_tier: ServiceTier = SERVICE_TIER
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
 
 class ChunkDelta(BaseModel):
-    """`choices[].delta` of a chunk; fields that are not set are left out of the JSON."""
+    """`choices[].delta` of a chunk; fields that are not set are left out of the JSON,
+    but the role chunk carries `refusal: null`, as OpenAI's first delta does."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -354,7 +326,7 @@ class ChunkDelta(BaseModel):
             out["role"] = self.role
         if self.content is not None:
             out["content"] = self.content
-        if self.refusal is not None:
+        if self.refusal is not None or self.role is not None:
             out["refusal"] = self.refusal
         if self.tool_calls is not None:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
@@ -377,6 +349,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    service_tier: ServiceTier = SERVICE_TIER
     system_fingerprint: str | None = None
     choices: list[ChunkChoice]
     usage: Usage | None = None

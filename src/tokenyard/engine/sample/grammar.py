@@ -253,15 +253,17 @@ class GuidedState:
 
     @property
     def error(self) -> GrammarError | None:
-        """The compile's error once done (None while compiling or when it succeeded)."""
+        """The compile's error once done (None while compiling or when it succeeded),
+        naming this request's field: a cached failure may come from another request that
+        sent the same grammar through another route (`text.format.schema` of the
+        Responses API, `response_format.json_schema.schema` of chat)."""
         if not self.future.done() or self.future.cancelled():
             return None
         exc = self.future.exception()
         if exc is None:
             return None
-        if isinstance(exc, GrammarError):
-            return exc
-        return GrammarError(guided_param(self.guided), f"grammar compile failed: {exc}")
+        message = str(exc) if isinstance(exc, GrammarError) else f"grammar compile failed: {exc}"
+        return GrammarError(guided_param(self.guided), message)
 
     def matcher_for(self, output_token_ids: Sequence[int]) -> xgrammar.GrammarMatcher:
         """The matcher, made and replayed over `output_token_ids` if there is none."""

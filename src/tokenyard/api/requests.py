@@ -1,0 +1,78 @@
+"""`GET /v1/requests/{id}`: one finished request as the gateway recorded it.
+
+The timeline (stage ms), token counts, cache hit, model, deployment, replica, status,
+finish reason, cost and time, plus the redacted bodies when its org captures them. A
+key of the request's org may read it, and an admin key any; for anyone else, and for an
+id that is unknown or past the retention window, the answer is the same 404, so an id
+does not tell whether it exists. The record is written off the request path, but a
+request just finished is found at once (the gateway looks in its queue first).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from tokenyard.api.context import KEY, STATE
+from tokenyard.api.respond import json_response
+from tokenyard.errors import not_found
+
+
+class RequestTokens(BaseModel):
+    prompt: int  # every prompt token, cached ones included
+    cached: int
+    output: int
+
+
+class RequestCost(BaseModel):
+    currency: str
+    total: str  # what the ledger charged, a decimal string
+
+
+class RequestCapture(BaseModel):
+    request: Any  # the redacted body: JSON, or text when cut
+    response: Any  # None: the request failed or was cancelled
+    truncated: bool
+    expires_at: str
+
+
+class RequestRecordObject(BaseModel):
+    """The answer of `GET /v1/requests/{id}` (its shape in /openapi.json)."""
+
+    id: str
+    object: Literal["request"] = "request"
+    created_at: str
+    org_id: str | None
+    project_id: str | None
+    key_prefix: str | None
+    endpoint: str
+    model: str | None
+    deployment: str | None
+    replica: str | None
+    status: int  # HTTP; 499: the client went away
+    error_code: str | None
+    finish_reason: str | None
+    stream: bool
+    tokens: RequestTokens
+    cache_hit: bool
+    cost: RequestCost | None
+    timeline: dict[str, float]  # stage → ms
+    duration_ms: float
+    capture: RequestCapture | None
+
+
+async def get_request(request: web.Request) -> web.Response:
+    gateway = request.app[STATE].gateway
+    if gateway is None:
+        raise not_found("Request records need the gateway: this server runs with --no-auth.")
+    request_id = request.match_info["request_id"]
+    found = await gateway.requests.find(request_id, request[KEY])
+    if found is None:
+        raise not_found(f"No request found with id '{request_id}'.")
+    return json_response(RequestRecordObject.model_validate(found))
+
+
+def add_request_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/requests/{request_id}", get_request)

@@ -1,0 +1,75 @@
+"""The Responses dialect's route: POST /v1/responses. It expands `previous_response_id`
+into the earlier turns' items, converts the conversation like chat's (tools, images,
+the text format's grammar), prepares the prompt and hands it to the one response writer
+with the dialect's `Format`; a response to keep (`store`, the default) is stored before
+its last bytes go out, so the client's next turn finds it at once."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from tokenyard.api.context import RESPONSE_ID, TIMELINE, read_request, route
+from tokenyard.api.images import admit_images
+from tokenyard.api.respond import generate, placed, prepared, token_bytes
+from tokenyard.api.responses import stored
+from tokenyard.api.responses.convert import (
+    first_user_text,
+    fitted_conversation,
+    items_json,
+    parse_items,
+    request_items,
+    request_params,
+    response_shell,
+    tool_use,
+)
+from tokenyard.api.responses.schemas import ResponsesRequest
+from tokenyard.api.responses.stream import ResponsesFormat
+from tokenyard.text.tool_grammar import constrained
+
+logger = logging.getLogger("tokenyard.api")
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    timeline = request[TIMELINE]
+    req = await read_request(request, ResponsesRequest)
+    items = request_items(req)
+    earlier = []
+    if req.previous_response_id is not None:
+        earlier = parse_items(await stored.expand_previous(request, req.previous_response_id))
+    conversation = [*earlier, *items]
+    served = route(request, req.model, "chat", first_user_text=first_user_text(conversation))
+    tools, passed_on, native = placed(tool_use(req), served)
+    prepare, _ = prepared(served)
+    messages, prompt, params = fitted_conversation(
+        prepare, conversation, constrained(request_params(req), tools),
+        instructions=req.instructions, use=tools, native=native,
+        truncate=req.truncation == "auto", first_index=-len(earlier),
+        param="max_output_tokens" if req.max_output_tokens is not None else "input",
+        timeline=timeline)
+    # Images weigh nothing in the prompt's token count: loaded once it is fitted.
+    messages = await admit_images(messages, model=served.name,
+                                  vision="vision" in served.spec.capabilities)
+    fmt = ResponsesFormat(response_shell(req, served.name), tools or passed_on,
+                          token_bytes(request, served))
+    request[RESPONSE_ID] = fmt.response.id  # the resp_… id the request's trace names
+
+    async def remember() -> None:
+        if fmt.final is None:  # failed: nothing a later turn could continue from
+            return
+        try:
+            await stored.remember(request, fmt.final, items_json(items))
+        except Exception:  # the reply went out whole; only its continuation is lost
+            logger.exception("storing response %s failed", fmt.final["id"])
+
+    return await generate(request, served, [prompt], [params], fmt, stream=bool(req.stream),
+                          messages=messages, tools=passed_on,
+                          finish=remember if req.store is not False else None)
+
+
+def add_responses_routes(app: web.Application) -> None:
+    """The Responses dialect's POST route on `app` (the stored responses' GET, DELETE
+    and input_items routes are `stored.py`'s)."""
+    app.router.add_post("/v1/responses", create_response)

@@ -1,0 +1,80 @@
+"""The operator dashboard at /dashboard in a real browser, and its endpoint
+GET /admin/v1/dashboard."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.browser.conftest import call, new_key, screenshot
+from tests.e2e.conftest import Server
+
+
+def chat(server: Server, text: str, **extra: Any) -> tuple[int, dict[str, str], Any]:
+    body = {"model": server.model, "max_tokens": 4,
+            "messages": [{"role": "user", "content": text}], **extra}
+    return call(server, "POST", "/v1/chat/completions", body)
+
+
+def test_a_finished_request_appears_on_the_dashboard_within_two_seconds(
+    page: Any, server: Server,
+) -> None:
+    page.goto(server.base_url + "/dashboard")
+    page.fill("#key", server.api_key or "")
+    page.press("#key", "Tab")
+    replica = page.locator("#replicas tbody tr").first
+    replica.wait_for()
+    assert "healthy" in replica.inner_text()
+    status, _, refused = chat(server, "Hi", max_tokens=-1)
+    assert status == 400, refused
+    status, headers, _ = chat(server, "Say hello.")
+    assert status == 200
+    request_id = headers["x-request-id"]
+    finished = time.monotonic()
+    row = page.locator(f'#recent tr[data-request-id="{request_id}"]')
+    row.wait_for(timeout=2_000)
+    assert time.monotonic() - finished < 2.0
+    assert "200" in row.inner_text() and server.model in row.inner_text()
+    row.locator("button").click()  # its stages
+    stages = page.locator("#recent .waterfall .bar-row span:first-child").all_inner_texts()
+    assert {"queue", "prefill", "decode"} <= set(stages), stages
+    # The refused request is counted by its status and code; the finished one's tokens
+    # are in the org's and the model's rows, and its latencies in the percentiles.
+    refusals = page.locator("#errors tbody tr", has_text="invalid_value")
+    refusals.wait_for()
+    assert refusals.locator("td").first.inner_text() == "400"
+    assert page.locator("#by-model tbody tr", has_text=server.model).count() == 1
+    assert page.locator("#by-org tbody tr").count() >= 1
+    ttft = page.locator("#latency tbody tr", has_text="Time to first token")
+    assert ttft.locator("td").last.inner_text() != "0"
+    screenshot(page, "dashboard.png")
+
+
+def test_the_dashboard_endpoint_needs_the_admin_scope_and_checks_its_query(
+    server: Server,
+) -> None:
+    status, _, body = call(server, "GET", "/admin/v1/dashboard",
+                           key=new_key(server, "not-an-admin"))
+    assert status == 403, body
+    status, _, body = call(server, "GET", "/admin/v1/dashboard?recent=lots")
+    assert status == 400 and body["error"]["param"] == "recent", body
+    status, _, body = call(server, "GET", "/admin/v1/dashboard?recent=0")
+    assert status == 200 and body["requests"]["recent"] == []
+    (deployment,) = [d for d in body["deployments"] if d["name"] == server.model]
+    (member,) = deployment["replicas"]
+    assert member["state"] == "healthy" and member["kv_blocks"] > 0
+    assert set(body["latency"]) == {"ttft_s", "inter_token_s", "e2e_s", "queue_s"}
+
+
+def test_a_refused_key_is_shown_and_not_polled_again(page: Any, server: Server) -> None:
+    # Each refused poll would count toward the gateway's failed-authentication throttle.
+    polls: list[str] = []
+    page.on("request", lambda r: polls.append(r.url) if "/admin/v1/dashboard" in r.url else None)
+    page.goto(server.base_url + "/dashboard")
+    page.fill("#key", new_key(server, "dashboard-viewer"))
+    page.press("#key", "Tab")
+    page.locator("#error", has_text="Error 403: ").wait_for()
+    assert page.locator("#status").inner_text() == "Give an admin key."
+    seen = len(polls)
+    page.wait_for_timeout(2_500)
+    assert len(polls) == seen, polls

@@ -1,0 +1,40 @@
+"""The harness itself: `record` writes what `report` renders, and only when asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.conftest import Recorder, append_record, chaos_scale
+from tests.chaos.report import load, render
+
+
+def test_records_render_one_section_per_scenario_last_record_wins(tmp_path: Path) -> None:
+    results = tmp_path / "r.jsonl"
+    append_record(results, "slowloris", command="pytest -k a", sent={"connections": 5},
+                  held={"served": True}, scale="short")
+    append_record(results, "fuzz", command="pytest -k b", sent={"cases": 3},
+                  held={"5xx": 0}, scale="full")
+    append_record(results, "slowloris", command="pytest -k a", sent={"connections": 50},
+                  held={"served": False}, scale="full")
+    doc = render(load(results))
+    assert doc.startswith("# Reliability")
+    assert doc.count("## slowloris") == 1 and doc.index("## slowloris") < doc.index("## fuzz")
+    assert "| connections | 50 |" in doc and "| connections | 5 |" not in doc
+    assert "| served | no |" in doc and "| 5xx | 0 |" in doc
+
+
+def test_scale_is_full_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENYARD_CHAOS", raising=False)
+    assert chaos_scale() == "short"
+    monkeypatch.setenv("TOKENYARD_CHAOS", "full")
+    assert chaos_scale() == "full"
+
+
+def test_record_is_a_no_op_without_a_results_file(
+        record: Recorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TOKENYARD_CHAOS_RESULTS", raising=False)
+    record("x", command="c", sent={}, held={})
+    assert list(tmp_path.iterdir()) == []
