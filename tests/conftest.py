@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.e2e.conftest import Server
 
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -25,6 +30,25 @@ def require_service(name: str, reachable: bool, reason: str) -> None:
     if in_ci():
         pytest.fail(f"{name} is required when CI is set, and {reason}", pytrace=False)
     pytest.skip(f"{name}: {reason} (with CI set this fails)")
+
+
+#: The output lines of every `tokenyard serve` a test has running (tests/e2e/conftest.py's
+#: running_server adds and removes them), shown beside a failure: the server's own
+#: warning (a store error behind a 503, say) is often the only account of what happened.
+SERVER_OUTPUTS: list[list[str]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for n, lines in enumerate(SERVER_OUTPUTS):
+            notable = [line for line in lines
+                       if " WARNING " in line or " ERROR " in line or "Traceback" in line
+                       or '"level": "warning"' in line or '"level": "error"' in line]
+            shown = "".join([*notable[-30:], "--- last lines ---\n", *lines[-30:]])
+            report.sections.append((f"tokenyard serve #{n} output", shown))
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +83,13 @@ def redis_url() -> str:
         client.close()
     require_service("Redis", error is None, f"it is unreachable at {REDIS_URL}: {error}")
     return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    """The session's server, as `make serve` starts it: the chat replica and the
+    embeddings pool (tests/e2e and tests/browser share it)."""
+    from tests.e2e.conftest import running_server
+
+    with running_server(embeddings=True) as (srv, _):
+        yield srv

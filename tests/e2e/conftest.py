@@ -1,4 +1,5 @@
-"""One `tokenyard serve` for the whole e2e session, on a free 127.0.0.1 port.
+"""One `tokenyard serve` for the whole session (its `server` fixture is in
+tests/conftest.py, shared with tests/browser), on a free 127.0.0.1 port.
 
 The server prints a banner once it serves; the fixture reads the base URL and the
 replica's URL from it (the disconnect test watches the replica's engine stats). Each server
@@ -19,12 +20,14 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-_SERVING = re.compile(r"tokenyard serving (\S+) at (http://\S+)")
+from tests.conftest import SERVER_OUTPUTS
+
+_SERVING = re.compile(r"tokenyard serving (\S+) at (https?://\S+)")
 _REPLICA = re.compile(r"replica: (http://\S+)")
 _API_KEY = re.compile(r"API key: (\S+)")
 START_TIMEOUT_S = 300.0
@@ -37,6 +40,9 @@ class Server:
     replica_url: str
     api_key: str | None = None  # None: served with --no-auth
     replica_token: str | None = None  # what the replica requires of its callers
+    state_dir: str | None = None  # its SQLite file and ledger journal
+    #: Every line the server wrote so far (stdout and stderr), read as it runs.
+    output: list[str] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -104,13 +110,16 @@ def running_server(
     reader = threading.Thread(target=_read_banner, args=(proc, found, ready, lines),
                               daemon=True)
     reader.start()
+    SERVER_OUTPUTS.append(lines)
     try:
         ready.wait(START_TIMEOUT_S)
         if "replica_url" not in found:
             pytest.fail("tokenyard serve did not start:\n" + "".join(lines[-40:]))
         yield Server(found["base_url"], found["model"], found["replica_url"],
-                     found.get("api_key"), env["TOKENYARD_REPLICA_TOKEN"] or None), proc
+                     found.get("api_key"), env["TOKENYARD_REPLICA_TOKEN"] or None,
+                     state, lines), proc
     finally:
+        SERVER_OUTPUTS[:] = [out for out in SERVER_OUTPUTS if out is not lines]
         proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(30)
@@ -134,11 +143,3 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             children.append(int(stat.parent.name))
     return children
-
-
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
-    """The session's server, as `make serve` starts it: the chat replica and the
-    embeddings pool."""
-    with running_server(embeddings=True) as (srv, _):
-        yield srv
