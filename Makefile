@@ -36,7 +36,7 @@ clients-js:
 		cd tests/clients/js && npm ci --no-audit --no-fund --loglevel=error; fi
 
 unit: venv clients-js
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 test: lint unit
 

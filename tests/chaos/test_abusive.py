@@ -260,10 +260,12 @@ def test_streams_nobody_reads_hold_bounded_memory_and_stall_no_one(
         edge_server: tuple[Server, int], scale: Scale, record: Recorder) -> None:
     srv, pid = edge_server
     readers = 2 if scale == "short" else 6
-    # n choices × tokens of SSE chunks (~200 bytes each); aiohttp buffers at most 64 KiB
-    # a response before its write waits for the socket. On loopback the kernel's buffers
-    # took all of it in our runs, so the streams end rather than stall: the write timeout
-    # that cuts a stalled one is pinned in tests/unit/test_edge.py.
+    # n choices × tokens of SSE chunks (~200 bytes each, ~400 KB a stream); aiohttp
+    # buffers at most 64 KiB of a response before its write waits for the socket. Over
+    # loopback's 64 KiB segments the kernel sizes a send buffer of ~1 MB and would take a
+    # whole stream, so each client announces a small segment (TCP_MAXSEG, as a far-away
+    # client's path would) and a small receive window: the server's buffers then fill
+    # after a few tens of KB, its writes wait, and the write timeout must cut the stream.
     choices, max_tokens = 32, 64
     before = rss_mb(pid)
 
@@ -272,6 +274,7 @@ def test_streams_nobody_reads_hold_bounded_memory_and_stall_no_one(
         plain socket: asyncio's reader would keep reading into its own buffer)."""
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
         sock.bind(("127.0.0.6", 0))
         sock.settimeout(60)
         sock.connect(_address(srv))
@@ -296,24 +299,34 @@ def test_streams_nobody_reads_hold_bounded_memory_and_stall_no_one(
             pass
         return b"[DONE]" in tail, size
 
-    async def scenario() -> tuple[float, float, list[tuple[bool, int]]]:
+    async def scenario() -> tuple[float, float, float, list[tuple[bool, int]]]:
         stalled = [await asyncio.to_thread(stalled_stream) for _ in range(readers)]
+        started = time.monotonic()
         status, raw, took = await _chat(srv, stream=True, max_tokens=8)
         assert status == 200 and b"data: [DONE]" in raw
         peak = rss_mb(pid)
+        # Still unread: the server must give up on them by itself (the write timeout),
+        # abort their generations and free their KV blocks.
+        await asyncio.to_thread(check_quiescent, srv, timeout=90)
+        cut_after = time.monotonic() - started
         ends = [await asyncio.to_thread(drained, sock) for sock in stalled]
         for sock in stalled:
             sock.close()
-        return took, peak, ends
+        return took, peak, cut_after, ends
 
-    took, peak, ends = asyncio.run(scenario())
+    took, peak, cut_after, ends = asyncio.run(scenario())
     held = _quiescent(srv, pid)
     assert peak - before < 200, (before, peak)
+    # Cut, not finished: each stalled stream's connection ended before its [DONE], having
+    # taken only what the buffers on the way hold (a full stream is ~400 KB).
+    assert not any(ended for ended, _ in ends), ends
+    assert max(size for _, size in ends) < 300_000, ends
     record("slow readers", command="pytest tests/chaos/test_abusive.py -k nobody_reads",
            sent={"stalled_streams": readers, "choices_each": choices,
                  "max_tokens_each": max_tokens, "client_receive_buffer_bytes": 2048,
                  "stream_write_timeout_s": WRITE_TIMEOUT_S},
            held={"other_stream_served_s": round(took, 2),
-                 "stalled_streams_ended": sum(e for e, _ in ends),
+                 "stalled_streams_cut": sum(not e for e, _ in ends),
+                 "all_cut_and_freed_within_s": round(cut_after, 1),
                  "bytes_per_stalled_stream": max(n for _, n in ends),
                  "rss_growth_mb": round(peak - before, 1), **held})
