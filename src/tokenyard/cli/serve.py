@@ -176,6 +176,13 @@ async def run(
                                ssl_context=config.ssl_context())
             await site.start()
             bound = runner.addresses[0][1] if runner.addresses else port
+        # Before the banner: whoever waits for it may send SIGTERM at once, and it must drain.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: workers.send(signal.SIGHUP) if workers
+                                else asyncio.ensure_future(_reload(fleet, state)))
         shown = f"[{host}]" if ":" in host else host
         replica_urls = ", ".join(m.id for m in state.default.pool.members)
         scheme = "https" if config.tls_cert is not None else "http"
@@ -187,12 +194,6 @@ async def run(
                             for n, s in state.deployments.items()},
             "workers": config.workers, "auth": auth})
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: workers.send(signal.SIGHUP) if workers
-                                else asyncio.ensure_future(_reload(fleet, state)))
         await stop.wait()
         # Stop admitting new requests; in-flight ones go on while the replicas drain.
         state.admitting = False
