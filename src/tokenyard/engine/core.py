@@ -9,7 +9,7 @@ import torch
 from tokenyard.config import EngineConfig
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
-from tokenyard.engine.models.llama import LlamaForCausalLM
+from tokenyard.engine.models.loader import CausalLM
 from tokenyard.engine.request import Request
 from tokenyard.engine.runner import ModelRunner
 from tokenyard.engine.sample.grammar import GrammarCompiler
@@ -42,7 +42,7 @@ class EngineCore:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         config: EngineConfig,
         device: torch.device,

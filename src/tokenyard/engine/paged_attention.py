@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tokenyard.engine.attention_backend import window_causal_mask
 from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class PagedAttention:
     Decode rows on the CPU with a float32 cache go through the C++ paged decode kernel
     (reads the blocks in place: no gather, no mask), built on first construction and cached
     under `kernel_cache_dir`; when it is unavailable the torch gather + SDPA path is used.
+
+    A sliding-window layer (`window`, Gemma 3) keeps its whole context in the cache like
+    any other and masks what lies outside the window; its decode rows take the torch path
+    only in a step where some row's context is longer than the window.
     """
 
     def __init__(
@@ -69,6 +74,10 @@ class PagedAttention:
         self.block_size = block_size
         self.metadata: AttentionMetadata | None = None
         self.decode_kernel: PagedDecodeFn | None = None
+        # Decode masks of sliding-window layers, by window, for the metadata they were made
+        # for: computed once a step, shared by every layer with that window.
+        self._window_meta: AttentionMetadata | None = None
+        self._window_masks: dict[int, torch.Tensor | None] = {}
         if use_kernel and self.k_cache.device.type == "cpu" and dtype == torch.float32:
             self.decode_kernel = load_paged_decode(kernel_cache_dir)
 
@@ -77,7 +86,8 @@ class PagedAttention:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         meta = self.metadata
         assert meta is not None, "set metadata before the forward pass"
@@ -92,7 +102,12 @@ class PagedAttention:
         groups = num_heads // num_kv_heads
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and self.decode_kernel is not None and meta.decode_context_lens is not None:
+        decode_mask = meta.decode_mask
+        if nd and window is not None:
+            window_mask = self._decode_window_mask(meta, window)
+            decode_mask = decode_mask if window_mask is None else window_mask
+        if decode_mask is meta.decode_mask and nd and self.decode_kernel is not None \
+                and meta.decode_context_lens is not None:
             assert meta.decode_block_tables is not None
             out[:nd] = self.decode_kernel(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -104,24 +119,49 @@ class PagedAttention:
             qd = q[:nd].view(nd, num_kv_heads, groups, head_dim)
             kd = _gather_blocks(k_cache, meta.decode_block_tables).transpose(1, 2)
             vd = _gather_blocks(v_cache, meta.decode_block_tables).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=decode_mask)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_tokens)
             # 4-D [1, heads, L, D]: with 3-D inputs SDPA falls back to its math kernel on
             # the CPU (3x slower: 2.4 of 5.2 s on a 1,000-token prompt).
             qs = q[rows].transpose(0, 1).unsqueeze(0)
-            if span.block_table is None:
+            if span.block_table is None and (window is None or span.num_tokens <= window):
                 ks, vs = _heads_first(k[rows]), _heads_first(v[rows])
                 os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
                 ctx = span.context_len
-                ks = _heads_first(_gather_blocks(k_cache, span.block_table)[:ctx])
-                vs = _heads_first(_gather_blocks(v_cache, span.block_table)[:ctx])
-                mask = _offset_causal_mask(span.num_tokens, ctx, q.device)
+                if span.block_table is None:
+                    ks, vs = _heads_first(k[rows]), _heads_first(v[rows])
+                else:
+                    ks = _heads_first(_gather_blocks(k_cache, span.block_table)[:ctx])
+                    vs = _heads_first(_gather_blocks(v_cache, span.block_table)[:ctx])
+                mask = window_causal_mask(span.num_tokens, ctx, window, q.device)
                 os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[rows] = os_[0].transpose(0, 1)
         return out
+
+    def _decode_window_mask(self, meta: AttentionMetadata, window: int) -> torch.Tensor | None:
+        """Boolean [num_decodes, 1, 1, max_blocks*block_size] mask of the keys each decode
+        row sees through `window`; None when every row's context fits in the window."""
+        if self._window_meta is not meta:
+            self._window_meta, self._window_masks = meta, {}
+        if window in self._window_masks:
+            return self._window_masks[window]
+        assert meta.decode_block_tables is not None
+        if meta.decode_context_lens is not None:
+            ctx = meta.decode_context_lens
+        else:
+            assert meta.decode_mask is not None
+            ctx = (meta.decode_mask[:, 0, 0, :] == 0).sum(-1).cpu()
+        mask = None
+        if int(ctx.max()) > window:
+            keys = torch.arange(meta.decode_block_tables.shape[1] * self.block_size)[None, :]
+            ctx = ctx[:, None]
+            visible = (keys < ctx) & (keys >= ctx - window)
+            mask = visible[:, None, None, :].to(meta.decode_block_tables.device)
+        self._window_masks[window] = mask
+        return mask
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -139,9 +179,3 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[L, H, D] -> [1, H, L, D] (a view)."""
     return x.transpose(0, 1).unsqueeze(0)
 
-
-def _offset_causal_mask(num_queries: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """Boolean [q, ctx] mask: query i (at position ctx - q + i) sees keys 0..its position."""
-    q_pos = torch.arange(context_len - num_queries, context_len, device=device)
-    k_pos = torch.arange(context_len, device=device)
-    return k_pos[None, :] <= q_pos[:, None]

@@ -9,7 +9,7 @@ import torch
 
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
-from tokenyard.engine.models.llama import LlamaForCausalLM
+from tokenyard.engine.models.loader import CausalLM
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
@@ -29,7 +29,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         config: ModelConfig,
         kv: KVCacheManager,
         device: torch.device,

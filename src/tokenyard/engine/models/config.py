@@ -8,9 +8,10 @@ from typing import Any
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of one Llama-family model.
+    """Shape and numerics of one decoder-only model.
 
-    `architecture` is one of "llama" (Llama 1-3, SmolLM2), "mistral", "qwen2", "qwen3".
+    `architecture` is one of "llama" (Llama 1-3, SmolLM2), "mistral", "qwen2", "qwen3"
+    (models/llama.py) or "gemma3" (models/gemma.py, which also reads the Gemma fields below).
     """
 
     architecture: str
@@ -32,3 +33,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"
+    # Gemma 3: which layers attend over a sliding window ("sliding_attention") and which
+    # over the whole context ("full_attention"); the window (keys with q_pos - k_pos <
+    # sliding_window); the RoPE base of the sliding layers (`rope_theta` and `rope_scaling`
+    # are the full layers'); attention logits scaled by query_pre_attn_scalar ** -0.5.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None

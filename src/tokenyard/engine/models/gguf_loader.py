@@ -23,7 +23,9 @@ from tqdm import tqdm
 from tokenyard.engine.models.config import ModelConfig
 
 #: GGUF `general.architecture` -> our architecture name.
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+}
 
 #: Archs whose q/k rows llama.cpp permutes on conversion (Qwen uses NEOX rope: no permute).
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -47,6 +49,19 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+#: Gemma 3 norms a layer four times; llama.cpp's names for them differ from Llama's.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+#: Gemma 3 as llama.cpp runs it, where its GGUF metadata is silent: every 6th layer
+#: attends globally, the sliding layers' RoPE base is 10,000.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
@@ -87,16 +102,17 @@ def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return value.tolist()[0]
 
 
-def gguf_hf_name(gguf_name: str) -> str | None:
+def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Map a GGUF tensor name to its Hugging Face name (None if not a model weight).
 
-    e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
+    e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; `arch` is the
+    GGUF's `general.architecture` (Gemma 3 names its norms differently).
     """
     if gguf_name in _SKIPPED_TENSORS:
         return None
     m = _BLOCK_RE.match(gguf_name)
     if m:
-        part = _BLOCK_NAMES.get(m.group(2))
+        part = (_GEMMA_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES).get(m.group(2))
         return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
@@ -144,7 +160,7 @@ def read_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
             eos_ids.append(int(tid))
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
 
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -165,6 +181,38 @@ def read_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
         eos_token_ids=eos_ids,
         name=name,
     )
+    if arch == "gemma3":
+        _read_gemma3(reader, config)
+    return config
+
+
+def _read_gemma3(reader: GGUFReader, config: ModelConfig) -> None:
+    """Fill the Gemma 3 fields of `config` from the metadata, with llama.cpp's defaults."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if field_value(reader, f"gemma3.{key}") is not None:
+            raise GGUFError(f"gemma3.{key} (logit soft-capping) is not supported")
+    window = field_value(reader, "gemma3.attention.sliding_window")
+    config.sliding_window = None if window is None else int(window)
+    pattern = field_value(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+    layers = config.num_hidden_layers
+    if isinstance(pattern, list):  # one flag per layer: True = sliding
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise GGUFError(f"sliding_window_pattern has {len(sliding)} layers, expected {layers}")
+    if config.sliding_window is None:
+        sliding = [False] * layers
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    config.rope_local_theta = float(
+        field_value(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
+    )
+    # llama.cpp's rule (the GGUF has no query_pre_attn_scalar): head_dim, except the 27B
+    # model (62 layers), which scales by hidden / heads.
+    scalar = config.head_dim
+    if layers == 62:
+        scalar = config.hidden_size // config.num_attention_heads
+    config.query_pre_attn_scalar = float(scalar)
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, freqs: Any) -> dict[str, Any] | None:
@@ -228,10 +276,13 @@ def iter_gguf_weights(
     ):
         if tensor.name in _SKIPPED_TENSORS:
             continue
-        hf_name = gguf_hf_name(tensor.name)
+        hf_name = gguf_hf_name(tensor.name, gguf_arch)
         if hf_name is None:
             raise GGUFError(f"unknown GGUF tensor {tensor.name!r}")
         value = dequantize_tensor(tensor)
+        if gguf_arch == "gemma3" and tensor.name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norm scales as 1 + w; HF keeps w.
+            value = value - 1.0
         if permuted and ".self_attn.q_proj." in hf_name:
             value = unpermute_qk(value, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in hf_name:
@@ -252,7 +303,7 @@ def iter_gguf_blocks(
     permuted = gguf_arch in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        hf_name = gguf_hf_name(tensor.name)
+        hf_name = gguf_hf_name(tensor.name, gguf_arch)
         if kind not in BLOCK_TYPES or hf_name is None:
             continue
         rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenyard.config import default_cache_dir
 from tokenyard.engine.models.config import ModelConfig
+from tokenyard.engine.models.gemma import GemmaForCausalLM
 from tokenyard.engine.models.gguf_loader import (
     iter_gguf_blocks,
     iter_gguf_weights,
@@ -36,6 +37,10 @@ from tokenyard.text.model_files import CACHE_MARKER, file_sha256, resolve_model_
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+#: The model classes `build_model` makes; they share one interface (forward,
+#: compute_logits, set_threads, the block-weight attributes of models/quant.py).
+CausalLM = LlamaForCausalLM | GemmaForCausalLM
 
 #: Bump when the cache layout or the conversion changes; older entries are rebuilt.
 CACHE_FORMAT_VERSION = 1
@@ -117,9 +122,13 @@ def _read_blocks(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
         return {name: (kinds[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
 
 
-def build_model(loaded: LoadedModel) -> LlamaForCausalLM:
+def build_model(loaded: LoadedModel) -> CausalLM:
     """Construct the model for `loaded.config`, copy the weights in, switch to eval mode."""
-    model = LlamaForCausalLM(loaded.config)
+    model: CausalLM
+    if loaded.config.architecture == "gemma3":
+        model = GemmaForCausalLM(loaded.config)
+    else:
+        model = LlamaForCausalLM(loaded.config)
     model.load_weights(loaded.weights.items())
     return model.eval()
 

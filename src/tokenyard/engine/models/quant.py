@@ -26,9 +26,10 @@ import torch
 
 from tokenyard.engine.kernels import unavailable_reason
 from tokenyard.engine.kernels.blocks import Q4_1, Q8_0, BlockWeight, kernel_available, q4_0_to_q4_1
+from tokenyard.engine.models.gemma import GemmaDecoderLayer
 from tokenyard.engine.models.gguf_loader import gguf_projection_type
-from tokenyard.engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
-from tokenyard.engine.models.loader import LoadedModel, load_gguf_blocks
+from tokenyard.engine.models.llama import Linear, LlamaDecoderLayer
+from tokenyard.engine.models.loader import CausalLM, LoadedModel, load_gguf_blocks
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def resolve_weights(requested: str, source: Path, device: torch.device) -> str:
     return weights
 
 
-def convert_weights(model: LlamaForCausalLM, loaded: LoadedModel, weights: str) -> LlamaForCausalLM:
+def convert_weights(model: CausalLM, loaded: LoadedModel, weights: str) -> CausalLM:
     """Switch `model` (float32, on the CPU) to the `weights` format, in place.
 
     Block formats need the C++ kernel: without it (no compiler, a build error,
@@ -95,11 +96,11 @@ def convert_weights(model: LlamaForCausalLM, loaded: LoadedModel, weights: str) 
 
 
 def quantize_blocks(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     weights: str,
     native: dict[str, tuple[str, torch.Tensor]] | None = None,
     from_gguf: bool = True,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Replace every projection, the embedding and the LM head by block weights, in place.
 
     `native`: GGUF blocks by HF name (loader.load_gguf_blocks) used as they are where a
@@ -110,7 +111,7 @@ def quantize_blocks(
     native = native or {}
     fallback = Q8_0 if weights == "q8_0" or from_gguf else Q4_1
     for layer in model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)
+        assert isinstance(layer, LlamaDecoderLayer | GemmaDecoderLayer)  # same projections
         prefix = f"model.layers.{layer.index}."
         for attr, pieces in _FUSED.items():
             linear = getattr(layer, attr)
@@ -165,7 +166,7 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:
     return torch.ops.quantized.linear_prepack(qweight, b)
 
 
-def quantize_int8(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def quantize_int8(model: CausalLM) -> CausalLM:
     """Switch every projection and the LM head of `model` to int8, in place.
 
     The float32 projection weights are released (the embedding table is kept).
