@@ -224,9 +224,10 @@ def test_tiny_byte_level_gguf_applies_its_merges(tmp_path: Path) -> None:
 
 
 def test_unsupported_tokenizer_model_raises_value_error(tmp_path: Path) -> None:
-    _write_gguf(tmp_path / "spm.gguf", "llama", "default", ["<unk>", "▁a"], [])
-    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
-        Tokenizer.from_gguf(tmp_path / "spm.gguf")
+    # SentencePiece unigram (T5's); SentencePiece BPE ('llama') is tests/unit/test_sentencepiece.py.
+    _write_gguf(tmp_path / "ugm.gguf", "t5", "default", ["<unk>", "▁a"], [])
+    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 't5'"):
+        Tokenizer.from_gguf(tmp_path / "ugm.gguf")
 
 
 def test_unknown_pre_tokenizer_raises_value_error(tmp_path: Path) -> None:
