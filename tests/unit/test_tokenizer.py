@@ -45,7 +45,7 @@ def embedded_reader(path: Path) -> gguf.GGUFReader:
 @functools.cache
 def embedded_tokenizer(path: Path) -> Tokenizer:
     """Our tokenizer for the embedded model, shared by the text test modules."""
-    return Tokenizer.from_gguf(embedded_reader(path))
+    return Tokenizer.from_gguf(path)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenyard.text.sentencepiece import sentencepiece_bpe
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from tokenyard.text.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -121,21 +121,21 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_gguf(cls, source: str | Path | GGUFReader) -> Tokenizer:
+    def from_gguf(cls, source: str | Path | GGUFFile) -> Tokenizer:
         """Build the tokenizer a GGUF file describes.
 
-        `source` is a path or an already opened `gguf.GGUFReader` (opening one parses every
-        metadata array and takes seconds, so a model loader should pass the reader it has).
+        `source` is a path or an already opened `GGUFFile` (a model loader passes the one
+        it has).
         Byte-level BPE ("gpt2") and SentencePiece ("llama": Gemma, Llama 2) vocabularies are
         implemented. Raises ValueError for another tokenizer model or an unknown pre-tokenizer.
         """
-        from gguf import GGUFReader
+        from tokenyard.text.gguf_file import GGUFFile  # numpy and gguf: only when needed
 
-        reader = source if isinstance(source, GGUFReader) else GGUFReader(str(source))
+        reader = source if isinstance(source, GGUFFile) else GGUFFile(source)
 
         def field_value(key: str, default: Any = None) -> Any:
-            entry = reader.fields.get(key)
-            return default if entry is None else entry.contents()
+            value = reader.fields.get(key)
+            return default if value is None else value
 
         model = field_value("tokenizer.ggml.model")
         tokens = field_value("tokenizer.ggml.tokens")

@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 from tqdm import tqdm
 
 from tokenyard.engine.models.config import ModelConfig
+from tokenyard.text.gguf_file import GGUFFile
 
 #: GGUF `general.architecture` -> our architecture name.
 GGUF_ARCHITECTURES = {
@@ -74,32 +75,18 @@ class GGUFError(ValueError):
     """The GGUF file is unreadable or describes a model we cannot run."""
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Open `path` with `gguf.GGUFReader`, turning failures into a GGUFError."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open `path` (text/gguf_file.py), turning failures into a GGUFError."""
     try:
-        return GGUFReader(str(path), "r")
+        return GGUFFile(path)
     except (OSError, ValueError) as exc:
         raise GGUFError(f"cannot read GGUF file {path}: {exc}") from exc
 
 
-def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """Decode metadata `key` (scalar, string or array) or return `default` if absent."""
-    field = reader.fields.get(key)
-    if field is None or not field.types:
-        return default
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        elem = field.types[-1]
-        if elem == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    value = field.parts[field.data[0]]
-    if value.dtype == np.float32:
-        # Shortest float32 repr: 1e-05 rather than 9.999999747378752e-06, as HF configs say.
-        return float(str(value[0]))
-    return value.tolist()[0]
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """Metadata `key` (scalar, string or list) or `default` if absent."""
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
 def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -120,7 +107,7 @@ def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def read_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
+def read_gguf_config(reader: GGUFFile, name: str = "model") -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (keys as llama.cpp writes them)."""
     gguf_arch = field_value(reader, "general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
@@ -147,11 +134,8 @@ def read_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
     # GGUF shapes are [in, out] (fastest dim first): ne[1] of the embedding is the vocab.
     vocab_size = int(tensors["token_embd.weight"].shape[1])
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    # Only the count matters here; decoding ~50k strings would waste time.
-    if tokens is not None and len(tokens.data) > vocab_size:
-        raise GGUFError(
-            f"token list ({len(tokens.data)}) is longer than the embedding ({vocab_size})"
-        )
+    if tokens is not None and len(tokens) > vocab_size:
+        raise GGUFError(f"token list ({len(tokens)}) is longer than the embedding ({vocab_size})")
 
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
@@ -186,7 +170,7 @@ def read_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
     return config
 
 
-def _read_gemma3(reader: GGUFReader, config: ModelConfig) -> None:
+def _read_gemma3(reader: GGUFFile, config: ModelConfig) -> None:
     """Fill the Gemma 3 fields of `config` from the metadata, with llama.cpp's defaults."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if field_value(reader, f"gemma3.{key}") is not None:
@@ -215,7 +199,7 @@ def _read_gemma3(reader: GGUFReader, config: ModelConfig) -> None:
     config.query_pre_attn_scalar = float(scalar)
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, freqs: Any) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str, freqs: Any) -> dict[str, Any] | None:
     if freqs is not None:
         # Llama 3.1 GGUFs store the per-frequency divisors as a tensor, not as metadata.
         factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
@@ -262,7 +246,7 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    reader: GGUFReader, config: ModelConfig, show_progress: bool = False
+    reader: GGUFFile, config: ModelConfig, show_progress: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every model weight in the file.
 
@@ -295,7 +279,7 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def iter_gguf_blocks(
-    reader: GGUFReader, config: ModelConfig
+    reader: GGUFFile, config: ModelConfig
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Yield (HF name, type name, raw blocks uint8 [rows, bytes]) for every model weight
     stored as Q4_0, Q4_1 or Q8_0, undequantized (q/k rows un-permuted, as whole rows)."""
