@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: venv test lint unit clients-js bench generate serve clean chaos
+.PHONY: venv test lint unit clients-js bench bench-peers generate serve clean chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ test: lint unit
 
 bench: venv
 	$(VENV)/bin/tokenyard bench suite --write docs/benchmarks.md
+
+# tokenyard beside llama.cpp's llama-server on the same GGUF, alternating rounds (about 15
+# minutes); the first run builds llama-server into the cache (about 10 minutes on 2 cores,
+# needs cmake and a C++ compiler). PEERS_ARGS=--quick for a smoke run.
+PEERS_ARGS ?=
+bench-peers: venv
+	$(VENV)/bin/tokenyard bench peers --write docs/benchmarks.md $(PEERS_ARGS)
 
 # The reliability suite at full scale (bounded: about 20 minutes), then its report.
 CHAOS_RESULTS ?= build/chaos-results.jsonl

@@ -209,16 +209,45 @@ def _failure_detail(text: str) -> str:
 # ---------------------------------------------------------------------------- one request
 
 
+#: How a request fails when the pooled connection it went out on was already closed by
+#: the server, before any byte of an answer: llama.cpp's server closes its connection after
+#: each streamed response without saying so, and the pool hands out the dead one.
+STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                    aiohttp.ClientConnectionResetError)
+
+
+async def _post(
+    stack: contextlib.AsyncExitStack, session: aiohttp.ClientSession, target: Target,
+    spec: RequestSpec,
+) -> tuple[aiohttp.ClientResponse, bool]:
+    """POST `spec` and wait for the response's head; (response, whether it was retried).
+
+    A request that failed before any byte came back is sent once more, on a connection of
+    its own (a one-off session that closes it after use): the server answered nothing on
+    the first, so nothing is counted twice."""
+    body, headers = target.body(spec), target.headers()
+    try:
+        return await stack.enter_async_context(
+            session.post(target.url, data=body, headers=headers)), False
+    except STALE_CONNECTION:
+        fresh = await stack.enter_async_context(aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True), timeout=session.timeout))
+        return await stack.enter_async_context(
+            fresh.post(target.url, data=body, headers=headers)), True
+
+
 async def send_one(
     session: aiohttp.ClientSession, target: Target, spec: RequestSpec, record: RequestRecord,
     t0: float,
-) -> None:
-    """Send `spec` and fill `record` (`t0` is the run's perf_counter start)."""
+) -> bool:
+    """Send `spec` and fill `record` (`t0` is the run's perf_counter start); whether it
+    had to be sent again on a fresh connection (see `_post`)."""
     start = time.perf_counter()
     record.start_s = start - t0
+    retried = False
     try:
-        async with session.post(target.url, data=target.body(spec),
-                                headers=target.headers()) as response:
+        async with contextlib.AsyncExitStack() as stack:
+            response, retried = await _post(stack, session, target, spec)
             record.server_timing_ms = parse_server_timing(
                 response.headers.get("Server-Timing", ""))
             if response.status != 200:
@@ -233,6 +262,7 @@ async def send_one(
         record.error_detail = str(exc)[:200]
     record.e2e_s = time.perf_counter() - start
     record.ok = record.error is None
+    return retried
 
 
 async def read_stream(
@@ -300,6 +330,8 @@ class LoadResult:
     client_cpu_s: float
     rate: float | None = None
     concurrency: int | None = None
+    #: Requests sent a second time on a fresh connection (their first found it closed).
+    retried: int = 0
 
 
 def make_session(limit: int = 0, timeout_s: float = 600.0) -> aiohttp.ClientSession:
@@ -334,6 +366,7 @@ async def run_load(
     if (rate is not None and rate <= 0) or (concurrency is not None and concurrency < 1):
         raise ValueError("rate must be > 0 and concurrency >= 1")
     records: list[RequestRecord] = []
+    retried = 0
     bar = tqdm(total=max_requests, unit="req", file=sys.stderr, disable=not progress,
                leave=False, dynamic_ncols=True)
     cpu0 = time.process_time()
@@ -342,8 +375,10 @@ async def run_load(
 
         async def one(index: int, spec: RequestSpec, scheduled: float) -> None:
             record = RequestRecord(index=index, scheduled_s=scheduled, start_s=scheduled)
+            nonlocal retried
             records.append(record)
-            await send_one(session, target, spec, record, t0)
+            again = await send_one(session, target, spec, record, t0)
+            retried += again  # after the await: `retried += await …` would lose counts
             bar.update(1)
 
         def more(sent: int, at: float) -> bool:
@@ -379,7 +414,8 @@ async def run_load(
         duration = time.perf_counter() - t0
     bar.close()
     records.sort(key=lambda r: r.index)
-    return LoadResult(records, duration, time.process_time() - cpu0, rate, concurrency)
+    return LoadResult(records, duration, time.process_time() - cpu0, rate, concurrency,
+                      retried)
 
 
 async def list_models(base_url: str, api_key: str | None = None) -> list[str]:

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--requests", type=int,
                       help=f"requests per level (default {DEFAULT_REQUESTS} without --duration)")
     load.add_argument("--duration", type=float, help="seconds per level")
-    load.add_argument("--seed", type=int, default=0, help="seeds arrivals and prompts")
+    load.add_argument("--seed", type=int, default=0,
+                      help="seeds arrivals and prompts (the i-th level adds 1000·i)")
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     work.add_argument("--input-len", type=int,
@@ -152,22 +153,29 @@ def lengths_of(args: argparse.Namespace) -> tuple[LengthDist, LengthDist]:
     )
 
 
+def level_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th level: each level sends prompts of its own, so a later
+    level does not find the earlier levels' prompts in the server's prefix cache."""
+    return seed + 1000 * index
+
+
 async def run_levels(
     target: Target, levels: Sequence[Level], args: argparse.Namespace,
 ) -> list[LevelResult]:
-    """Run each level in turn over the same seeded workload."""
+    """Run each level in turn, each with its own seed (`level_seed`)."""
     input_len, output_len = lengths_of(args)
     max_requests = args.requests
     if max_requests is None and args.duration is None:
         max_requests = DEFAULT_REQUESTS
     progress = not args.quiet and sys.stderr.isatty()
     results = []
-    for level in levels:
-        workload = make_workload(args.workload, input_len, output_len, args.seed,
+    for i, level in enumerate(levels):
+        seed = level_seed(args.seed, i)
+        workload = make_workload(args.workload, input_len, output_len, seed,
                                  args.turns, args.conversations)
         load = await run_load(
             target, workload, rate=level.rate, concurrency=level.concurrency,
-            max_requests=max_requests, duration_s=args.duration, seed=args.seed,
+            max_requests=max_requests, duration_s=args.duration, seed=seed,
             progress=progress,
         )
         report = summarize(load.records, load.duration_s, args.slo_ttft, args.slo_itl)
@@ -182,6 +190,12 @@ def _pair(d: Distribution | None) -> str:
     return "-" if d is None else f"{d.p50:.1f} / {d.p99:.1f}"
 
 
+def _failed(r: Report) -> str:
+    """The failed count, with each kind's count when there are failures."""
+    kinds = ", ".join(f"{kind} {n}" for kind, n in r.failures.items())
+    return f"{r.failed} ({kinds})" if kinds else str(r.failed)
+
+
 def render_table(results: Sequence[LevelResult]) -> str:
     """The levels as a markdown table, failures and Server-Timing stages below it."""
     lines = [
@@ -193,7 +207,7 @@ def render_table(results: Sequence[LevelResult]) -> str:
         r = res.report
         goodput = "-" if r.goodput is None else f"{r.goodput:.2f}"
         lines.append(
-            f"| {res.level.label} | {r.sent} | {r.completed} | {r.failed} | "
+            f"| {res.level.label} | {r.sent} | {r.completed} | {_failed(r)} | "
             f"{r.duration_s:.1f} | {r.request_rate:.2f} | {r.output_token_rate:.1f} | "
             f"{_pair(r.ttft_ms)} | {_pair(r.itl_ms)} | {_pair(r.tpot_ms)} | "
             f"{_pair(r.e2e_ms)} | {goodput} | "
@@ -206,6 +220,9 @@ def render_table(results: Sequence[LevelResult]) -> str:
             kinds = ", ".join(f"{k}: {n} ({r.failure_examples.get(k, '')})"
                               for k, n in r.failures.items())
             notes.append(f"failed at {res.level.label}: {kinds}")
+        if res.load.retried:
+            notes.append(f"sent again on a fresh connection at {res.level.label}: "
+                         f"{res.load.retried} (the server had closed the pooled one)")
         if r.server_timing_ms:
             stages = ", ".join(f"{k} {v:.2f}" for k, v in r.server_timing_ms.items())
             notes.append(f"Server-Timing means at {res.level.label} (ms): {stages}")

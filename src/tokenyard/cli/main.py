@@ -123,6 +123,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.micro import main as micro_main
 
         return micro_main(args)
+    if args.bench_command == "peers":
+        from tokenyard.bench.peers import main as peers_main
+
+        return peers_main(args)
     if args.bench_command == "grammar":
         from tokenyard.bench.grammar import main as grammar_main
 
@@ -277,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_fleet.add_arguments(bench_sub.add_parser(
         "fleet", help="the balancer's policies side by side on a multi-turn workload"))
+    from tokenyard.bench import peers as bench_peers
+
+    bench_peers.add_arguments(bench_sub.add_parser(
+        "peers", help="tokenyard beside llama.cpp's llama-server, built once into the cache "
+                      "(make bench-peers)"))
     from tokenyard.bench import suite as bench_suite
 
     bench_suite.add_arguments(bench_sub.add_parser(

@@ -1,0 +1,94 @@
+"""llama.cpp's `llama-server`, built once into the cache for `tokenyard bench peers`.
+
+The source is the llama.cpp that the `llama_cpp_python` sdist vendors, pinned by version, so
+every machine measures the same peer. A statically linked `llama-server` is copied into
+``<cache>/peers/`` and later runs reuse it; the build (about ten minutes on two cores) runs
+under ``nice`` because it shares the machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"
+#: The server alone: no web UI (it would download or build one), no HTTPS, no curl (the
+#: model is a local file), one static binary tuned to this CPU (AVX2/FMA here).
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+
+
+def peers_dir(cache_dir: Path) -> Path:
+    """Where the peers' sources, build trees and binaries live in the cache."""
+    return cache_dir / "peers"
+
+
+def llama_server_path(cache_dir: Path) -> Path:
+    """The cached binary (present once built)."""
+    return peers_dir(cache_dir) / f"llama-server-{LLAMA_CPP_PYTHON}"
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    """Run `cmd`, its output appended to `log`; raise with the log's tail if it fails."""
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} … failed ({done.returncode}); log {log}:\n"
+                           f"{tail}")
+
+
+def _unpack_source(root: Path, log: Path) -> Path:
+    """The vendored llama.cpp of the pinned sdist, downloaded and unpacked under `root`
+    (kept, so a failed build resumes without downloading again)."""
+    source = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if (source / "CMakeLists.txt").exists():
+        return source
+    with tempfile.TemporaryDirectory(prefix="tokenyard-sdist-") as tmp:
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+              "--dest", tmp, f"llama_cpp_python=={LLAMA_CPP_PYTHON}"], log)
+        archive = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
+    if not (source / "CMakeLists.txt").exists():
+        raise RuntimeError(f"the sdist holds no vendored llama.cpp at {source}")
+    return source
+
+
+def ensure_llama_server(cache_dir: Path, jobs: int = 2,
+                        say: Callable[[str], None] = print) -> Path:
+    """The cached `llama-server`, built first if it is not there yet."""
+    binary = llama_server_path(cache_dir)
+    if binary.exists():
+        return binary
+    for tool in ("cmake", "nice"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"building llama-server needs {tool} on PATH")
+    root = peers_dir(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / f"build-{LLAMA_CPP_PYTHON}.log"
+    say(f"building llama-server from llama_cpp_python {LLAMA_CPP_PYTHON} (log {log})")
+    started = time.monotonic()
+    source = _unpack_source(root, log)
+    build = root / f"build-{LLAMA_CPP_PYTHON}"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _run(["nice", "-n", "10", "cmake", "-S", str(source), "-B", str(build), *generator,
+          *CMAKE_FLAGS], log)
+    _run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", "llama-server",
+          f"-j{jobs}"], log)
+    partial = binary.with_suffix(".partial")
+    shutil.copy2(build / "bin" / "llama-server", partial)
+    partial.replace(binary)  # atomic: a binary in place is a whole one
+    say(f"built {binary} in {time.monotonic() - started:.0f} s")
+    return binary

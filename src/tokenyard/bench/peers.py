@@ -1,0 +1,290 @@
+"""`tokenyard bench peers` (what `make bench-peers` runs): tokenyard beside llama.cpp's
+`llama-server` on the same GGUF file, one side-by-side table with ratios.
+
+Both servers get the same requests from the same client as `tokenyard bench serve`
+(streamed OpenAI chat, ``ignore_eos``), one server at a time and alternating: each round
+runs every phase on one server, then on the other, and the next round starts with the
+other one, so a machine that slows down during the run hurts both alike. The table shows
+medians over the rounds (with their range) and the ratio tokenyard / llama-server.
+
+Phases: one stream (short prompts), one ~1,000-token prompt and the same prompt again
+(the prefix cache), then 8 and then 32 streams at once, during which the server's process
+tree is sampled for its resident memory. `llama-server` runs with ``-t 2 -np N
+--cont-batching`` (N the phase's concurrency, so it is restarted per phase);
+`tokenyard serve --no-auth --threads 2` once per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tokenyard.bench.children import Child, start_child, start_tokenyard
+from tokenyard.bench.host import cpu_model
+from tokenyard.bench.llama_build import LLAMA_CPP_PYTHON, ensure_llama_server
+from tokenyard.bench.loadgen import Target, list_models, run_load
+from tokenyard.bench.peers_table import PAGE_SECTION, render_section, write_section
+from tokenyard.bench.proctree import sample_tree
+from tokenyard.bench.stats import summarize
+from tokenyard.bench.workloads import LengthDist, RequestSpec, synthetic
+from tokenyard.config import default_cache_dir
+from tokenyard.text.model_files import embedded_model_path
+
+SERVERS = ("llama-server", "tokenyard")
+_LLAMA_READY = re.compile(r"listening on (http://\S+)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one round sends: prompt and output lengths and request counts per phase."""
+
+    short_input: int = 45
+    long_input: int = 1000
+    output: int = 128
+    long_output: int = 16
+    one_stream_requests: int = 3
+    requests_8: int = 16
+    requests_32: int = 64
+    #: A phase stops sending after this many seconds (those in flight still finish).
+    phase_cap_s: float = 120.0
+
+
+QUICK = Plan(short_input=45, long_input=300, output=32, long_output=8, one_stream_requests=2,
+             requests_8=8, requests_32=32, phase_cap_s=30.0)
+
+
+@dataclass
+class PhaseRun:
+    """One phase on one server in one round: its figures and what failed."""
+
+    figures: dict[str, float] = field(default_factory=dict)
+    sent: int = 0
+    failed: int = 0
+    retried: int = 0
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `tokenyard bench peers`."""
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds (each: every phase on each server)")
+    parser.add_argument("--budget-min", type=float, default=15.0,
+                        help="start no new round after this many minutes of measuring")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: one round of short phases")
+    parser.add_argument("--write", type=Path, default=Path("docs/benchmarks.md"),
+                        help="the page whose peers section is rewritten")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--json", type=Path, help="write every round's figures here")
+    parser.add_argument("--threads", type=int, default=2, help="each server's threads")
+    parser.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (llama-server takes no port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_llama(binary: Path, model: Path, slots: int, threads: int) -> Child:
+    """`llama-server` on a free port with `slots` parallel sequences; ready once it logs
+    the address it listens on, which it does after loading the model."""
+    return start_child([
+        str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
+        "-t", str(threads), "-np", str(slots), "--cont-batching",
+    ], _LLAMA_READY)
+
+
+class RssPeak:
+    """The largest summed RSS (MiB) of a process tree, sampled by a thread meanwhile."""
+
+    def __init__(self, pid: int, every_s: float = 0.25) -> None:
+        self.pid, self.every_s, self.peak_mib = pid, every_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, sample_tree(self.pid).rss_mib)
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _repeat(spec: RequestSpec) -> Iterator[RequestSpec]:
+    while True:
+        yield spec
+
+
+async def _phase(target: Target, workload: Iterator[RequestSpec], concurrency: int,
+                 requests: int, cap_s: float | None) -> tuple[PhaseRun, Any]:
+    """Run one closed-loop phase; its PhaseRun (counts filled) and its Report."""
+    load = await run_load(target, workload, concurrency=concurrency, max_requests=requests,
+                          duration_s=cap_s)
+    report = summarize(load.records, load.duration_s)
+    run = PhaseRun(sent=report.sent, failed=report.failed, retried=load.retried,
+                   failures={k: f"{n}× {report.failure_examples.get(k, '')}"[:160]
+                             for k, n in report.failures.items()})
+    return run, (report, load)
+
+
+async def one_stream(target: Target, plan: Plan, seed: int) -> dict[str, PhaseRun]:
+    """One stream of short prompts; then a long prompt and the same prompt again."""
+    short, out = LengthDist(plan.short_input), LengthDist(plan.output)
+    run, (report, _) = await _phase(target, synthetic(short, out, seed), 1,
+                                    plan.one_stream_requests, plan.phase_cap_s)
+    if report.tpot_ms is not None:
+        run.figures["decode_tok_s"] = 1000.0 / report.tpot_ms.p50
+    if report.ttft_ms is not None:
+        run.figures["ttft_short_ms"] = report.ttft_ms.p50
+    long_spec = next(synthetic(LengthDist(plan.long_input), LengthDist(plan.long_output),
+                               seed + 1))
+    again, (_, load) = await _phase(target, _repeat(long_spec), 1, 2, None)
+    for name, record in zip(("ttft_long_ms", "ttft_again_ms"), load.records, strict=False):
+        if record.ok and record.ttft_s is not None:
+            again.figures[name] = record.ttft_s * 1000.0
+    return {"one stream": run, "long prompt, twice": again}
+
+
+async def many_streams(target: Target, plan: Plan, seed: int, concurrency: int,
+                       pid: int) -> PhaseRun:
+    """`concurrency` streams at once, the server's RSS sampled meanwhile."""
+    requests = plan.requests_8 if concurrency <= 8 else plan.requests_32
+    workload = synthetic(LengthDist(plan.short_input), LengthDist(plan.output), seed)
+    with RssPeak(pid) as rss:
+        run, (report, _) = await _phase(target, workload, concurrency, requests,
+                                        plan.phase_cap_s)
+    run.figures[f"agg_{concurrency}_tok_s"] = report.output_token_rate
+    if report.ttft_ms is not None:
+        run.figures[f"ttft_{concurrency}_p50_ms"] = report.ttft_ms.p50
+        run.figures[f"ttft_{concurrency}_p99_ms"] = report.ttft_ms.p99
+    run.figures[f"rss_{concurrency}_mib"] = rss.peak_mib
+    return run
+
+
+async def _target(child: Child) -> Target:
+    """A streaming chat target for the server `child`, after one unmeasured request."""
+    base = child.url.rstrip("/") + "/v1"
+    for _ in range(600):  # llama-server answers 503 while it warms up
+        try:
+            models = await list_models(base)
+            break
+        except (aiohttp.ClientError, ValueError):
+            await asyncio.sleep(0.1)
+    else:
+        raise RuntimeError(f"{base}/models never answered")
+    target = Target(base, models[0] if models else "default", ignore_eos=True)
+    warm = synthetic(LengthDist(8), LengthDist(4), seed=999_999)
+    await run_load(target, warm, concurrency=1, max_requests=1)
+    return target
+
+
+def run_server(name: str, binary: Path | None, model: Path, plan: Plan, seed: int,
+               threads: int) -> dict[str, PhaseRun]:
+    """Every phase on server `name` (llama-server restarted per phase for its -np)."""
+    phases: dict[str, PhaseRun] = {}
+    if name == "tokenyard":
+        child, _ = start_tokenyard(None, auth=False, extra=["--threads", str(threads)])
+        try:
+            target = asyncio.run(_target(child))
+            phases.update(asyncio.run(one_stream(target, plan, seed)))
+            for c in (8, 32):
+                phases[f"{c} streams"] = asyncio.run(
+                    many_streams(target, plan, seed + 10 * c, c, child.pid))
+        finally:
+            child.stop()
+        return phases
+    assert binary is not None
+    for c in (1, 8, 32):
+        child = start_llama(binary, model, c, threads)
+        try:
+            target = asyncio.run(_target(child))
+            if c == 1:
+                phases.update(asyncio.run(one_stream(target, plan, seed)))
+            else:
+                phases[f"{c} streams"] = asyncio.run(
+                    many_streams(target, plan, seed + 10 * c, c, child.pid))
+        finally:
+            child.stop()
+    return phases
+
+
+def medians(rounds: Sequence[dict[str, dict[str, PhaseRun]]],
+            server: str) -> dict[str, list[float]]:
+    """Each figure's values over the rounds, for `server`."""
+    values: dict[str, list[float]] = {}
+    for one in rounds:
+        for run in one.get(server, {}).values():
+            for name, value in run.figures.items():
+                values.setdefault(name, []).append(value)
+    return values
+
+
+def main(args: argparse.Namespace) -> int:
+    plan = QUICK if args.quick else Plan()
+    rounds_wanted = 1 if args.quick else args.rounds
+    model = embedded_model_path()
+    build_started = time.monotonic()
+    binary = ensure_llama_server(default_cache_dir(), args.build_jobs,
+                                 say=lambda s: print(s, file=sys.stderr))
+    build_s = time.monotonic() - build_started
+    started = time.monotonic()
+    rounds: list[dict[str, dict[str, PhaseRun]]] = []
+    for r in range(rounds_wanted):
+        if rounds and time.monotonic() - started > args.budget_min * 60:
+            print(f"budget spent: {len(rounds)} rounds", file=sys.stderr)
+            break
+        order = SERVERS if r % 2 == 0 else SERVERS[::-1]
+        one: dict[str, dict[str, PhaseRun]] = {}
+        for name in order:
+            print(f"round {r + 1}: {name}", file=sys.stderr)
+            one[name] = run_server(name, binary, model, plan, 1000 * (r + 1), args.threads)
+        rounds.append(one)
+    measured_s = time.monotonic() - started
+    command = "tokenyard bench peers " + " ".join(sys.argv[3:] if sys.argv[1:2] == ["bench"]
+                                                  else sys.argv[1:])
+    setup = {
+        "machine": f"{cpu_model()}, load average {os.getloadavg()[0]:.2f} "
+                   "at the end",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": command.strip(), "model": model.name,
+        "llama": f"llama-server from llama_cpp_python {LLAMA_CPP_PYTHON}'s vendored "
+                 f"llama.cpp, `-t {args.threads} -np N --cont-batching`",
+        "tokenyard": f"`tokenyard serve --no-auth --threads {args.threads}`",
+        "plan": plan, "rounds": len(rounds), "measured_s": measured_s, "build_s": build_s,
+    }
+    section = render_section(
+        {s: medians(rounds, s) for s in SERVERS},
+        [{s: one.get(s, {}) for s in SERVERS} for one in rounds], setup)
+    print(section)
+    if args.json:
+        args.json.write_text(json.dumps(
+            [{s: {p: vars(run) for p, run in one[s].items()} for s in one} for one in rounds],
+            indent=2))
+    if not args.no_write:
+        write_section(args.write, section)
+        print(f"wrote the {PAGE_SECTION!r} section of {args.write}", file=sys.stderr)
+    ok = all(run.sent > run.failed for one in rounds for s in one.values()
+             for run in s.values())
+    return 0 if ok else 1
+
