@@ -248,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
     binary = ensure_llama_server(default_cache_dir(), args.build_jobs,
                                  say=lambda s: print(s, file=sys.stderr))
     build_s = time.monotonic() - build_started
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     rounds: list[dict[str, dict[str, PhaseRun]]] = []
     for r in range(rounds_wanted):
         if rounds and time.monotonic() - started > args.budget_min * 60:
@@ -264,8 +264,8 @@ def main(args: argparse.Namespace) -> int:
     command = "tokenyard bench peers " + " ".join(sys.argv[3:] if sys.argv[1:2] == ["bench"]
                                                   else sys.argv[1:])
     setup = {
-        "machine": f"{cpu_model()}, load average {os.getloadavg()[0]:.2f} "
-                   "at the end",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores; 1-minute load average "
+                   f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": command.strip(), "model": model.name,
         "llama": f"llama-server from llama_cpp_python {LLAMA_CPP_PYTHON}'s vendored "
