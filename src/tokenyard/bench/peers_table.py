@@ -101,6 +101,13 @@ def requests_table(rounds: Sequence[Mapping[str, Mapping[str, PhaseLike]]]) -> s
     return "\n".join(lines + (["", "Failures:", "", *notes] if notes else []))
 
 
+_OVERSUBSCRIBED = (
+    "**The machine was oversubscribed** (load average above its core count): other work "
+    "shared the cores the servers' threads ran on. llama.cpp's threads wait for each other "
+    "at every step, so one descheduled thread stalls the others: the figures then measure "
+    "how each server bears contention more than its speed on an idle machine.")
+
+
 def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
                    rounds: Sequence[Mapping[str, Mapping[str, PhaseLike]]],
                    setup: Mapping[str, Any]) -> str:
@@ -131,6 +138,7 @@ def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
         f"{plan.requests_8} at 8 concurrent, {plan.requests_32} at 32 (each phase stops "
         f"sending after {plan.phase_cap_s:.0f} s)",
         "",
+        *([_OVERSUBSCRIBED, ""] if setup.get("oversubscribed") else []),
         figures_table(values, plan), "",
         requests_table(rounds), "",
     ])
