@@ -127,7 +127,8 @@ def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
         "tokenyard the HTTP process and its engine replica), sampled every 0.25 s.",
         "",
         f"- machine: {setup['machine']}",
-        f"- date: {setup['date']}; {setup['rounds']} rounds, "
+        f"- date: {setup['date']}; {setup['rounds']} round"
+        f"{'' if setup['rounds'] == 1 else 's'}, "
         f"{setup['measured_s'] / 60:.1f} min of measuring; {build}",
         f"- command: `{setup['command']}`",
         f"- model: {setup['model']}",
