@@ -52,7 +52,12 @@ class Preparer:
     def template(self, messages: Sequence[TemplateMessage], add_generation_prompt: bool,
                  tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation through the model's chat template, as text (`tools` for a
-        template that renders them, `text/tools.py`)."""
+        template that renders them, `text/tools.py`). A model without a template of its
+        own (a base model) has no chat format to guess: refused, as vLLM does."""
+        if self.tokenizer.chat_template is None:
+            raise APIError(400, "This model has no chat template (it is a base model, not "
+                           "tuned for conversations); send a prompt to /v1/completions "
+                           "instead.", param="model")
         try:
             return render_conversation(
                 self.tokenizer, cast(Conversation, list(messages)), add_generation_prompt,
