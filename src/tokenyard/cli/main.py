@@ -127,6 +127,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.peers import main as peers_main
 
         return peers_main(args)
+    if args.bench_command == "profile":
+        from tokenyard.bench.profile import main as profile_main
+
+        return profile_main(args)
     if args.bench_command == "grammar":
         from tokenyard.bench.grammar import main as grammar_main
 
@@ -265,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_grammar_arguments(bench_sub.add_parser(
         "grammar", help="constrained decoding: compile, mask and throughput costs"))
+    from tokenyard.bench import profile as bench_profile
+
+    prof = bench_sub.add_parser("profile", help="where one decode step's time goes")
+    bench_profile.add_arguments(prof)
+    add_engine_args(prof)
     offline = bench_sub.add_parser("offline", help="the engine alone, no HTTP")
     from tokenyard.bench.offline import add_arguments
 

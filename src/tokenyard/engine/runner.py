@@ -9,6 +9,7 @@ import torch
 
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
+from tokenyard.engine.models.decode_step import DecodeStep
 from tokenyard.engine.models.loader import CausalLM
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
 from tokenyard.engine.request import Request
@@ -50,6 +51,9 @@ class ModelRunner:
             device=device,
             kernel_cache_dir=kernel_cache_dir,
         )
+        # Pure decode steps in one C++ op where the model and cache allow it (CPU, block
+        # weights); None: every step runs the eager model (see models/decode_step.py).
+        self.decode_step = DecodeStep.build(model, self.attention, kernel_cache_dir)
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -65,12 +69,17 @@ class ModelRunner:
             if request.num_computed_tokens + n == request.num_tokens:
                 sample_rows.append(row - 1)
                 sample_requests.append(request)
-        self.attention.metadata = meta
-        hidden = self.model(input_ids, positions, self.attention)
-        self.attention.metadata = None
+        if self.decode_step is not None and meta.num_decodes == len(items):
+            hidden = self.decode_step(input_ids, positions, meta)
+        else:
+            self.attention.metadata = meta
+            hidden = self.model(input_ids, positions, self.attention)
+            self.attention.metadata = None
         if not sample_requests:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         batch = SamplingBatch.from_params(
             [r.params for r in sample_requests],
             [self._generator(r) for r in sample_requests],

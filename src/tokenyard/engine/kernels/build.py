@@ -1,8 +1,9 @@
 """Compiles the C++ kernels once per machine into the tokenyard cache and loads them.
 
-The build directory is `<cache_dir>/kernels/<name>-<hash>`, the hash covering the source,
-the compile flags, the torch version and the Python ABI, so a changed kernel or a torch
-upgrade builds afresh while every later process just loads the built library.
+The build directory is `<cache_dir>/kernels/<name>-<hash>`, the hash covering the source
+and the shared headers (`*.h`), the compile flags, the torch version and the Python ABI,
+so a changed kernel or a torch upgrade builds afresh while every later process just loads
+the built library.
 `torch.utils.cpp_extension.load` serialises concurrent builds of one directory with a lock
 file (FileBaton), so two processes starting together compile it once.
 """
@@ -35,6 +36,8 @@ _reasons: dict[str, str] = {}
 
 def _build_hash(source: bytes) -> str:
     h = hashlib.sha256(source)
+    for header in sorted(_SOURCE_DIR.glob("*.h")):  # the sources include them
+        h.update(b"\0" + header.read_bytes())
     for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, sys.platform):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]

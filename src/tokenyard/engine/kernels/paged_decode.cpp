@@ -7,160 +7,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <vector>
+#include "attention_core.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TY_AVX2 1
-#else
-#define TY_AVX2 0
-#endif
-
-namespace {
-
-#if TY_AVX2
-inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  lo = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, lo);
-  lo = _mm_add_ss(lo, sh);
-  return _mm_cvtss_f32(lo);
-}
-
-// exp(x) for x <= 0 (scores minus their max): x = n*ln2 + r, |r| <= ln2/2, degree-6
-// polynomial for exp(r), 2^n through the exponent bits. Relative error ~1e-7.
-inline __m256 exp256(__m256 x) {
-  const __m256 lo_clamp = _mm256_set1_ps(-87.3f);
-  x = _mm256_max_ps(x, lo_clamp);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
-  const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
-  r = _mm256_fnmadd_ps(n, ln2_lo, r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  __m256 r2 = _mm256_mul_ps(r, r);
-  p = _mm256_fmadd_ps(p, r2, r);
-  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t d = 0;
-  float s = 0.f;
-#if TY_AVX2
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; d + 16 <= n; d += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
-  }
-  for (; d + 8 <= n; d += 8) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-  }
-  s = hsum256(_mm256_add_ps(acc0, acc1));
-#endif
-  for (; d < n; ++d) s += a[d] * b[d];
-  return s;
-}
-
-// acc[:n] += w * v[:n]
-inline void axpy(float* acc, float w, const float* v, int64_t n) {
-  int64_t d = 0;
-#if TY_AVX2
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; d + 8 <= n; d += 8) {
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
-  }
-#endif
-  for (; d < n; ++d) acc[d] += w * v[d];
-}
-
-// p[:n] = exp(p[:n] - m); returns the sum.
-inline float exp_sub_sum(float* p, float m, int64_t n) {
-  int64_t t = 0;
-  float sum = 0.f;
-#if TY_AVX2
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  for (; t + 8 <= n; t += 8) {
-    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), mv));
-    _mm256_storeu_ps(p + t, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  sum = hsum256(acc);
-#endif
-  for (; t < n; ++t) {
-    p[t] = std::exp(p[t] - m);
-    sum += p[t];
-  }
-  return sum;
-}
-
-
-#if TY_AVX2
-// Sums of each of 8 vectors, as one vector: out[j] = sum(a[j]).
-inline __m256 reduce8(const __m256* a) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
-  const __m256 s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]);
-  const __m256 s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 t0 = _mm256_hadd_ps(s01, s23);
-  const __m256 t1 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-// scores[t..t+8) = q . rows[t..t+8), D a multiple of 8.
-inline void dot8(const float* q, const float* const* rows, int64_t D, float* scores) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + d), acc[j]);
-  }
-  _mm256_storeu_ps(scores, reduce8(acc));
-}
-
-// out[g][c*32 .. +32) = sum_t p[g][t] * rows[t][c*32 .. +32) for NG queries, accumulators
-// held in registers (NG * 4 of them).
-template <int NG>
-inline void weighted_sum32(const float* const* p, int64_t ctx, const float* const* rows,
-                           int64_t off, const float* inv, float* const* out) {
-  __m256 acc[NG][4];
-  for (int g = 0; g < NG; ++g)
-    for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* r = rows[t] + off;
-    const __m256 v0 = _mm256_loadu_ps(r), v1 = _mm256_loadu_ps(r + 8);
-    const __m256 v2 = _mm256_loadu_ps(r + 16), v3 = _mm256_loadu_ps(r + 24);
-    for (int g = 0; g < NG; ++g) {
-      const __m256 w = _mm256_broadcast_ss(p[g] + t);
-      acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
-      acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
-      acc[g][2] = _mm256_fmadd_ps(w, v2, acc[g][2]);
-      acc[g][3] = _mm256_fmadd_ps(w, v3, acc[g][3]);
-    }
-  }
-  for (int g = 0; g < NG; ++g) {
-    const __m256 s = _mm256_set1_ps(inv[g]);
-    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(out[g] + off + 8 * u, _mm256_mul_ps(acc[g][u], s));
-  }
-}
-#endif
-
-}  // namespace
 
 torch::Tensor paged_decode(
     const torch::Tensor& q,             // [N, H, D]
@@ -189,7 +37,6 @@ torch::Tensor paged_decode(
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "paged_decode: heads not a multiple of kv heads");
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == N && cl.dim() == 1 && cl.size(0) == N,
               "paged_decode: block table / context length shapes");
-  const int64_t G = H / KVH;
   const int64_t max_blocks = bt.size(1);
 
   const int64_t* lens = cl.data_ptr<int64_t>();
@@ -213,74 +60,9 @@ torch::Tensor paged_decode(
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  const int64_t tok_stride = KVH * D;     // between tokens of a block
-  const int64_t blk_stride = BS * KVH * D;  // between blocks
-
   at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(G * max_ctx));
-    std::vector<float> acc(static_cast<size_t>(G * D));
-    std::vector<float> qs(static_cast<size_t>(G * D));
-    std::vector<float> inv(static_cast<size_t>(G));
-    std::vector<const float*> krows(static_cast<size_t>(max_ctx));
-    std::vector<const float*> vrows(static_cast<size_t>(max_ctx));
-    std::vector<const float*> prow(static_cast<size_t>(G));
-    std::vector<float*> orow(static_cast<size_t>(G));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / KVH, kvh = item % KVH;
-      const int64_t ctx = lens[i];
-      const int64_t* table = tables + i * max_blocks;
-      for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t off = table[t / BS] * blk_stride + (t % BS) * tok_stride + kvh * D;
-        krows[t] = kp + off;
-        vrows[t] = vp + off;
-      }
-      // Query group of this kv head, pre-scaled.
-      for (int64_t g = 0; g < G; ++g) {
-        const float* src = qp + (i * H + kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = src[d] * fscale;
-        prow[g] = scores.data() + g * max_ctx;
-        orow[g] = op + (i * H + kvh * G + g) * D;
-      }
-      // Pass 1: scores [G, ctx], eight keys at a time while they sit in L1.
-      int64_t t = 0;
-#if TY_AVX2
-      if (D % 8 == 0) {
-        for (; t + 8 <= ctx; t += 8)
-          for (int64_t g = 0; g < G; ++g) dot8(qs.data() + g * D, krows.data() + t, D, scores.data() + g * max_ctx + t);
-      }
-#endif
-      for (; t < ctx; ++t)
-        for (int64_t g = 0; g < G; ++g) scores[g * max_ctx + t] = dot(qs.data() + g * D, krows[t], D);
-      // Pass 2: softmax weights per query (unnormalised; 1/sum applied at the end).
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * max_ctx;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t u = 0; u < ctx; ++u) m = std::max(m, s[u]);
-        inv[g] = 1.0f / exp_sub_sum(s, m, ctx);
-      }
-      // Pass 3: weighted sum of V.
-#if TY_AVX2
-      if (D % 32 == 0) {
-        for (int64_t g0 = 0; g0 < G; g0 += 3) {
-          const int64_t ng = std::min<int64_t>(3, G - g0);
-          for (int64_t off = 0; off < D; off += 32) {
-            if (ng == 3)
-              weighted_sum32<3>(prow.data() + g0, ctx, vrows.data(), off, inv.data() + g0, orow.data() + g0);
-            else if (ng == 2)
-              weighted_sum32<2>(prow.data() + g0, ctx, vrows.data(), off, inv.data() + g0, orow.data() + g0);
-            else
-              weighted_sum32<1>(prow.data() + g0, ctx, vrows.data(), off, inv.data() + g0, orow.data() + g0);
-          }
-        }
-        continue;
-      }
-#endif
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t u = 0; u < ctx; ++u)
-        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * max_ctx + u], vrows[u], D);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) orow[g][d] = acc[g * D + d] * inv[g];
-    }
+    tyk::attend_items(begin, end, qp, kp, vp, tables, lens, H, KVH, D, BS, max_blocks, max_ctx,
+                      fscale, op);
   });
   return out;
 }

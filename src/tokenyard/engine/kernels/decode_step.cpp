@@ -1,0 +1,215 @@
+// One whole decode step of a Llama-family decoder in a single call (CPU, float32
+// activations, block weights): for each layer, RMSNorm -> QKV (+ bias, per-head q/k norm)
+// -> RoPE -> K/V written into the paged cache -> paged attention -> o_proj -> residual ->
+// RMSNorm -> gate/up -> SiLU * up -> down -> residual; then the final RMSNorm.
+//
+// The matmuls and the attention are the code of quant_matmul.cpp and paged_decode.cpp
+// (quant_core.h, attention_core.h), so this op computes what the eager torch path
+// computes op by op (models/llama.py with PagedAttention), without ~25 dispatched ops a
+// layer between them. The matmuls and the attention are parallel over output rows and
+// (row, kv head) items with at::parallel_for; the element-wise work is small and serial.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "attention_core.h"
+#include "quant_core.h"
+
+namespace {
+
+// y = x * rsqrt(mean(x^2) + eps) * w over n values (w may be null: no weight).
+void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) y[j] = w == nullptr ? x[j] * r : x[j] * r * w[j];
+}
+
+// x[D] rotated in the "rotate half" layout by cos/sin [D / 2], into out[D].
+void rope(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j], b = x[j + half];
+    out[j] = a * c[j] - b * s[j];
+    out[j + half] = b * c[j] + a * s[j];
+  }
+}
+
+// gate[n] <- silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+void silu_mul(float* gate, const float* up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
+}
+
+void matmul(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t qtype,
+            int64_t act_bits, float* out) {
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  if (act_bits == 8) {
+    tyk::matmul_into<int8_t>(x, M, K, w.data_ptr<uint8_t>(), row_bytes, N, qtype, out);
+  } else {
+    tyk::matmul_into<int16_t>(x, M, K, w.data_ptr<uint8_t>(), row_bytes, N, qtype, out);
+  }
+}
+
+void add_bias(float* y, const at::Tensor& bias, int64_t M, int64_t N) {
+  if (!bias.defined() || bias.numel() == 0) return;
+  const float* b = bias.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < N; ++j) y[m * N + j] += b[j];
+}
+
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+void check_float(const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.numel() == numel,
+              "decode_layers: ", what, " must be a contiguous float32 CPU tensor of ", numel,
+              " values");
+}
+
+// Final-normed hidden states [M, hidden] of M decode tokens (one per sequence).
+//   x: [M, hidden] embeddings; norms: 2 per layer (input, post-attention) then the final
+//   norm; weights / qtypes: 4 per layer (qkv, o, gate_up, down) as quant_matmul takes
+//   them; biases: 2 per layer (qkv, o; empty when none); qk_norms: 1 per layer
+//   ([heads + kv_heads, D]; empty when none); k_cache / v_cache: [layers, blocks, BS,
+//   kv_heads, D]; slots [M]: the cache slot of each token's k/v; block_tables [M, W] and
+//   context_lens [M] as paged_decode takes them (context includes this token);
+//   positions [M]; cos / sin: [max_positions, D / 2].
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::TensorList weights,
+                         at::IntArrayRef qtypes, at::TensorList biases, at::TensorList qk_norms,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slots_in, const at::Tensor& tables_in,
+                         const at::Tensor& lens_in, const at::Tensor& positions_in,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                         int64_t num_kv_heads, double eps_in, int64_t act_bits) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "decode_layers: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "decode_layers: act_bits must be 8 or 16");
+  const int64_t L = static_cast<int64_t>(weights.size()) / 4;
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 4 * L &&
+                  static_cast<int64_t>(qtypes.size()) == 4 * L &&
+                  static_cast<int64_t>(norms.size()) == 2 * L + 1 &&
+                  static_cast<int64_t>(biases.size()) == 2 * L &&
+                  static_cast<int64_t>(qk_norms.size()) == L,
+              "decode_layers: per-layer lists of inconsistent lengths");
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == L &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "decode_layers: caches must be contiguous float32 [layers, blocks, BS, KVH, D]");
+  const int64_t M = x_in.size(0), Hd = x_in.size(1);
+  const int64_t NB = k_cache.size(1), BS = k_cache.size(2), KVH = k_cache.size(3),
+                D = k_cache.size(4);
+  const int64_t H = num_heads, half = D / 2;
+  TORCH_CHECK(KVH == num_kv_heads && H % KVH == 0 && D % 2 == 0, "decode_layers: head shapes");
+  const int64_t QKV = (H + 2 * KVH) * D;
+  const int64_t I = weights[2].size(0) / 2;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t in_features[4] = {Hd, H * D, Hd, I};
+    const int64_t out_features[4] = {QKV, Hd, 2 * I, Hd};
+    for (int64_t k = 0; k < 4; ++k) {
+      tyk::check_weight(weights[4 * l + k], qtypes[4 * l + k], in_features[k], "decode_layers");
+      TORCH_CHECK(weights[4 * l + k].size(0) == out_features[k], "decode_layers: layer ", l,
+                  " weight ", k, " has ", weights[4 * l + k].size(0), " rows");
+    }
+    check_float(norms[2 * l], Hd, "input norm");
+    check_float(norms[2 * l + 1], Hd, "post-attention norm");
+    if (present(biases[2 * l])) check_float(biases[2 * l], QKV, "qkv bias");
+    if (present(biases[2 * l + 1])) check_float(biases[2 * l + 1], Hd, "o bias");
+    if (present(qk_norms[l])) check_float(qk_norms[l], (H + KVH) * D, "q/k norm");
+  }
+  check_float(norms[2 * L], Hd, "final norm");
+  const at::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous();
+  const at::Tensor lens = lens_in.contiguous(), positions = positions_in.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kLong &&
+                  lens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+              "decode_layers: int64 slots, block tables, lengths and positions");
+  TORCH_CHECK(slots.numel() == M && lens.numel() == M && positions.numel() == M &&
+                  tables.dim() == 2 && tables.size(0) == M,
+              "decode_layers: one slot, length, position and table row per token");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == half,
+              "decode_layers: cos / sin must be contiguous float32 [positions, D / 2]");
+  const int64_t W = tables.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  int64_t max_ctx = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= W * BS, "decode_layers: context length out of range");
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < NB * BS, "decode_layers: slot out of range");
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < cos.size(0), "decode_layers: position out of range");
+    for (int64_t b = 0; b < (lp[i] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tp[i * W + b] >= 0 && tp[i * W + b] < NB, "decode_layers: block out of range");
+    max_ctx = std::max(max_ctx, lp[i]);
+  }
+
+  at::Tensor out = at::empty({M, Hd}, x_in.options());
+  std::vector<float> x(static_cast<size_t>(M * Hd)), h(x.size()), y(x.size());
+  std::vector<float> qkv(static_cast<size_t>(M * QKV)), q(static_cast<size_t>(M * H * D));
+  std::vector<float> attn(q.size()), gu(static_cast<size_t>(M * 2 * I)), act(static_cast<size_t>(M * I));
+  std::copy_n(x_in.contiguous().data_ptr<float>(), M * Hd, x.data());
+  const float eps = static_cast<float>(eps_in);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t layer_stride = NB * BS * KVH * D;
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+
+  for (int64_t l = 0; l < L; ++l) {
+    float* kl = k_cache.data_ptr<float>() + l * layer_stride;
+    float* vl = v_cache.data_ptr<float>() + l * layer_stride;
+    const float* nin = norms[2 * l].data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], nin, Hd, eps, &h[m * Hd]);
+    matmul(h.data(), M, Hd, weights[4 * l], qtypes[4 * l], act_bits, qkv.data());
+    add_bias(qkv.data(), biases[2 * l], M, QKV);
+    const float* qkn = present(qk_norms[l]) ? qk_norms[l].data_ptr<float>() : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = &qkv[m * QKV];
+      if (qkn != nullptr) {
+        for (int64_t hh = 0; hh < H + KVH; ++hh) rms_norm(row + hh * D, qkn + hh * D, D, eps, row + hh * D);
+      }
+      const float* c = cp + pp[m] * half;
+      const float* s = snp + pp[m] * half;
+      for (int64_t hh = 0; hh < H; ++hh) rope(row + hh * D, c, s, D, &q[(m * H + hh) * D]);
+      const int64_t slot = (sp[m] / BS) * BS * KVH * D + (sp[m] % BS) * KVH * D;
+      for (int64_t hh = 0; hh < KVH; ++hh) {
+        rope(row + (H + hh) * D, c, s, D, kl + slot + hh * D);
+        std::copy_n(row + (H + KVH + hh) * D, D, vl + slot + hh * D);
+      }
+    }
+    at::parallel_for(0, M * KVH, 1, [&](int64_t begin, int64_t end) {
+      tyk::attend_items(begin, end, q.data(), kl, vl, tp, lp, H, KVH, D, BS, W, max_ctx, scale,
+                        attn.data());
+    });
+    matmul(attn.data(), M, H * D, weights[4 * l + 1], qtypes[4 * l + 1], act_bits, y.data());
+    add_bias(y.data(), biases[2 * l + 1], M, Hd);
+    for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
+
+    const float* npost = norms[2 * l + 1].data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], npost, Hd, eps, &h[m * Hd]);
+    matmul(h.data(), M, Hd, weights[4 * l + 2], qtypes[4 * l + 2], act_bits, gu.data());
+    at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        std::copy_n(&gu[m * 2 * I], I, &act[m * I]);
+        silu_mul(&act[m * I], &gu[m * 2 * I + I], I);
+      }
+    });
+    matmul(act.data(), M, I, weights[4 * l + 3], qtypes[4 * l + 3], act_bits, y.data());
+    for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
+  }
+  const float* nfin = norms[2 * L].data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], nfin, Hd, eps, op + m * Hd);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenyard_decode, m) {
+  m.def("decode_layers", decode_layers);  // one decode step through every layer
+}
