@@ -64,6 +64,12 @@ class DecodeStep:
         """The op for this model, or None where the eager path must run (see the module)."""
         if attention.decode_kernel is None or attention.k_cache.device.type != "cpu":
             return None
+        # Exactly the Llama-family decoder: another family (or a subclass changing the
+        # layer) computes something else and keeps the eager path.
+        if type(model) is not LlamaForCausalLM or any(
+            type(layer) is not LlamaDecoderLayer for layer in model.layers
+        ):
+            return None
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         if not linears or any(m.blocks is None for m in linears):
             return None
