@@ -15,7 +15,10 @@ pytestmark = [
 
 
 def test_cuda_engine_agrees_with_the_cpu_engine() -> None:
-    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    # A prompt whose first tokens are far from a tie: under SmolLM2's default system
+    # prompt, "What is the capital of France?" starts with "The" (-1.88) against "L"
+    # (-1.96) in float32, a gap that bf16's rounding closes (measured on an H100).
+    prompt = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     cpu = LLM(device="cpu", weights="float32").generate(prompt, params)[0]
     gpu_llm = LLM(device="cuda")
