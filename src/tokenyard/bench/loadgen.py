@@ -49,6 +49,8 @@ class Target:
     stream: bool = True
     #: Sends ``ignore_eos: true`` (vLLM's extension; other servers ignore unknown fields).
     ignore_eos: bool = False
+    #: Sent as ``temperature`` when set (0: greedy, what the offline engine's figures use).
+    temperature: float | None = None
     #: Bound on one request, connect to last byte (seconds).
     timeout_s: float = 600.0
 
@@ -84,6 +86,8 @@ class Target:
             body["stream_options"] = {"include_usage": True}
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return json.dumps(body, separators=(",", ":")).encode()
 
 

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="multiturn: conversations open at once")
     work.add_argument("--ignore-eos", action="store_true",
                       help="send ignore_eos: true (vLLM's extension)")
+    work.add_argument("--temperature", type=float,
+                      help="send this temperature (default: none, the server's own; 0 is "
+                           "greedy, as the offline engine's figures are)")
     out = parser.add_argument_group("report")
     out.add_argument("--slo-ttft", type=float, help="goodput SLO: TTFT in ms")
     out.add_argument("--slo-itl", type=float, help="goodput SLO: mean ITL per request in ms")
@@ -252,7 +255,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: cannot list the models at {args.base_url}: {exc}", file=sys.stderr)
         return 1
     target = Target(args.base_url, model, args.api, args.api_key, stream=not args.no_stream,
-                    ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+                    ignore_eos=args.ignore_eos, temperature=args.temperature,
+                    timeout_s=args.timeout)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     results = asyncio.run(run_levels(target, levels, args))
     input_len, output_len = lengths_of(args)

@@ -18,6 +18,7 @@ Each section names the machine, the versions and the exact command. The hand-wri
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -27,6 +28,7 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 from tokenyard.bench.children import start_tokenyard
 from tokenyard.bench.host import cpu_model
@@ -43,6 +45,14 @@ SERVE_RUNS: list[tuple[str, list[str]]] = [
      ["--workload", "long", "--concurrency", "1", "--requests", "3", "--output-len", "16",
       "--ignore-eos"]),
 ]
+#: One stream served, greedy, the lengths of `bench offline`'s one-stream figure.
+STREAM_RUN = ["--concurrency", "1", "--requests", "3", "--input-len", "45", "--output-len",
+              "128", "--ignore-eos", "--temperature", "0"]
+#: A ~1,000-token prompt, sent twice with one seed: the second send is a prefix-cache hit.
+CACHED_RUN = ["--concurrency", "1", "--requests", "1", "--input-len", "1000",
+              "--output-len", "1", "--temperature", "0"]
+#: Alternating rounds of the engine alone and the same figures served.
+STREAM_ROUNDS = 2
 GATEWAY_ARGS = ["--rates", "100,300,500", "--duration", "5"]
 #: The issue's goal is at 500 requests/s with 2 HTTP workers: beside 1, in one run.
 GATEWAY_WORKERS_ARGS = ["--rates", "500", "--duration", "5", "--workers", "1,2"]
@@ -90,11 +100,72 @@ def _section(title: str, runs: list[tuple[str, list[str], str]], intro: str) -> 
     return "\n".join(lines)
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _served_level(cmd: list[str], key: str | None, out: Path) -> dict[str, Any]:
+    """Run one `bench serve` level and return its report (JSON)."""
+    _run([*cmd, "--out", str(out), *(["--api-key", key] if key else [])])
+    report: dict[str, Any] = json.loads(out.read_text())["levels"][0]["report"]
+    return report
+
+
+def served_vs_offline(url: str, key: str | None) -> tuple[str, list[list[str]]]:
+    """One stream's decode rate and a repeated long prompt's TTFT: the engine alone
+    (`bench offline --stream-only`, its own process) against `tokenyard serve` at `url`,
+    in alternating rounds. Returns the table and the commands of its last round."""
+    scratch = Path(tempfile.mkdtemp(prefix="tokenyard-bench-stream-"))
+    rates: dict[str, list[float]] = {"offline": [], "served": []}
+    cached: dict[str, list[float]] = {"offline": [], "served": []}
+    cmds: list[list[str]] = []
+    try:
+        for r in range(STREAM_ROUNDS):
+            offline = _cli("bench", "offline", "--stream-only", "--json",
+                           str(scratch / "offline.json"))
+            _run(offline)
+            figures = json.loads((scratch / "offline.json").read_text())
+            rates["offline"].append(figures[0]["value"])
+            cached["offline"].append(figures[1]["value"])
+            stream = _cli("bench", "serve", "--base-url", url, "--quiet", *STREAM_RUN,
+                          "--seed", str(r))
+            tpot = _served_level(stream, key, scratch / "stream.json")["tpot_ms"]["p50"]
+            rates["served"].append(1000.0 / tpot)
+            again = _cli("bench", "serve", "--base-url", url, "--quiet", *CACHED_RUN,
+                         "--seed", str(1000 + r))
+            _served_level(again, key, scratch / "cold.json")  # fills the prefix cache
+            hit = _served_level(again, key, scratch / "again.json")
+            cached["served"].append(hit["ttft_ms"]["p50"])
+            cmds = [offline, stream, again]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rate = {k: _median(v) for k, v in rates.items()}
+    ttft = {k: _median(v) for k, v in cached.items()}
+    table = "\n".join([
+        "| figure | engine alone | served (gateway on) | served / alone | goal |",
+        "|---|---|---|---|---|",
+        f"| one stream, decode tok/s (greedy, 45-token prompt, 128 out) | "
+        f"{rate['offline']:.1f} | {rate['served']:.1f} | "
+        f"{rate['served'] / rate['offline']:.0%} | >= 95 % |",
+        f"| 1,000-token prompt sent again (prefix cache), TTFT ms | {ttft['offline']:.1f} | "
+        f"{ttft['served']:.1f} | {ttft['served'] / ttft['offline']:.1f}x | served <= 20 ms |",
+        "",
+        f"Medians of {STREAM_ROUNDS} alternating rounds (the engine alone: medians of 3 "
+        "repeats each). Served decode tok/s is 1000 / TPOT p50.",
+    ])
+    return table, cmds
+
+
 def serving_section(img_dir: Path) -> str:
     """bench serve against `tokenyard serve` (embedded model, gateway on)."""
     child, key = start_tokenyard(None, auth=True)
     runs = []
     try:
+        table, cmds = served_vs_offline(child.url + "/v1", key)
+        runs.append(("One stream: served vs the engine alone", cmds[0],
+                     "\n".join(f"`{_shown(c)}`" for c in cmds[1:]) + "\n\n" + table))
         for i, (name, extra) in enumerate(SERVE_RUNS):
             cmd = _cli("bench", "serve", "--base-url", child.url + "/v1", "--quiet",
                        *extra, *(["--plot-dir", str(img_dir)] if i == 0 else []))
