@@ -12,6 +12,7 @@ import torch
 
 from tokenyard.bench.reference import greedy_continuation
 from tokenyard.engine.async_llm import AsyncLLM
+from tokenyard.engine.frontend import make_request
 from tokenyard.engine.llm import LLM
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -179,6 +180,34 @@ def test_async_consumer_that_stops_iterating_aborts_and_frees_blocks() -> None:
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
     finally:
         engine.shutdown()
+
+
+def test_a_consumer_behind_the_engine_takes_the_queued_steps_in_order_from_ready(
+    llm: LLM,
+) -> None:
+    """What the replica's writer does: every step that arrived while it was busy goes out
+    with the one it holds, in order, and the stream still ends after the last."""
+    engine = AsyncLLM()
+    ids = prompt_ids(llm)[0]
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        request = make_request("r", ids, greedy(12), engine.engine.eos_token_ids)
+        tokens: list[int] = []
+        sizes: list[int] = []
+        async with await engine.engine.submit([request]) as stream:
+            async for batch in stream:
+                await asyncio.sleep(0.3)  # the engine steps on meanwhile
+                batch = batch + stream.ready()
+                sizes.append(len(batch))
+                tokens += [t for out in batch for t in out.new_token_ids]
+        return tokens, sizes
+
+    try:
+        tokens, sizes = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert tokens == llm.generate([ids], greedy(12))[0].token_ids
+    assert max(sizes) > 1 and sum(sizes) == 12
 
 
 def test_request_longer_than_the_context_is_refused(llm: LLM) -> None:

@@ -58,6 +58,7 @@ class CoreStream:
         self._loop = loop
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._done = False
+        self._held: _Item | None = None  # taken off the queue by `ready`, not yet returned
         # Step-thread side: the requests of this stream that have not finished yet.
         self._pending: dict[str, Request] = {r.request_id: r for r in requests}
 
@@ -67,7 +68,9 @@ class CoreStream:
     async def __anext__(self) -> list[EngineCoreOutput]:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item, self._held = self._held, None
+        if item is None:
+            item = await self._queue.get()
         if isinstance(item, _End):
             self._done = True
             raise StopAsyncIteration
@@ -75,6 +78,22 @@ class CoreStream:
             self._done = True
             raise item
         return item
+
+    def ready(self) -> list[EngineCoreOutput]:
+        """The outputs of the further steps already delivered, taken without waiting.
+
+        A consumer that fell behind the engine (a busy event loop, a wide batch) sends
+        them with the step it holds, in one write, instead of one write and one wake-up
+        of its reader per step. The end or a failure stays queued for `__anext__`.
+        """
+        outputs: list[EngineCoreOutput] = []
+        while self._held is None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, list):
+                outputs.extend(item)
+            else:
+                self._held = item
+        return outputs
 
     @property
     def done(self) -> bool:

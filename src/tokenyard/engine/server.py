@@ -172,6 +172,7 @@ class ReplicaServer:
             try:
                 await response.prepare(http)
                 async for batch in stream:
+                    batch += stream.ready()  # steps that arrived meanwhile: one write
                     if spans is not None:
                         spans.saw(batch)
                     await response.write(b"".join(encode_delta(out) for out in batch))
