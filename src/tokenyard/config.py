@@ -74,6 +74,9 @@ class EngineConfig(Settings):
     kv_cache_gib: float = 1.0  # KV pool size; ignored when num_kv_blocks is set
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunk size)
+    # Prefill tokens per step while other requests decode (None: the whole budget); see
+    # docs/operations.md for how it was chosen on the reference machine.
+    prefill_chunk: int | None = None
     max_num_seqs: int = 128  # running requests at once
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
@@ -87,6 +90,7 @@ class EngineConfig(Settings):
         "device": "TOKENYARD_DEVICE",
         "kv_cache_gib": "TOKENYARD_KV_CACHE_GIB",
         "max_num_batched_tokens": "TOKENYARD_MAX_NUM_BATCHED_TOKENS",
+        "prefill_chunk": "TOKENYARD_PREFILL_CHUNK",
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
     }
 
@@ -98,6 +102,8 @@ class EngineConfig(Settings):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs must be positive")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be positive (or unset: the whole budget)")
 
 
 #: The shared secret between the HTTP process and its engine replicas (`Authorization:
@@ -277,6 +283,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    parser.add_argument("--prefill-chunk", type=int,
+                        help="prefill tokens per step while other requests decode")
     parser.add_argument("--max-num-seqs", type=int, help="running requests at once")
     parser.add_argument("--max-waiting-requests", type=int,
                         help="waiting-queue bound; past it requests are shed (503)")
@@ -286,5 +294,5 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as `EngineConfig` keyword arguments."""
     names = ["model", "weights", "device", "kv_cache_gib", "max_num_batched_tokens",
-             "max_num_seqs", "max_waiting_requests", "num_threads"]
+             "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

@@ -44,6 +44,21 @@ def test_long_prompt_is_chunked_and_decodes_keep_running() -> None:
     assert s.requests["b"].num_output_tokens == 1  # the last chunk produced a token
 
 
+def test_prefill_chunk_caps_prompt_tokens_only_while_others_are_in_flight() -> None:
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=64, prefill_chunk=8)
+    s.add_request(req("a", 20, max_tokens=10))
+    # Alone, a prompt gets the whole budget.
+    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 20)]
+    s.add_request(req("b", 10))
+    s.add_request(req("cc", 10))
+    steps = [run_step(s) for _ in range(3)]
+    # Beside a's decode, at most 8 prompt tokens a step, b's first and then cc's.
+    assert [[(r.request_id, n) for r, n in st.scheduled] for st in steps] == [
+        [("a", 1), ("b", 8)], [("a", 1), ("b", 2), ("cc", 6)], [("a", 1), ("b", 1), ("cc", 4)],
+    ]
+    assert s.requests["cc"].num_output_tokens == 1
+
+
 def test_preemption_under_kv_pressure_recomputes_and_frees_everything() -> None:
     kv = KVCacheManager(num_blocks=6, block_size=4)
     s = Scheduler(kv, max_num_batched_tokens=64)

@@ -66,6 +66,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_chunk=config.prefill_chunk,
             max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens,

@@ -2,7 +2,12 @@
 
 Continuous batching: every step, running requests are served first (decodes ahead of prefill
 chunks so a long prompt never stalls the streams), then waiting requests join while the
-token budget and the KV pool allow. A long prompt is prefilled in budget-sized chunks. When
+token budget and the KV pool allow. A long prompt is prefilled in budget-sized chunks. While
+more than one request is in the scheduler, a step's prompt tokens are capped at
+`prefill_chunk`: a burst of new prompts then costs each decode a bounded wait per step
+(not one step as long as the whole budget), and the prompts get their first tokens one after
+another instead of all at the end of one long step. A request alone keeps the whole budget,
+so a single long prompt is not cut into more steps than it needs. When
 the pool runs out, the lowest-priority running request is preempted: its blocks are freed
 and it is recomputed later (its freed blocks keep their hashes, so the recompute is often
 a prefix-cache hit; a constrained request drops its grammar matcher and replays it from its
@@ -47,6 +52,8 @@ class SchedulerOutput:
 class Scheduler:
     kv: KVCacheManager
     max_num_batched_tokens: int = 1024
+    #: Prompt tokens in one step while other requests are in flight (None: the budget).
+    prefill_chunk: int | None = None
     max_num_seqs: int = 128
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1_000_000
@@ -131,10 +138,12 @@ class Scheduler:
             self.running,
             key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.sort_key),
         )
+        prefill = self._prefill_budget()
         for request in order:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            left = request.num_tokens - request.num_computed_tokens
+            num_new = min(left, budget if left == 1 else min(budget, prefill))
             if num_new <= 0:
                 continue
             # Alone, the request cannot wait for anyone to finish: pins give way.
@@ -147,12 +156,13 @@ class Scheduler:
                 out.scheduled.append((request, num_new))
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
+                prefill -= num_new if left > 1 else 0
 
         if out.preempted:
             return out  # admitting new work now would only thrash the pool
 
         deferred: list[Request] = []  # grammars still compiling: back in the queue after
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        while min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs:
             head = self._peek_waiting()
             if head is None:
                 break
@@ -162,7 +172,7 @@ class Scheduler:
                 continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, prefill)
             request.num_computed_tokens = num_cached
             if not self.kv.allocate_slots(request, num_new, cached, unpin=not self.running):
                 request.num_computed_tokens = 0
@@ -176,9 +186,18 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+            prefill -= num_new
         for request in deferred:
             self._push_waiting(request)
         return out
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: `prefill_chunk` while more than one request
+        is in the scheduler (others decode, or wait to start), else the whole budget."""
+        alone = len(self.running) + self._num_waiting <= 1
+        if self.prefill_chunk is None or alone:
+            return self.max_num_batched_tokens
+        return self.prefill_chunk
 
     def _choose_victim(self, scheduled_ids: set[str]) -> Request:
         """The lowest-priority, latest running request not yet given tokens this step."""
