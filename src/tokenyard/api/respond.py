@@ -294,8 +294,9 @@ async def _send(request: web.Request, response: web.StreamResponse,
         data = b"".join(pending)
         pending.clear()
         try:
-            await asyncio.wait_for(response.write(data),
-                                   request.app[EDGE].limits.stream_write_timeout_s)
+            # A timeout scope, not wait_for: that would start a task for every write.
+            async with asyncio.timeout(request.app[EDGE].limits.stream_write_timeout_s):
+                await response.write(data)
         except TimeoutError:
             if request.transport is not None:
                 request.transport.abort()
