@@ -322,7 +322,7 @@ def test_streams_nobody_reads_hold_bounded_memory_and_stall_no_one(
     assert not any(ended for ended, _ in ends), ends
     assert max(size for _, size in ends) < 300_000, ends
     record("slow readers", command="pytest tests/chaos/test_abusive.py -k nobody_reads",
-           sent={"stalled_streams": readers, "choices_each": choices,
+           sent={"stalled_streams": readers, "choices_each": choices, "client_mss_bytes": 536,
                  "max_tokens_each": max_tokens, "client_receive_buffer_bytes": 2048,
                  "stream_write_timeout_s": WRITE_TIMEOUT_S},
            held={"other_stream_served_s": round(took, 2),
