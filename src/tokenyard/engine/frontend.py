@@ -8,6 +8,8 @@ request out into its n completions, and applies stop strings. The asynchronous s
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,12 +77,29 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
         model = convert_weights(model, loaded, weights)
     else:
         model = model.to(device=device, dtype=dtype)
+    loaded.weights = {}  # the float32 copy of every parameter, no longer needed
+    release_freed_memory()
     if device.type == "cpu":
         model.set_threads(torch.get_num_threads())
     tokenizer: Tokenizer = loaded.tokenizer
     eos = frozenset(set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids))
     core = EngineCore(model, loaded.config, config, device, dtype, tokenizer=tokenizer)
     return BuiltCore(core, tokenizer, loaded.config, eos, weights)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed by the load back to the kernel.
+
+    Converting to block weights frees the float32 parameters, but glibc keeps freed
+    chunks below its mmap threshold (most per-layer tensors) in the heap: measured
+    ~170 MB of RSS on SmolLM2-135M until `malloc_trim`. A no-op off glibc.
+    """
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def make_request(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +16,22 @@ from tokenyard.engine.attention_backend import window_causal_mask
 from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
 
 log = logging.getLogger(__name__)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose CPU pages become resident only when first written.
+
+    `torch.zeros` writes every page, so a 1 GiB KV pool cost 1 GiB of RSS at start however
+    little of it was used. An anonymous mapping reads as zeros (never garbage: the padded
+    block-table entries and masked slots the torch path reads must stay finite) and the
+    kernel backs a page only on its first write. On CUDA the pool is device memory: zeros.
+    """
+    numel = math.prod(shape)
+    if torch.device(device).type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # The tensor holds a reference to the mapping, which lives as long as the tensor.
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 @dataclass
@@ -69,8 +88,8 @@ class PagedAttention:
         use_kernel: bool = True,
     ) -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = lazy_zeros(shape, dtype, device)
+        self.v_cache = lazy_zeros(shape, dtype, device)
         self.block_size = block_size
         self.metadata: AttentionMetadata | None = None
         self.decode_kernel: PagedDecodeFn | None = None
@@ -84,6 +103,10 @@ class PagedAttention:
     @property
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def resident_bytes(self) -> int:
+        """Bytes of the CPU pool backed by memory now (pages written at least once)."""
+        return sum(resident_bytes(cache) for cache in (self.k_cache, self.v_cache))
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -179,3 +202,17 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[L, H, D] -> [1, H, L, D] (a view)."""
     return x.transpose(0, 1).unsqueeze(0)
 
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Resident bytes of a CPU tensor's pages (mincore over its span), for memory reports."""
+    if tensor.device.type != "cpu" or tensor.nbytes == 0:
+        return 0
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.nbytes - start
+    pages = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec) * page
