@@ -2,8 +2,8 @@
 
 Figures (each the median of --repeats runs): offline throughput over a batch of prompts,
 one stream's decode rate, a long prompt's time to first token cold and cached, warm start
-to first token, int8 agreement with float32, and transformers on the same weights in the
-same run for comparison.
+to first token, the replica's RSS and where it goes, int8 agreement with float32, and
+transformers on the same weights in the same run for comparison.
 """
 
 from __future__ import annotations
@@ -95,6 +95,40 @@ def decode_rate(llm: LLM, prompt: list[int], output_len: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def process_rss() -> tuple[int, int, int]:
+    """This process's resident bytes: total, anonymous, file-backed (/proc/self/status)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:")):
+                name, kib = line.split()[:2]
+                fields[name] = int(kib) * 1024
+    return fields["VmRSS:"], fields["RssAnon:"], fields["RssFile:"]
+
+
+def replica_memory(llm: LLM, rss_before: int, load: int) -> Figure:
+    """The replica's RSS after a load, and where it goes: weights kept, KV pool, imports."""
+    from tokenyard.engine.kernels.blocks import BlockWeight
+
+    core = llm.frontend.core
+    model = core.runner.model
+    blocks = {id(v): v for m in model.modules() for v in vars(m).values()
+              if isinstance(v, BlockWeight)}
+    floats = sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
+    attention = core.runner.attention
+    total, anon, file = process_rss()
+    mb = 1e6
+    return Figure(
+        f"replica RSS after the throughput runs ({load} requests at once)", total / mb, "MB",
+        note=f"anonymous {anon / mb:.0f} MB, file-backed {file / mb:.0f} MB; before the "
+        f"engine loaded (Python, torch, imports) {rss_before / mb:.0f} MB; weights kept: "
+        f"{sum(b.nbytes for b in blocks.values()) / mb:.0f} MB in blocks + {floats / mb:.0f} "
+        f"MB {next(model.parameters()).dtype}; KV pool resident "
+        f"{attention.resident_bytes() / mb:.0f} MB of its {attention.nbytes / mb:.0f} MB "
+        "budget",
+    )
+
+
 def long_prompt_ttft(llm: LLM, prompt: list[int]) -> tuple[float, float]:
     """Time to first token of a long prompt, cold (empty prefix cache) and cached."""
     llm.core.kv.pool.reset_prefix_cache()
@@ -146,6 +180,7 @@ def agreement_prompts(n: int) -> list[list[dict[str, str]]]:
 
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> list[Figure]:
     figures: list[Figure] = []
+    rss_before = process_rss()[0]
     llm = LLM(show_progress=True, **engine_kwargs)
     vocab = llm.frontend.model_config.vocab_size
     prompts = random_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab)
@@ -162,6 +197,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> list[Figure]
         statistics.median(r[0] for r in runs), "output tok/s", ">= 200",
         f"all tokens (prompt + output): {statistics.median(r[1] for r in runs):.0f} tok/s",
     ))
+    figures.append(replica_memory(llm, rss_before, args.num_prompts))
     rate = median_of(args.repeats, lambda: decode_rate(llm, short, args.output_len))
     figures.append(Figure("one stream, decode", rate, "tok/s", ">= 80"))
     long = random_prompts(1, args.long_prompt_len, args.long_prompt_len, vocab, seed=2)[0]

@@ -18,7 +18,9 @@ from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
 log = logging.getLogger(__name__)
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """A zero tensor whose CPU pages become resident only when first written.
 
     `torch.zeros` writes every page, so a 1 GiB KV pool cost 1 GiB of RSS at start however
@@ -30,7 +32,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     if torch.device(device).type != "cpu" or numel == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     # The tensor holds a reference to the mapping, which lives as long as the tensor.
-    buffer = mmap.mmap(-1, numel * dtype.itemsize)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
