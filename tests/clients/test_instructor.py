@@ -90,7 +90,9 @@ def anthropic_structured(t: Target) -> None:
     sdk = anthropic.Anthropic(base_url=t.anthropic_url, api_key=t.api_key, max_retries=0)
     client = instructor.from_anthropic(sdk, mode=instructor.Mode.ANTHROPIC_TOOLS)
     city = client.create(model=t.model, messages=ASK, response_model=City,
-                         max_tokens=MAX_STRUCTURED, temperature=0, max_retries=0)
+                         max_tokens=MAX_STRUCTURED, max_retries=0,
+                         # The anthropic SDK (2.x) dropped `temperature`; the API takes it.
+                         extra_body={"temperature": 0})
     check_city(city, "from_anthropic(...).create(response_model=City), ANTHROPIC_TOOLS")
 
 
