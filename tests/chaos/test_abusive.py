@@ -233,7 +233,13 @@ def test_a_request_flood_from_one_address_gets_429_in_each_dialect(
             async def models() -> tuple[int, str]:
                 async with session.get(srv.base_url + "/v1/models") as r:
                     return r.status, r.headers.get("retry-after", "")
-            results = await asyncio.gather(*(models() for _ in range(requests)))
+            # At least `requests`, then on until the bucket runs dry: on a slow machine the
+            # server may answer fewer than RATE a second for a while, which is no flood.
+            results: list[tuple[int, str]] = []
+            deadline = time.monotonic() + 30
+            while len(results) < requests or (
+                    all(status != 429 for status, _ in results) and time.monotonic() < deadline):
+                results += await asyncio.gather(*(models() for _ in range(RATE)))
             async with session.post(srv.base_url + "/v1/messages", json={}) as r:
                 anthropic_body = await r.json()
         counts: dict[int, int] = {}
@@ -245,13 +251,13 @@ def test_a_request_flood_from_one_address_gets_429_in_each_dialect(
         return counts, anthropic_body, time.monotonic() - started
 
     counts, anthropic_body, _ = asyncio.run(scenario())
-    assert set(counts) == {200, 429} and counts[200] >= RATE and counts[429] > 0
+    assert set(counts) == {200, 429} and counts[200] >= RATE and counts[429] > 0, counts
     assert anthropic_body["type"] == "error"
     assert anthropic_body["error"]["type"] == "rate_limit_error"
     held = _quiescent(srv, pid)
     record("request flood from one address",
            command="pytest tests/chaos/test_abusive.py -k request_flood",
-           sent={"requests": requests, "limit_per_s": RATE},
+           sent={"requests": sum(counts.values()), "limit_per_s": RATE},
            held={"served": counts[200], "refused_429": counts[429],
                  "other_address_served": True, **held})
 
