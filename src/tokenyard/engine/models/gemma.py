@@ -27,7 +27,13 @@ from torch import nn
 from tokenyard.engine.attention_backend import AttentionBackend
 from tokenyard.engine.kernels.blocks import BlockWeight
 from tokenyard.engine.models.config import ModelConfig
-from tokenyard.engine.models.llama import Linear, _param, _preview, _rms_norm, split_linear
+from tokenyard.engine.models.llama import (
+    CausalLMHead,
+    Linear,
+    _param,
+    _preview,
+    _rms_norm,
+)
 from tokenyard.engine.models.rope import apply_rope, rope_tables
 
 SLIDING = "sliding_attention"
@@ -104,7 +110,7 @@ class GemmaDecoderLayer(nn.Module):
         return x
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CausalLMHead):
     """Gemma 3 causal LM over a flat token batch; the same interface as LlamaForCausalLM.
 
     Parameters are float32 and start uninitialised: call `load_weights` before use.
@@ -167,23 +173,6 @@ class GemmaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, attention)
         return _rms_norm(x, self.norm, self.config.rms_norm_eps)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden states [N, hidden] to float32 logits [N, vocab]."""
-        if self.lm_head_blocks is not None:
-            return self.lm_head_blocks.matmul(hidden)
-        if self.lm_head_packed is not None:
-            return torch.ops.quantized.linear_dynamic(hidden, self.lm_head_packed, True).float()
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return split_linear(hidden, weight, self.parts).float()
-
-    def set_threads(self, num_threads: int) -> None:
-        """Slice small-batch projections over this many cores (CPU); 1 disables it."""
-        self.parts = num_threads
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.parts = num_threads
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named Gemma 3 tensors in (fusing q/k/v and gate/up; norm

@@ -13,6 +13,7 @@ piece into its slice.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +154,35 @@ class LlamaDecoderLayer(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLMHead(nn.Module):
+    """The LM head and thread split both families share (Llama here, Gemma in gemma.py):
+    a model class sets these attributes in its __init__."""
+
+    embed_tokens: torch.Tensor
+    lm_head: torch.Tensor | None
+    lm_head_blocks: Any
+    lm_head_packed: Any
+    parts: int
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states [N, hidden] to float32 logits [N, vocab]."""
+        if self.lm_head_blocks is not None:
+            return self.lm_head_blocks.matmul(hidden)
+        if self.lm_head_packed is not None:
+            return torch.ops.quantized.linear_dynamic(hidden, self.lm_head_packed, True).float()
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return split_linear(hidden, weight, self.parts).float()
+
+    def set_threads(self, num_threads: int) -> None:
+        """Slice small-batch projections over this many cores (CPU); 1 disables it."""
+        self.parts = num_threads
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.parts = num_threads
+
+
+class LlamaForCausalLM(CausalLMHead):
     """Llama-family causal LM over a flat token batch.
 
     Parameters are float32 (torch's default dtype) and start uninitialised: call
@@ -218,23 +247,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
         return _rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden states [N, hidden] to float32 logits [N, vocab]."""
-        if self.lm_head_blocks is not None:
-            return self.lm_head_blocks.matmul(hidden)
-        if self.lm_head_packed is not None:
-            return torch.ops.quantized.linear_dynamic(hidden, self.lm_head_packed, True).float()
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return split_linear(hidden, weight, self.parts).float()
-
-    def set_threads(self, num_threads: int) -> None:
-        """Slice small-batch projections over this many cores (CPU); 1 disables it."""
-        self.parts = num_threads
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.parts = num_threads
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model (fusing q/k/v and gate/up).
