@@ -326,7 +326,7 @@ def test_an_idempotent_retry_of_a_request_whose_worker_died_runs_and_is_billed_o
     try:
         assert slow.stdout is not None
         url = slow.stdout.readline().rsplit(" ", 1)[-1].strip()
-        with serve_workers(url, tmp_path) as (server, _):
+        with serve_workers(url, tmp_path) as (server, proc):
             body = {**_chat(server), "max_tokens": 30, "stream": True}
             key = {"Idempotency-Key": f"inflight-{uuid.uuid4().hex[:8]}"}
 
@@ -335,9 +335,17 @@ def test_an_idempotent_retry_of_a_request_whose_worker_died_runs_and_is_billed_o
                         session.post(server.base_url + "/v1/chat/completions", json=body,
                                      headers=key) as r:
                     await r.content.readline()  # running on its worker: kill that
-                    os.kill(int(r.headers[WORKER_HEADER]), signal.SIGKILL)
+                    victim = int(r.headers[WORKER_HEADER])
+                    os.kill(victim, signal.SIGKILL)
                     with contextlib.suppress(aiohttp.ClientError):
                         await r.read()
+                # Until the kernel has torn the victim down, its SO_REUSEPORT listener can
+                # still take a connection and then reset it (a ConnectionResetError at
+                # connect, the CI failure): retry once the parent has reaped it, as a
+                # client would retry a refused connection.
+                await asyncio.to_thread(
+                    poll, lambda: child_pids(proc.pid), lambda pids: victim not in pids,
+                    30, "the killed worker reaped")
                 return [await _post(server, "/v1/chat/completions", body, key)
                         for _ in range(2)]
 
