@@ -20,6 +20,7 @@ from anthropic.types.beta import message_create_params as claude_beta_create
 from openai.types import completion_create_params as legacy_create
 from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_create
+from openai.types.responses import response_create_params as responses_create
 
 from tokenyard.api.anthropic.convert import anthropic_request_to_engine, build_anthropic_message
 from tokenyard.api.anthropic.request_fields import REFUSED
@@ -29,6 +30,8 @@ from tokenyard.api.openai.convert import build_chat_completion, chat_request_to_
 from tokenyard.api.openai.platform_fields import CHAT_UNSUPPORTED
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.openai.stream import ChatStream
+from tokenyard.api.responses.convert import request_params, text_grammar, tool_use
+from tokenyard.api.responses.schemas import RESPONSES_UNSUPPORTED, ResponsesRequest
 from tokenyard.errors import APIError
 from tokenyard.wire.outputs import Completion
 
@@ -66,12 +69,26 @@ def documented(params: Any) -> set[str]:
     (claude_beta_create.MessageCreateParamsStreaming, MessagesRequest, REFUSED),
     (claude_count.MessageCountTokensParams, CountTokensRequest, REFUSED),
     (claude_beta_count.MessageCountTokensParams, CountTokensRequest, REFUSED),
+    (responses_create.ResponseCreateParamsStreaming, ResponsesRequest, RESPONSES_UNSUPPORTED),
 ])
 def test_every_field_the_sdks_document_is_known(params: Any, schema: Any,
                                                 refused_names: dict[str, Any]) -> None:
     # `betas` travels as the anthropic-beta header, not in the body.
     missing = documented(params) - {"betas"} - set(schema.model_fields) - set(refused_names)
     assert not missing
+
+
+@pytest.mark.parametrize("name", sorted(documented(
+    responses_create.ResponseCreateParamsStreaming)))
+def test_no_documented_responses_field_is_an_unrecognized_argument(name: str) -> None:
+    # A value no field takes: whatever the verdict, it names the field as a known one.
+    body = {"model": "m", "input": "Hi", name: {"?": ["?"]}}
+    try:
+        parse_body(ResponsesRequest, json.dumps(body))
+    except APIError as err:
+        assert err.status == 400 and err.param is not None
+        assert err.param.split(".")[0] == name
+        assert "Unrecognized" not in err.message
 
 
 # ---------------------------------------------------------------------------- openai
@@ -146,6 +163,50 @@ def test_chat_bodies_have_the_fields_current_sdks_expect() -> None:
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "",
                                             "refusal": None}
     assert chunk["service_tier"] == "default"
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def resp(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "input": "Hi", **fields}
+
+
+@pytest.mark.parametrize("fields", [
+    {"store": False}, {"metadata": {"k": "v"}}, {"service_tier": "flex"}, {"user": "u"},
+    {"safety_identifier": "s"}, {"prompt_cache_key": "k"},
+    {"prompt_cache_retention": "24h"},
+    {"prompt_cache_options": {"mode": "explicit", "ttl": "1h", "prewarm": False}},
+    {"access_programs": {}}, {"access_programs": {"cyber": "standard"}},
+    {"image": {"context_compression": "auto"}}, {"image": {"context_compression": "disabled"}},
+    {"background": False}, {"background_options": None}, {"context_management": []},
+    {"moderation": None}, {"reasoning": {"effort": "none"}},
+    {"text": {"verbosity": "low"}}, {"truncation": "disabled"},
+    {"stream": True, "stream_options": {"include_obfuscation": False}},
+    {"tool_choice": "auto"}, {"tool_choice": "none", "tools": []},
+])
+def test_documented_responses_fields_without_effect_are_accepted(fields: dict[str, Any]) -> None:
+    req = parse_body(ResponsesRequest, json.dumps(resp(**fields)))
+    plain = parse_body(ResponsesRequest, json.dumps(resp()))
+    assert request_params(req) == request_params(plain)
+    assert tool_use(req) is None and text_grammar(req) is None
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"access_programs": {"cyber": "daybreak_red"}}, "access_programs"),
+    ({"background_options": {"completion_window": "2h"}}, "background_options"),
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]},
+     "context_management"),
+    ({"image": {"context_compression": "enabled"}}, "image"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"prompt_cache_options": {"prewarm": True}}, "prompt_cache_options"),
+    ({"max_tool_calls": 2}, "max_tool_calls"),
+])
+def test_documented_responses_fields_this_server_cannot_honour_are_refused(
+        fields: dict[str, Any], param: str) -> None:
+    err = refused(ResponsesRequest, resp(**fields))
+    assert err.param == param and err.code == "unsupported_parameter"
+    assert f"'{param}'" in err.message
 
 
 # ---------------------------------------------------------------------------- anthropic

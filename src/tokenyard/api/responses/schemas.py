@@ -4,15 +4,15 @@ Validated as strictly as the chat dialect's (`api/schemas.RequestModel`): an unk
 top-level field is a 400 naming it. What this server cannot do is refused with a 400 that
 names the field rather than silently dropped: hosted tools (web search, file search, code
 interpreter, computer use, image generation, MCP, ...), reasoning effort (the model does
-not reason), background mode, conversations and prompt templates. Item types other than
-messages, function calls and their outputs are refused the same way.
+not reason), background mode, conversations, prompt templates, context compaction and
+moderation per request. Item types other than messages, function calls and their outputs
+are refused the same way.
 
 The output objects and stream events are in `api/responses/objects.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -21,7 +21,14 @@ from tokenyard.api.errors import schema_error
 from tokenyard.api.images import only_from_user, source_problem
 from tokenyard.api.openai.platform_fields import PlatformFields
 from tokenyard.api.openai.tool_schemas import TOOL_NAME_PATTERN
-from tokenyard.api.schemas import TEXT_PART_SEPARATOR, RequestModel, reject_unknown
+from tokenyard.api.schemas import (
+    TEXT_PART_SEPARATOR,
+    Acceptable,
+    RequestModel,
+    is_none,
+    none_or_empty,
+    reject_unknown,
+)
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE
 from tokenyard.text.content import Detail, ImagePart
 
@@ -268,16 +275,38 @@ def _no_effort(value: Any) -> bool:
     return value is None or (isinstance(value, dict) and value.get("effort") in (None, "none"))
 
 
-#: Fields OpenAI defines that this server accepts only with these values.
-_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+def _only(key: str, *allowed: Any) -> Acceptable:
+    """Acceptable when absent, or an object whose `key` is absent or one of `allowed`."""
+    return lambda v: v is None or (isinstance(v, dict) and v.get(key) in (None, *allowed))
+
+
+#: Fields OpenAI defines that this server accepts only with these values; the rest is a
+#: 400 naming the field (the refused-only ones, not declared below, are otherwise ignored).
+RESPONSES_UNSUPPORTED: dict[str, tuple[Acceptable, str]] = {
     "background": (_none_or_false, "Background responses are not supported by this server."),
-    "conversation": (lambda v: v is None, "Conversations are not supported by this server; "
+    "background_options": (is_none, "'background_options' is not supported: background "
+                           "responses are not supported by this server."),
+    "conversation": (is_none, "Conversations are not supported by this server; "
                      "chain responses with 'previous_response_id'."),
-    "prompt": (lambda v: v is None, "Prompt templates are not supported by this server."),
+    "prompt": (is_none, "Prompt templates are not supported by this server."),
     "reasoning": (_no_effort, "Reasoning effort is not supported: the model does not "
                   "reason (send no 'reasoning', or effort 'none')."),
-    "max_tool_calls": (lambda v: v is None, "'max_tool_calls' is not supported by this "
+    "max_tool_calls": (is_none, "'max_tool_calls' is not supported by this "
                        "server; use 'parallel_tool_calls': false for one call."),
+    "context_management": (none_or_empty, "'context_management' is not supported: this "
+                           "server does not compact context."),
+    "moderation": (is_none, "'moderation' per request is not supported: moderation here "
+                   "is the deployment's and the org's policy."),
+    # Standard is what the model serves anyway; the Daybreak programs change its answers.
+    "access_programs": (_only("cyber", "standard"), "'access_programs' other than 'cyber': "
+                        "'standard' are not offered by this server."),
+    # No compression happens here, so only a request that requires it is refused.
+    "image": (_only("context_compression", "auto", "disabled"), "'image' context "
+              "compression is not supported by this server; send 'context_compression' "
+              "'auto' or 'disabled'."),
+    # The cache options are hints (as on chat), but a prewarm asks for no output at all.
+    "prompt_cache_options": (_only("prewarm", False), "'prompt_cache_options' with "
+                             "'prewarm' is not supported: prefix caching here is automatic."),
 }
 
 
@@ -300,6 +329,7 @@ class ResponsesRequest(PlatformFields):
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # hints only, as on chat
     #: "message.output_text.logprobs" asks for the text's logprobs; the other values
     #: (hosted tools' outputs, reasoning) have nothing to include here.
     include: list[str] | None = None
@@ -314,10 +344,10 @@ class ResponsesRequest(PlatformFields):
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, (ok, message) in _UNSUPPORTED.items():
+            for name, (ok, message) in RESPONSES_UNSUPPORTED.items():
                 if name in data and not ok(data[name]):
                     raise schema_error(UNSUPPORTED_PARAMETER, name, message)
-        reject_unknown(data, cls.model_fields)
+        reject_unknown(data, [*cls.model_fields, *RESPONSES_UNSUPPORTED])
         return data
 
     @field_validator("metadata")
