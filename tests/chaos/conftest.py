@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -30,14 +31,26 @@ class Recorder(Protocol):
                  held: dict[str, Figure]) -> None: ...
 
 
+def results_file() -> Path | None:
+    """The file TOKENYARD_CHAOS_RESULTS names, or None when it is unset."""
+    target = os.environ.get("TOKENYARD_CHAOS_RESULTS", "").strip()
+    return Path(target) if target else None
+
+
+def append_line(path: Path, line: dict[str, object]) -> None:
+    """Append `line`, stamped with the UTC time, to `path` as one JSON line."""
+    stamped = {**line, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps(stamped, sort_keys=True) + "\n")
+
+
 def append_record(path: Path, scenario: str, *, command: str,
                   sent: dict[str, int | float | str], held: dict[str, Figure],
-                  scale: Scale) -> None:
-    """Append one scenario's outcome to `path` as a JSON line."""
-    line = {"scenario": scenario, "command": command, "scale": scale, "sent": sent,
-            "held": held, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with path.open("a", encoding="utf-8") as out:
-        out.write(json.dumps(line, sort_keys=True) + "\n")
+                  scale: Scale, test: str = "") -> None:
+    """Append one scenario's outcome to `path` as a JSON line; `test`: the node id of the
+    test that ran it."""
+    append_line(path, {"scenario": scenario, "command": command, "scale": scale,
+                       "sent": sent, "held": held, "test": test})
 
 
 @pytest.fixture(scope="session")
@@ -46,15 +59,34 @@ def scale() -> Scale:
     return chaos_scale()
 
 
-@pytest.fixture
-def record(scale: Scale) -> Recorder:
-    """`record(scenario, command=..., sent=..., held=...)`: one line in the results file
-    named by TOKENYARD_CHAOS_RESULTS; nothing when it is unset."""
-    def _record(scenario: str, *, command: str, sent: dict[str, int | float | str],
-                held: dict[str, Figure]) -> None:
-        target = os.environ.get("TOKENYARD_CHAOS_RESULTS", "").strip()
-        if target:
-            append_record(Path(target), scenario, command=command, sent=sent, held=held,
-                          scale=scale)
+class ScenarioRecorder:
+    """`record` for one test: appends its records to the results file (if any), and at
+    `finish` an "unrecorded" line when the test never called it."""
 
-    return _record
+    def __init__(self, scale: Scale, test: str) -> None:
+        self.scale, self.test, self.calls = scale, test, 0
+
+    def __call__(self, scenario: str, *, command: str, sent: dict[str, int | float | str],
+                 held: dict[str, Figure]) -> None:
+        self.calls += 1
+        target = results_file()
+        if target is not None:
+            append_record(target, scenario, command=command, sent=sent, held=held,
+                          scale=self.scale, test=self.test)
+
+    def finish(self) -> None:
+        """Leave the "unrecorded" line for a test that recorded nothing."""
+        target = results_file()
+        if target is not None and not self.calls:
+            append_line(target, {"unrecorded": self.test})
+
+
+@pytest.fixture
+def record(scale: Scale, request: pytest.FixtureRequest) -> Iterator[Recorder]:
+    """`record(scenario, command=..., sent=..., held=...)`: one line in the results file
+    named by TOKENYARD_CHAOS_RESULTS; nothing when it is unset. A test that asked for it
+    and never called it (skipped, failed, or forgot) leaves an "unrecorded" line instead,
+    which the report refuses: a scenario must not vanish from docs/reliability.md unseen."""
+    recorder = ScenarioRecorder(scale, request.node.nodeid)
+    yield recorder
+    recorder.finish()

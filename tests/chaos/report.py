@@ -4,12 +4,15 @@
 
 One section per scenario, in the order they first ran: the command that reproduces it,
 what was sent and what held. A scenario recorded twice (a rerun) shows its last record.
+A test that asked for `record` and wrote nothing (it skipped or failed) is listed at the
+top and makes the exit status 1, so that `make chaos` fails instead of dropping a section.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +34,29 @@ and balance figures). `make test` runs a short version of each.
 """
 
 
-def load(path: Path) -> dict[str, dict[str, Any]]:
-    """The last record of each scenario, in order of first appearance."""
-    records: dict[str, dict[str, Any]] = {}
+@dataclass
+class Results:
+    """What a results file holds: each scenario's last record, in order of first
+    appearance, and the tests whose last run recorded nothing."""
+
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    unrecorded: list[str] = field(default_factory=list)
+
+
+def load(path: Path) -> Results:
+    """Read a results file written by tests/chaos/conftest.py."""
+    results = Results()
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            entry = json.loads(line)
-            records[entry["scenario"]] = entry
-    return records
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if "unrecorded" in entry:
+            results.unrecorded.append(entry["unrecorded"])
+        elif "scenario" in entry:
+            results.records[entry["scenario"]] = entry
+            # A rerun that recorded makes up for an earlier run that did not.
+            results.unrecorded = [t for t in results.unrecorded if t != entry.get("test")]
+    return results
 
 
 def _value(value: object) -> str:
@@ -57,10 +75,15 @@ def _table(figures: dict[str, Any]) -> list[str]:
     return [*rows, ""]
 
 
-def render(records: dict[str, dict[str, Any]]) -> str:
-    """The whole document: the intro, then a section per scenario."""
+def render(results: Results) -> str:
+    """The whole document: the intro, the tests that recorded nothing, then a section per
+    scenario."""
     lines = [INTRO]
-    for name, entry in records.items():
+    if results.unrecorded:
+        lines += ["## Not recorded", "",
+                  "These tests wrote no record (skipped or failed): this report is incomplete.",
+                  "", *(f"- `{test}`" for test in results.unrecorded), ""]
+    for name, entry in results.records.items():
         ran = f"Scale: {entry.get('scale', '?')}, run {entry.get('at', '?')}."
         lines += [f"## {name}", "", ran, "", "```", entry["command"], "```", "", "Sent:", ""]
         lines += _table(entry.get("sent", {}))
@@ -73,7 +96,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m tests.chaos.report RESULTS.jsonl", file=sys.stderr)
         return 2
-    sys.stdout.write(render(load(Path(argv[0]))))
+    results = load(Path(argv[0]))
+    sys.stdout.write(render(results))
+    if results.unrecorded:
+        print("no record from: " + ", ".join(results.unrecorded), file=sys.stderr)
+        return 1
     return 0
 
 

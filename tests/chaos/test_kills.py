@@ -38,6 +38,7 @@ import pytest
 
 from tests.chaos.conftest import Recorder, Scale
 from tests.chaos.invariants import check_quiescent, ledger_exactly_once
+from tests.conftest import require_service
 from tests.e2e.conftest import Server, child_pids, running_server
 from tests.integration.test_workers import HELLO, mock_url, poll, serve_workers
 from tokenyard.cli.workers import WORKER_HEADER
@@ -113,8 +114,8 @@ def private_redis() -> Iterator[tuple[int, Any]]:
     """A throwaway redis-server on a free port, no persistence: (port, restart), where
     restart(kill=True) kills it with SIGKILL and restart(kill=False) starts it again."""
     binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
+    require_service("Redis", binary is not None, "redis-server is not installed")
+    assert binary is not None
     port = _free_port()
     procs: list[subprocess.Popen[bytes]] = []
 
@@ -235,11 +236,10 @@ def private_postgres() -> Iterator[tuple[str, Any]]:
     restart(stop=True) stops it at once (``-m immediate``: a crash) and restart(False)
     starts it again."""
     bins = sorted(PG_BIN.glob("*/bin"))
-    if not bins:
-        pytest.skip("no PostgreSQL server binaries under /usr/lib/postgresql")
+    require_service("PostgreSQL", bool(bins), f"no server binaries under {PG_BIN}")
     as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    if as_user and shutil.which("runuser") is None:
-        pytest.skip("running as root without runuser: initdb would refuse")
+    require_service("PostgreSQL", not as_user or shutil.which("runuser") is not None,
+                    "this runs as root without runuser, and initdb refuses root")
     # Not under pytest's tmp_path: its parents are root's, closed to the postgres user.
     directory = Path(tempfile.mkdtemp(prefix="tokenyard-chaos-pg-"))
     if as_user:

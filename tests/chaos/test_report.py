@@ -1,4 +1,5 @@
-"""The harness itself: `record` writes what `report` renders, and only when asked."""
+"""The harness itself: `record` writes what `report` renders, and only when asked; a test
+that recorded nothing makes the report fail."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.conftest import Recorder, append_record, chaos_scale
-from tests.chaos.report import load, render
+from tests.chaos.conftest import Recorder, ScenarioRecorder, append_record, chaos_scale
+from tests.chaos.report import load, main, render
 
 
 def test_records_render_one_section_per_scenario_last_record_wins(tmp_path: Path) -> None:
@@ -38,3 +39,31 @@ def test_record_is_a_no_op_without_a_results_file(
     monkeypatch.delenv("TOKENYARD_CHAOS_RESULTS", raising=False)
     record("x", command="c", sent={}, held={})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_test_that_recorded_nothing_fails_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    results = tmp_path / "r.jsonl"
+    monkeypatch.setenv("TOKENYARD_CHAOS_RESULTS", str(results))
+    recorded = ScenarioRecorder("short", "tests/chaos/test_a.py::test_ran")
+    recorded("ran", command="c", sent={}, held={"ok": True})
+    recorded.finish()
+    ScenarioRecorder("short", "tests/chaos/test_b.py::test_skipped").finish()
+    assert main([str(results)]) == 1
+    out, err = capsys.readouterr()
+    assert "## Not recorded" in out and "`tests/chaos/test_b.py::test_skipped`" in out
+    assert "## ran" in out and "test_a.py" not in out
+    assert "test_skipped" in err
+
+
+def test_a_rerun_that_recorded_makes_up_for_one_that_did_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    results = tmp_path / "r.jsonl"
+    monkeypatch.setenv("TOKENYARD_CHAOS_RESULTS", str(results))
+    ScenarioRecorder("short", "t::flaky").finish()
+    rerun = ScenarioRecorder("short", "t::flaky")
+    rerun("flaky", command="c", sent={}, held={})
+    rerun.finish()
+    assert load(results).unrecorded == []
+    assert main([str(results)]) == 0
