@@ -1,11 +1,14 @@
-"""The request log (telemetry/logs.py) on the session's server: one JSON line per request
-at its end, whose id is the response's x-request-id and the ledger row's request_id, and
-that holds no prompt or output text."""
+"""The logs (telemetry/logs.py). On the session's server: one JSON line per request at its
+end, whose id is the response's x-request-id and the ledger row's request_id, and that
+holds no prompt or output text. In a bare process: lines still queued for the writing
+thread at exit are written."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from decimal import Decimal
@@ -101,3 +104,22 @@ def test_one_log_line_per_request_with_the_ledger_rows_id_and_no_prompt(
     for rid in (request_id, stream_id, bad_id):
         assert len(_request_lines(server, rid)) == 1, rid
     assert not [text for text in server.output if marker in text]
+
+
+def test_lines_still_queued_at_exit_are_written() -> None:
+    """The lines go through a queue to a writing thread; a process that exits right after
+    logging (as serve and its workers do after their drain) loses none of them."""
+    count = 5000
+    script = (
+        "import logging, sys\n"
+        "from tokenyard.telemetry import logs\n"
+        "logs.configure('json', 'info')\n"
+        f"for i in range({count}):\n"
+        "    logging.getLogger('t').info('line %d', i, extra={'event': 'x', 'i': i})\n"
+        "sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [line["i"] for line in lines] == list(range(count))
+    assert lines[-1]["msg"] == f"line {count - 1}"

@@ -1,7 +1,10 @@
 """Logs: one JSON object per line on stderr (or plain text), and the per-request line.
 
 Everything logs through stdlib `logging`; `configure` installs one handler on the root
-logger with `JsonFormatter` or `TextFormatter`. Structured fields travel as the record's
+logger with `JsonFormatter` or `TextFormatter`, behind a queue: the logging call only
+enqueues the record and a `QueueListener` thread formats and writes it, so no log line
+makes the event loop wait for stderr (a full pipe, a slow disk). `stop` (run at exit)
+writes what is still queued. Structured fields travel as the record's
 `extra` attributes (``logger.info("replica ejected", extra={"event": "replica_ejected",
 "replica": url})``), so code that logs needs nothing from here. The JSON line holds
 ``ts`` (UTC, ISO 8601 with ms), ``level``, ``logger``, ``msg`` and those fields.
@@ -12,11 +15,15 @@ ended: its summary's fields, which hold no prompt, output or credential.
 
 from __future__ import annotations
 
+import atexit
+import copy
 import json
 import logging
 import os
+import queue
 import sys
 from datetime import UTC, datetime
+from logging.handlers import QueueHandler, QueueListener
 from typing import Any
 
 from tokenyard.telemetry.request_log import RequestSummary, add_observer
@@ -33,6 +40,8 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
 }
 
 request_logger = logging.getLogger("tokenyard.request")
+#: The thread writing the queued records, while `configure`'s settings are in force.
+_listener: QueueListener | None = None
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -71,23 +80,61 @@ class TextFormatter(logging.Formatter):
         return f"{head} {extra}{sep}{tail}"
 
 
+class _Enqueue(QueueHandler):
+    """Hands a record to the listener's thread unformatted (the stock `prepare` formats
+    it here, on the caller's thread, and drops its traceback for the JSON `exc` field)."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record = copy.copy(record)
+        # The arguments are the caller's objects: render them now, before they change.
+        record.msg, record.args = record.getMessage(), None
+        return record
+
+
 def configure(fmt: str | None = None, level: str | None = None) -> None:
     """Log to stderr in `fmt` (json or text) at `level`; unset: the environment's
     (`FORMAT_ENV`, `LEVEL_ENV`), else json and info. Requests get their line when the
-    level lets info through."""
+    level lets info through. The lines are written by a thread of their own until `stop`,
+    which runs at exit."""
+    global _listener
     fmt = fmt or os.environ.get(FORMAT_ENV) or "json"
     level = level or os.environ.get(LEVEL_ENV) or "info"
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    stop()  # a second configure replaces the first: its queued lines are written first
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
-    root.addHandler(handler)
+    root.addHandler(_Enqueue(records))
     root.setLevel(level.upper())
+    _listener = QueueListener(records, handler)
+    _listener.start()
     if request_logger.isEnabledFor(logging.INFO):
         add_observer(log_request)
+
+
+def stop() -> None:
+    """Write every queued line and end the writing thread (at exit); later lines are
+    written by the caller, as nothing is left to wait for then."""
+    global _listener
+    if _listener is None:
+        return
+    root = logging.getLogger()
+    for old in list(root.handlers):  # first, so that no line lands in a queue nobody reads
+        if isinstance(old, _Enqueue):
+            root.removeHandler(old)
+    for handler in _listener.handlers:
+        root.addHandler(handler)
+    _listener.stop()
+    _listener = None
+
+
+# Registered after logging's own exit hook, so it runs first: the queue is written out
+# before logging flushes and closes the stream handler.
+atexit.register(stop)
 
 
 def log_request(summary: RequestSummary) -> None:
