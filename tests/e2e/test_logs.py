@@ -1,11 +1,13 @@
 """The logs (telemetry/logs.py). On the session's server: one JSON line per request at its
 end, whose id is the response's x-request-id and the ledger row's request_id, and that
-holds no prompt or output text. In a bare process: lines still queued for the writing
-thread at exit are written."""
+holds no prompt or output text. On a second server over the session's replica (no model
+to load): the start-up, replica drain and SIGHUP reload events as JSON lines. In a bare
+process: lines still queued for the writing thread at exit are written."""
 
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -15,10 +17,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, running_server
 
 
 def _request_lines(server: Server, request_id: str) -> list[dict[str, Any]]:
@@ -30,6 +33,13 @@ def _request_lines(server: Server, request_id: str) -> list[dict[str, Any]]:
             if record.get("request_id") == request_id:
                 out.append(record)
     return out
+
+
+def _event_lines(server: Server, event: str) -> list[dict[str, Any]]:
+    """The server's JSON log lines of event `event`."""
+    records = (json.loads(line) for line in list(server.output)
+               if line.startswith("{") and f'"event": "{event}"' in line)
+    return [record for record in records if record.get("event") == event]
 
 
 def _wait(fn: Any, what: str, timeout: float = 10.0) -> Any:
@@ -104,6 +114,43 @@ def test_one_log_line_per_request_with_the_ledger_rows_id_and_no_prompt(
     for rid in (request_id, stream_id, bad_id):
         assert len(_request_lines(server, rid)) == 1, rid
     assert not [text for text in server.output if marker in text]
+
+
+def _fleet_file(replica_url: str, aliases: str = "") -> str:
+    return f'[[deployments]]\nname = "events"\nurls = ["{replica_url}"]\n\n[aliases]\n{aliases}'
+
+
+def test_start_up_drain_and_reload_are_event_lines(server: Server, tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(_fleet_file(server.replica_url))
+    # The session's replica, reached with its token: this server loads no model.
+    env = {"TOKENYARD_REPLICA_TOKEN": server.replica_token or ""}
+    with running_server("--config", str(fleet), env=env) as (events, proc):
+        started = _wait(lambda: _event_lines(events, "started"), "the start-up line", 60)
+        assert len(started) == 1
+        line = started[0]
+        port = int(events.base_url.rsplit(":", 1)[1])
+        assert (line["level"], line["logger"]) == ("info", "tokenyard.serve")
+        assert (line["model"], line["host"], line["port"]) == ("events", "127.0.0.1", port)
+        assert line["deployments"] == {"events": [server.replica_url]}
+        assert (line["workers"], line["auth"]) == (1, True)
+        assert line["msg"] == f"serving events on port {port}" and line["ts"]
+
+        drained = httpx.post(f"{events.base_url}/admin/v1/replicas/drain", timeout=60,
+                             headers=events.headers,
+                             json={"deployment": "events", "replica": server.replica_url})
+        assert drained.status_code == 200, drained.text
+        line = _wait(lambda: _event_lines(events, "replica_drain"), "the drain line", 60)[0]
+        assert (line["level"], line["logger"]) == ("info", "tokenyard.balancer")
+        assert (line["deployment"], line["replica"]) == ("events", server.replica_url)
+
+        fleet.write_text(_fleet_file(server.replica_url, 'events-alias = "events"\n'))
+        proc.send_signal(signal.SIGHUP)
+        line = _wait(lambda: _event_lines(events, "reloaded"), "the reload line", 60)[0]
+        assert (line["level"], line["logger"]) == ("info", "tokenyard.serve")
+        assert line["file"] == str(fleet)
+        assert (line["deployments"], line["aliases"], line["draining"]) == (
+            ["events"], ["events-alias"], [])
 
 
 def test_lines_still_queued_at_exit_are_written() -> None:
