@@ -3,7 +3,8 @@
 
 `TOKENYARD_CHAOS=full` selects the full scale (`make chaos`); anything else the short
 one that `make test` runs. `TOKENYARD_CHAOS_RESULTS` names the JSON-lines file the
-records go to; unset, recording is a no-op so a plain pytest run writes nothing.
+records go to; unset, recording is a no-op so a plain pytest run writes nothing. With it
+set, the run's start and end go there too (the report states the total run time).
 """
 
 from __future__ import annotations
@@ -51,6 +52,27 @@ def append_record(path: Path, scenario: str, *, command: str,
     test that ran it."""
     append_line(path, {"scenario": scenario, "command": command, "scale": scale,
                        "sent": sent, "held": held, "test": test})
+
+
+#: monotonic() at the session's start, for the run time written at its end.
+_STARTED: list[float] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Mark the run's start in the results file (called when tests/chaos is named on the
+    command line, as `make chaos` does)."""
+    target = results_file()
+    if target is not None:
+        _STARTED.append(time.monotonic())
+        append_line(target, {"run": "start"})
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Mark the run's end and its length, in seconds, in the results file."""
+    target = results_file()
+    if target is not None and _STARTED:
+        append_line(target, {"run": "end", "exitstatus": int(exitstatus),
+                             "seconds": round(time.monotonic() - _STARTED[-1], 1)})
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,10 @@ class Results:
 
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     unrecorded: list[str] = field(default_factory=list)
+    started: str | None = None  # UTC time of the run's start, as written
+    ended: str | None = None
+    seconds: float | None = None  # the run's length, from its end line
+    exitstatus: int | None = None
 
 
 def load(path: Path) -> Results:
@@ -50,7 +54,12 @@ def load(path: Path) -> Results:
         if not line.strip():
             continue
         entry = json.loads(line)
-        if "unrecorded" in entry:
+        if entry.get("run") == "start":
+            results.started, results.ended, results.seconds = entry["at"], None, None
+        elif entry.get("run") == "end":
+            results.ended, results.seconds = entry["at"], entry["seconds"]
+            results.exitstatus = entry.get("exitstatus")
+        elif "unrecorded" in entry:
             results.unrecorded.append(entry["unrecorded"])
         elif "scenario" in entry:
             results.records[entry["scenario"]] = entry
@@ -75,10 +84,20 @@ def _table(figures: dict[str, Any]) -> list[str]:
     return [*rows, ""]
 
 
+def run_time(results: Results) -> str:
+    """One line on how long the run took, from its start and end lines."""
+    if results.seconds is None:
+        return f"Run started {results.started or '?'}; its end was not recorded."
+    minutes, seconds = divmod(round(results.seconds), 60)
+    status = "" if results.exitstatus in (0, None) else f", pytest exit status {results.exitstatus}"
+    return (f"Total run time: {minutes} min {seconds} s (from {results.started} to "
+            f"{results.ended}{status}).")
+
+
 def render(results: Results) -> str:
-    """The whole document: the intro, the tests that recorded nothing, then a section per
-    scenario."""
-    lines = [INTRO]
+    """The whole document: the intro and the run time, the tests that recorded nothing,
+    then a section per scenario."""
+    lines = [INTRO, run_time(results), ""]
     if results.unrecorded:
         lines += ["## Not recorded", "",
                   "These tests wrote no record (skipped or failed): this report is incomplete.",

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.conftest import Recorder, ScenarioRecorder, append_record, chaos_scale
+from tests.chaos.conftest import (
+    Recorder,
+    ScenarioRecorder,
+    append_line,
+    append_record,
+    chaos_scale,
+)
 from tests.chaos.report import load, main, render
 
 
@@ -67,3 +73,13 @@ def test_a_rerun_that_recorded_makes_up_for_one_that_did_not(
     rerun.finish()
     assert load(results).unrecorded == []
     assert main([str(results)]) == 0
+
+
+def test_the_report_states_the_total_run_time(tmp_path: Path) -> None:
+    results = tmp_path / "r.jsonl"
+    append_line(results, {"run": "start"})
+    append_record(results, "fuzz", command="c", sent={}, held={}, scale="full")
+    append_line(results, {"run": "end", "exitstatus": 0, "seconds": 604.2})
+    assert "Total run time: 10 min 4 s (from 20" in render(load(results))
+    (tmp_path / "cut.jsonl").write_text(results.read_text().splitlines()[0] + "\n")
+    assert "its end was not recorded" in render(load(tmp_path / "cut.jsonl"))
