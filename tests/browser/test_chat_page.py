@@ -121,6 +121,26 @@ def test_a_rate_limited_key_shows_429_with_its_retry_after(page: Any, server: Se
     assert re.search(r"Retry after \d+ s\.$", error), error
 
 
+def test_a_request_the_server_refuses_shows_its_400_with_the_parameter(
+    page: Any, server: Server,
+) -> None:
+    # The page takes any whole number of tokens; the server refuses one over the window.
+    # The same request sent here gives the words the page must show.
+    open_chat(page, server, max_tokens=9_999_999)
+    same = {"model": page.locator("#model").input_value(),
+            "messages": [{"role": "user", "content": "Hello?"}],
+            "temperature": float(page.locator("#temperature").input_value()),
+            "max_tokens": 9_999_999, "stream": True, "stream_options": {"include_usage": True}}
+    status, _, body = call(server, "POST", "/v1/chat/completions", same)
+    assert status == 400 and body["error"]["param"], body
+    send(page, "Hello?")
+    reply = wait_state(page, "error")
+    error = body["error"]
+    assert reply.locator(".error").inner_text() == (
+        f"Error 400: {error['message']} (parameter: {error['param']})")
+    assert page.locator("#input").input_value() == "Hello?"  # nothing came: send again
+
+
 def test_bad_input_is_refused_in_the_page_without_a_request(page: Any, server: Server) -> None:
     open_chat(page, server)
     sent: list[str] = []
