@@ -19,6 +19,7 @@ import asyncio
 import fcntl
 import json
 import os
+import ssl
 import time
 import urllib.request
 from collections import Counter
@@ -43,9 +44,10 @@ DEFAULT_RSS_BOUND_MB = 800.0
 T = TypeVar("T")
 
 
-def _get_json(url: str, headers: Mapping[str, str]) -> dict[str, Any]:
+def _get_json(url: str, headers: Mapping[str, str],
+              context: ssl.SSLContext | None = None) -> dict[str, Any]:
     request = urllib.request.Request(url, headers=dict(headers))
-    with urllib.request.urlopen(request, timeout=10) as response:
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
         body: dict[str, Any] = json.loads(response.read())
         return body
 
@@ -87,9 +89,10 @@ def replica_urls(server: Server, dashboard: Mapping[str, Any]) -> list[str]:
     return sorted(urls)
 
 
-def _quiet(server: Server, rss_bound_mb: float) -> tuple[dict[str, Any], list[str]]:
+def _quiet(server: Server, rss_bound_mb: float,
+           context: ssl.SSLContext | None) -> tuple[dict[str, Any], list[str]]:
     """One reading of every figure and what in it is off."""
-    dash = _get_json(server.base_url + DASHBOARD_PATH, server.headers)
+    dash = _get_json(server.base_url + DASHBOARD_PATH, server.headers, context)
     figures: dict[str, Any] = {"running": 0, "waiting": 0, "kv_blocks_in_use": 0,
                                "pool_inflight": 0, "pool_queued": 0}
     off: list[str] = []
@@ -141,15 +144,16 @@ def journal_orphans(state_dir: str) -> int:
 
 
 def check_quiescent(server: Server, *, state_dir: str | None = None,
-                    rss_bound_mb: float = DEFAULT_RSS_BOUND_MB,
-                    timeout: float = 15.0) -> dict[str, int | float | bool]:
+                    rss_bound_mb: float = DEFAULT_RSS_BOUND_MB, timeout: float = 15.0,
+                    context: ssl.SSLContext | None = None) -> dict[str, int | float | bool]:
     """Wait (at most `timeout` s) until nothing runs or waits on any replica, no KV block
     is in use, no pool has a request in flight or queued, the gateway holds no rate-limit
     admission, and the HTTP process's RSS is at most `rss_bound_mb`; with `state_dir`,
     also no dead writer's ledger journal left unreplayed. AssertionError naming what is
-    off otherwise; the figures when it holds."""
+    off otherwise; the figures when it holds. `context`: what verifies an HTTPS server's
+    certificate (one from a test's own authority)."""
     def read() -> tuple[dict[str, Any], list[str]]:
-        figures, off = _quiet(server, rss_bound_mb)
+        figures, off = _quiet(server, rss_bound_mb, context)
         if state_dir is not None:
             figures["journal_orphans"] = journal_orphans(state_dir)
             if figures["journal_orphans"]:

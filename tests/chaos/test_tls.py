@@ -1,5 +1,8 @@
-"""`tokenyard serve --tls-cert/--tls-key` serves HTTPS that the official SDKs connect to
-when they trust its issuer, and that plain HTTP and untrusting clients cannot use.
+"""TLS: `tokenyard serve --tls-cert/--tls-key` serves HTTPS that the official SDKs connect
+to when they trust its issuer (a completion, streamed completions and a message), and
+that plain HTTP and untrusting clients cannot use; every call that produced tokens is in
+the ledger once, and the server ends quiescent. A certificate setting it cannot use stops
+it at start with its reason.
 
 The certificate authority and the server's certificate (for 127.0.0.1 and localhost)
 are made by `trustme` for this test."""
@@ -15,7 +18,10 @@ import anthropic
 import openai
 import pytest
 import trustme
+from openai.types.chat import ChatCompletionMessageParam
 
+from tests.chaos.conftest import Recorder, Scale
+from tests.chaos.invariants import check_quiescent, ledger_exactly_once
 from tests.e2e.conftest import running_server
 
 
@@ -38,24 +44,41 @@ def _trusting(ca: trustme.CA) -> ssl.SSLContext:
     return context
 
 
+@pytest.mark.slow
 def test_the_sdks_talk_https_to_a_server_with_a_certificate(
-    ca: trustme.CA, tmp_path: Path,
+    ca: trustme.CA, tmp_path: Path, scale: Scale, record: Recorder,
 ) -> None:
+    streams = 8 if scale == "full" else 2
     chain, key = _pem_files(ca, tmp_path)
     with running_server("--tls-cert", str(chain), "--tls-key", str(key)) as (srv, _):
         assert srv.base_url.startswith("https://127.0.0.1:"), srv.base_url
         trust = _trusting(ca)
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=srv.api_key,
                                http_client=openai.DefaultHttpxClient(verify=trust))
-        chat = client.chat.completions.create(
-            model=srv.model, max_tokens=3,
-            messages=[{"role": "user", "content": "Say hi."}])
+        hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi."}]
+        raw = client.chat.completions.with_raw_response.create(
+            model=srv.model, max_tokens=3, messages=hi)
+        chat = raw.parse()
         assert chat.usage is not None and chat.usage.completion_tokens > 0
+        ids = {raw.headers["x-request-id"]}
+        chunks = streamed_tokens = 0
+        for _ in range(streams):
+            raw_stream = client.chat.completions.with_raw_response.create(
+                model=srv.model, max_tokens=8, messages=hi, stream=True,
+                stream_options={"include_usage": True})
+            ids.add(raw_stream.headers["x-request-id"])
+            with raw_stream.parse() as stream:
+                for chunk in stream:
+                    chunks += 1
+                    if chunk.usage is not None:
+                        streamed_tokens += chunk.usage.completion_tokens
+        assert chunks > 2 * streams and streamed_tokens > 0, (chunks, streamed_tokens)
         claude = anthropic.Anthropic(base_url=srv.base_url, api_key=srv.api_key or "",
                                      http_client=anthropic.DefaultHttpxClient(verify=trust))
-        message = claude.messages.create(
+        raw_message = claude.messages.with_raw_response.create(
             model=srv.model, max_tokens=3, messages=[{"role": "user", "content": "Hi."}])
-        assert message.usage.output_tokens > 0
+        assert raw_message.parse().usage.output_tokens > 0
+        ids.add(raw_message.headers["x-request-id"])
 
         # A client that does not trust the issuer refuses the connection ...
         stranger = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=srv.api_key,
@@ -69,6 +92,15 @@ def test_the_sdks_talk_https_to_a_server_with_a_certificate(
             plain.models.list()
         assert not isinstance(refused.value, openai.APIStatusError) or \
             refused.value.status_code >= 400
+        assert srv.state_dir is not None
+        ledger = ledger_exactly_once(srv.state_dir, ids)
+        quiet = check_quiescent(srv, state_dir=srv.state_dir, context=trust)
+    record("TLS", command="tokenyard serve --tls-cert <trustme cert> --tls-key <its key>",
+           sent={"openai_completions": 1, "openai_streams": streams, "anthropic_messages": 1,
+                 "untrusting_client_calls": 1, "plain_http_calls": 1},
+           held={"stream_chunks": chunks, "streamed_completion_tokens": streamed_tokens,
+                 "untrusting_client_refused": True, "plain_http_refused": True,
+                 **ledger, **quiet})
 
 
 @pytest.mark.parametrize("flags", [
