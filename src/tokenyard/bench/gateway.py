@@ -45,7 +45,9 @@ from tokenyard.bench.stats import Distribution, Report, difference, summarize
 from tokenyard.bench.workloads import LengthDist, synthetic
 
 WARMUP_REQUESTS = 8
-#: `--telemetry` variants: serve's extra flags, and whether spans are exported.
+#: `--telemetry` variants: serve's extra flags, and whether spans are exported. `off` only
+#: raises serve's log level (no request lines, no info events): serve has no switch for its
+#: Prometheus metrics, which the dashboard reads too, so they are on in every variant.
 TELEMETRY = {"off": (["--log-level", "warning"], False), "logs": ([], False),
              "traces": ([], True)}
 #: The issue's goal for what tokenyard adds at 500 requests/s with 2 workers (ms).
@@ -185,9 +187,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--telemetry", type=_telemetry, default=["logs"],
-                        help="off, logs (serve's default: a JSON line per request), traces "
-                             "(logs and OTLP spans to a sink); a list (off,traces) runs the "
-                             "sweep once per variant, side by side (default logs)")
+                        help="off (log level warning: no request lines), logs (serve's default: a "
+                             "JSON line per request), traces (logs and OTLP spans to a sink); "
+                             "metrics are on in all; a list (off,traces) runs the sweep once "
+                             "per variant, side by side (default logs)")
     parser.add_argument("--workers", type=_worker_counts, default=[1],
                         help="tokenyard's HTTP worker processes (serve --workers); a list "
                              "(1,2) runs the sweep once per count, side by side (default 1)")
