@@ -120,7 +120,7 @@ def _fleet_file(replica_url: str, aliases: str = "") -> str:
     return f'[[deployments]]\nname = "events"\nurls = ["{replica_url}"]\n\n[aliases]\n{aliases}'
 
 
-def test_start_up_drain_and_reload_are_event_lines(server: Server, tmp_path: Path) -> None:
+def test_start_up_drain_reload_and_shutdown_are_event_lines(server: Server, tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(_fleet_file(server.replica_url))
     # The session's replica, reached with its token: this server loads no model.
@@ -151,6 +151,14 @@ def test_start_up_drain_and_reload_are_event_lines(server: Server, tmp_path: Pat
         assert line["file"] == str(fleet)
         assert (line["deployments"], line["aliases"], line["draining"]) == (
             ["events"], ["events-alias"], [])
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        line = _wait(lambda: _event_lines(events, "draining"), "the draining line", 10)[0]
+        assert (line["level"], line["logger"], line["timeout_s"]) == (
+            "info", "tokenyard.serve", 5.0)
+        line = _wait(lambda: _event_lines(events, "drained"), "the drained line", 10)[0]
+        assert line["logger"] == "tokenyard.serve" and line["seconds"] >= 0
 
 
 def test_lines_still_queued_at_exit_are_written() -> None:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -197,9 +198,15 @@ async def run(
         await stop.wait()
         # Stop admitting new requests; in-flight ones go on while the replicas drain.
         state.admitting = False
+        began = time.monotonic()
+        logger.info("draining: no new requests; waiting up to %.0f s for those in flight",
+                    config.drain_timeout_s, extra={
+                        "event": "draining", "timeout_s": config.drain_timeout_s})
         if workers is not None:  # the workers drain first: the replicas serve them meanwhile
             await workers.drain()
         await fleet.stop(config.drain_timeout_s)
+        logger.info("drained in %.1f s", time.monotonic() - began, extra={
+            "event": "drained", "seconds": round(time.monotonic() - began, 3)})
         return 0
     finally:
         if workers is not None:
