@@ -42,36 +42,47 @@ pytestmark = pytest.mark.slow
 WEATHER = agents.function_tool(get_weather)
 
 
-def _use(t: Target) -> None:
+def _client(t: Target, sent: list[dict[str, Any]] | None = None) -> openai.AsyncOpenAI:
+    """A client of the server; with `sent`, each request's JSON body is appended to it."""
+    async def record(request: Any) -> None:
+        if sent is not None and request.content:
+            sent.append(json.loads(request.content))
+
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [record]})
+    return openai.AsyncOpenAI(base_url=t.openai_url, api_key=t.api_key, max_retries=0,
+                              http_client=http)
+
+
+def _use(t: Target, sent: list[dict[str, Any]] | None = None) -> None:
     """The SDK's process-wide client, pointed at the server; a fresh one for each run's
     event loop (an AsyncOpenAI's connections belong to the loop that opened them)."""
     agents.set_tracing_disabled(True)
-    agents.set_default_openai_client(
-        openai.AsyncOpenAI(base_url=t.openai_url, api_key=t.api_key, max_retries=0),
-        use_for_tracing=False)
+    agents.set_default_openai_client(_client(t, sent), use_for_tracing=False)
 
 
 def _agent(t: Target, chat_completions: bool = False, max_tokens: int = MAX_TOKENS,
-           **kwargs: Any) -> Any:
+           sent: list[dict[str, Any]] | None = None, **kwargs: Any) -> Any:
     model: Any = t.model
     if chat_completions:
-        client = openai.AsyncOpenAI(base_url=t.openai_url, api_key=t.api_key, max_retries=0)
-        model = agents.OpenAIChatCompletionsModel(model=t.model, openai_client=client)
+        model = agents.OpenAIChatCompletionsModel(model=t.model,
+                                                  openai_client=_client(t, sent))
     settings = agents.ModelSettings(temperature=0, max_tokens=max_tokens,
                                     parallel_tool_calls=False,
                                     tool_choice=kwargs.pop("tool_choice", None))
     return agents.Agent(name="assistant", model=model, model_settings=settings, **kwargs)
 
 
-def _run(t: Target, agent: Any, ask: str, max_turns: int = 3) -> Any:
-    _use(t)
+def _run(t: Target, agent: Any, ask: str, max_turns: int = 3,
+         sent: list[dict[str, Any]] | None = None) -> Any:
+    _use(t, sent)
     return asyncio.run(agents.Runner.run(agent, ask, max_turns=max_turns))
 
 
 def _tool_run(t: Target, chat_completions: bool, what: str) -> None:
-    agent = _agent(t, chat_completions, MAX_STRUCTURED, tools=[WEATHER],
+    sent: list[dict[str, Any]] = []
+    agent = _agent(t, chat_completions, MAX_STRUCTURED, sent, tools=[WEATHER],
                    tool_choice="required")
-    result = _run(t, agent, ASK_WEATHER)
+    result = _run(t, agent, ASK_WEATHER, sent=sent)
     calls = [i for i in result.new_items if i.type == "tool_call_item"]
     outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
     assert calls, f"{what}: tool_choice required made no call: {result.new_items!r}"
@@ -82,14 +93,16 @@ def _tool_run(t: Target, chat_completions: bool, what: str) -> None:
         f"{what}: the tool's output is not in the run: {result.new_items!r}")
     # The second step runs with tool_choice back at auto and the tools still in the
     # prompt; SmolLM2 often answers by starting a <tool_response> of its own, which ends
-    # the reply empty. The protocol is what is checked: a second request carried the
-    # tool's output back (a longer prompt), and its reply ended the run as text.
+    # the reply empty. The protocol is what is checked: the second request carried the
+    # tool's output, tied to the call's id, and its prompt grew by them; its reply, with
+    # no further call, ended the run.
+    second_body = json.dumps(sent[1]) if len(sent) == 2 else ""
+    assert WEATHER_RESULT in second_body and raw.call_id in second_body, (
+        f"{what}: the second request did not carry the tool's output: {sent!r}")
     first, second = (r.usage for r in result.raw_responses[:2])
     assert len(result.raw_responses) == 2 and second.input_tokens > first.input_tokens, (
         f"{what}: the tool's output was not sent back in one more request: "
         f"{result.raw_responses!r}")
-    assert isinstance(result.final_output, str), (
-        f"{what}: the run did not end in a text answer: {result.final_output!r}")
 
 
 def chat(t: Target) -> None:

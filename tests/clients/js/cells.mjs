@@ -95,10 +95,12 @@ async function toolLoop(model) {
   });
   const calls = r.steps.flatMap((s) => s.toolCalls);
   const results = r.steps.flatMap((s) => s.toolResults);
+  const body = r.steps[1]?.request?.body;  // what the second step sent the server
   return {
     steps: r.steps.length,
     calls: calls.map((c) => ({ name: c.toolName, args: c.input })),
     results: results.map((x) => String(x.output)),
+    secondRequest: typeof body === "string" ? body : JSON.stringify(body ?? null),
     text: r.text,
   };
 }
