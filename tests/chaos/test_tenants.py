@@ -3,7 +3,8 @@
 On the session's server, two fresh orgs A and B:
 
 - the prefix cache: A's long prompt, twice, then B's identical one — B gets no cached
-  token and pays A's cold prefill time (its TTFT is A's first, not A's cached second);
+  token and pays A's cold prefill time (its TTFT is near A's first, not A's cached
+  second), over a few rounds of fresh prompts whose fastest times are compared;
 - request records (``GET /v1/requests/{id}``) and stored responses
   (``GET /v1/responses/{id}``) of A are 404 to B; usage, orgs, keys, the dashboard,
   deployments and moderation events (the admin routes) are 403 to both;
@@ -51,6 +52,12 @@ NOT_AUTHENTICATION = {
     "cli/workers.py",
 }
 GUESSER = "127.0.0.77"  # loopback, but not the address every other test calls from
+#: Rounds of (A cold, A warm, B cold), each on a fresh prompt; the fastest time of each
+#: kind is compared, since load on the machine only ever slows a request down.
+CACHE_ROUNDS = 3
+#: B's cold TTFT must be at least this fraction of A's: on CPU a cached prefix answers in
+#: about a tenth of the cold time (0.16 s against 1.5 s at 542 prompt tokens, 2 busy cores).
+COLD_FRACTION = 0.3
 
 
 async def _get(session: aiohttp.ClientSession, url: str, key: str | None) -> int:
@@ -98,14 +105,24 @@ def plain_secret_comparisons(root: Path) -> list[str]:
 def test_orgs_see_nothing_of_each_other_and_secrets_are_guarded(
     server: Server, record: Recorder,
 ) -> None:
-    a, b = new_key(server), new_key(server)
-    text = f"{uuid.uuid4().hex} Summarise this. " + "The quick brown fox jumps. " * 40
-    messages = [{"role": "user", "content": text}]
-    a_cold = _timed_cached(server, a, messages)
-    a_warm = _timed_cached(server, a, messages)
-    b_cold = _timed_cached(server, b, messages)
-    assert a_cold[0] == 0 and a_warm[0] > 200, (a_cold, a_warm)
-    assert b_cold[0] == 0, "org B was served from org A's cached prefix"
+    rounds = []
+    for _ in range(CACHE_ROUNDS):
+        # Fresh orgs each round: an org's own earlier prompt would share the chat
+        # template's first block with this one.
+        a, b = new_key(server), new_key(server)
+        # Unique from its first token, so that no earlier prompt's blocks match it; long
+        # enough (~500 tokens) that prefill dominates the time of a one-token answer.
+        text = f"{uuid.uuid4().hex} Summarise this. " + "The quick brown fox jumps. " * 80
+        messages = [{"role": "user", "content": text}]
+        rounds.append((_timed_cached(server, a, messages), _timed_cached(server, a, messages),
+                       _timed_cached(server, b, messages)))
+    for a_cold, a_warm, b_cold in rounds:
+        assert a_cold[0] == 0 and a_warm[0] > 200, (a_cold, a_warm)
+        assert b_cold[0] == 0, "org B was served from org A's cached prefix"
+    a_cold_s, a_warm_s, b_cold_s = (min(r[kind][1] for r in rounds) for kind in range(3))
+    assert b_cold_s >= COLD_FRACTION * a_cold_s, (
+        f"org B's first request took {b_cold_s:.3f} s, near A's cached {a_warm_s:.3f} s, "
+        f"not A's cold {a_cold_s:.3f} s: it was served from A's prefix")
 
     request_id, response_id = _a_request_and_a_response(server, a)
 
@@ -150,11 +167,14 @@ def test_orgs_see_nothing_of_each_other_and_secrets_are_guarded(
 
     quiet = check_quiescent(server)
     record("keys and tenants", command="tokenyard serve (the session's server), two fresh orgs",
-           sent={"prefix_prompt_tokens": a_cold[2], "admin_routes": len(ADMIN_ROUTES),
+           sent={"prefix_prompt_tokens": rounds[0][0][2], "prefix_rounds": CACHE_ROUNDS,
+                 "admin_routes": len(ADMIN_ROUTES),
                  "key_guesses": 70, "guess_address": GUESSER},
-           held={"a_cached_second": a_warm[0], "b_cached_first": b_cold[0],
-                 "a_cold_s": round(a_cold[1], 3), "a_warm_s": round(a_warm[1], 3),
-                 "b_cold_s": round(b_cold[1], 3),
+           held={"a_cached_second_min": min(r[1][0] for r in rounds),
+                 "b_cached_first_max": max(r[2][0] for r in rounds),
+                 "a_cold_s_min": round(a_cold_s, 3), "a_warm_s_min": round(a_warm_s, 3),
+                 "b_cold_s_min": round(b_cold_s, 3),
+                 "b_cold_over_a_cold": round(b_cold_s / a_cold_s, 2),
                  "other_org_request_404": True, "other_org_response_404": True,
                  "admin_routes_403": True, "replica_without_token_401": True,
                  "plain_secret_comparisons": 0,
