@@ -16,10 +16,12 @@ AssertionError naming what is still off, and returns its figures for `record`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
 import ssl
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -72,6 +74,39 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024.0
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+class RssPeaks:
+    """The peak RSS (MiB) of named processes, sampled every `interval` s in a thread while
+    used as a context manager: a leak that a scenario's end frees again still shows."""
+
+    def __init__(self, pids: Mapping[str, int], interval: float = 0.1) -> None:
+        self.pids, self.interval = dict(pids), interval
+        self.peaks = {name: 0.0 for name in self.pids}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        """Read every process's RSS once; a process gone meanwhile is skipped."""
+        for name, pid in self.pids.items():
+            with contextlib.suppress(OSError, AssertionError):
+                self.peaks[name] = max(self.peaks[name], rss_mb(pid))
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> RssPeaks:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
 
 
 def replica_urls(server: Server, dashboard: Mapping[str, Any]) -> list[str]:

@@ -12,6 +12,10 @@ A server of its own with a small replica (`--max-num-seqs 2 --max-waiting-reques
    bounded by the queue they can wait in;
 4. once the arrivals stop, the probe is served again within 5 s and its latency is back
    near the baseline; then the invariants, memory included.
+
+Throughout, the RSS of the HTTP process and of the replica is sampled (every 0.1 s): the
+HTTP process's peak stays under the quiescence check's bound, the replica's grows by at
+most REPLICA_GROWTH_BOUND_MB (its KV pool is resident only where written).
 """
 
 from __future__ import annotations
@@ -27,19 +31,28 @@ import aiohttp
 import pytest
 
 from tests.chaos.conftest import Recorder, Scale
-from tests.chaos.invariants import check_quiescent, ledger_exactly_once
-from tests.e2e.conftest import Server, running_server
+from tests.chaos.invariants import (
+    DEFAULT_RSS_BOUND_MB,
+    RssPeaks,
+    check_quiescent,
+    ledger_exactly_once,
+    rss_mb,
+)
+from tests.e2e.conftest import Server, child_pids, running_server
 
 pytestmark = pytest.mark.slow
 
 SLOTS = ("--max-num-seqs", "2", "--max-waiting-requests", "2", "--queue-timeout", "0")
 REFUSALS = {429, 503, 529}
+#: How much the replica's RSS may grow under the overload (four sequences at most).
+REPLICA_GROWTH_BOUND_MB = 512.0
 
 
 @pytest.fixture(scope="module")
-def small() -> Iterator[Server]:
-    with running_server(*SLOTS) as (server, _):
-        yield server
+def small() -> Iterator[tuple[Server, int]]:
+    """The small server and its pid (the HTTP process; its one child is the replica)."""
+    with running_server(*SLOTS) as (server, proc):
+        yield server, proc.pid
 
 
 def _body(server: Server, max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -88,34 +101,38 @@ def _p99(values: list[float]) -> float:
 
 
 def test_ten_times_capacity_is_refused_cleanly_and_recovers(
-    small: Server, scale: Scale, record: Recorder,
+    small: tuple[Server, int], scale: Scale, record: Recorder,
 ) -> None:
+    server, pid = small
     seconds = 60.0 if scale == "full" else 8.0
+    (replica,) = child_pids(pid)
+    replica_before = rss_mb(replica)
 
     async def scenario() -> dict[str, Any]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         headers=small.headers) as session:
-            baseline = statistics.median([(await _probe(session, small))[1] for _ in range(3)])
-            capacity = await _capacity(session, small, 3.0 if scale == "short" else 10.0)
+                                         headers=server.headers) as session:
+            baseline = statistics.median([(await _probe(session, server))[1] for _ in range(3)])
+            capacity = await _capacity(session, server, 3.0 if scale == "short" else 10.0)
             rate = 10 * capacity
             tasks = []
             started = time.monotonic()
             i = 0
             while (now := time.monotonic()) - started < seconds:
                 path = "/v1/chat/completions" if i % 2 == 0 else "/v1/messages"
-                tasks.append(asyncio.create_task(_stream(session, small, path)))
+                tasks.append(asyncio.create_task(_stream(session, server, path)))
                 i += 1
                 await asyncio.sleep(max(0.0, started + i / rate - now))
             stopped = time.monotonic()  # the last arrival: "afterwards" starts here
             results = await asyncio.gather(*tasks)
-            status, _ = await _probe(session, small)
+            status, _ = await _probe(session, server)
             back_within = time.monotonic() - stopped
-            after = statistics.median([(await _probe(session, small))[1] for _ in range(3)])
+            after = statistics.median([(await _probe(session, server))[1] for _ in range(3)])
             return {"baseline": baseline, "capacity": capacity, "rate": rate,
                     "results": results, "first_probe": status, "back_within": back_within,
                     "after": after}
 
-    out = asyncio.run(asyncio.wait_for(scenario(), seconds + 240))
+    with RssPeaks({"http": pid, "replica": replica}) as memory:
+        out = asyncio.run(asyncio.wait_for(scenario(), seconds + 240))
     results = out["results"]
     statuses = Counter(status for status, *_ in results)
     assert set(statuses) <= {200} | REFUSALS, statuses
@@ -128,10 +145,13 @@ def test_ten_times_capacity_is_refused_cleanly_and_recovers(
     assert p99 < max(5.0, 10 * out["baseline"]), (p99, out["baseline"])
     assert out["first_probe"] == 200 and out["back_within"] < 5.0, out
     assert out["after"] < 2 * out["baseline"] + 0.5, (out["after"], out["baseline"])
+    assert memory.peaks["http"] < DEFAULT_RSS_BOUND_MB, memory.peaks
+    assert memory.peaks["replica"] - replica_before < REPLICA_GROWTH_BOUND_MB, (
+        replica_before, memory.peaks)
     ids = {rid for status, _, _, rid in results if status == 200 and rid}
-    quiet = check_quiescent(small)
-    assert small.state_dir is not None
-    ledger = ledger_exactly_once(small.state_dir, ids)
+    quiet = check_quiescent(server)
+    assert server.state_dir is not None
+    ledger = ledger_exactly_once(server.state_dir, ids)
     record("overload at 10x capacity", command="tokenyard serve " + " ".join(SLOTS),
            sent={"seconds": seconds, "capacity_rps": round(out["capacity"], 2),
                  "rate_rps": round(out["rate"], 2), "requests": len(results)},
@@ -140,4 +160,8 @@ def test_ten_times_capacity_is_refused_cleanly_and_recovers(
                  "admitted_p99_ttft_s": round(p99, 3),
                  "probe_baseline_s": round(out["baseline"], 3),
                  "probe_after_s": round(out["after"], 3),
-                 "served_again_within_s": round(out["back_within"], 3), **quiet, **ledger})
+                 "served_again_within_s": round(out["back_within"], 3),
+                 "http_rss_peak_mb": round(memory.peaks["http"], 1),
+                 "replica_rss_before_mb": round(replica_before, 1),
+                 "replica_rss_peak_mb": round(memory.peaks["replica"], 1),
+                 "rss_samples": memory.samples, **quiet, **ledger})
