@@ -10,16 +10,19 @@ and tool calls), at temperature 0.
 
 from __future__ import annotations
 
+import importlib
 import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 import jsonschema
 import pydantic
 import pytest
 
+from tests.conftest import require_service
 from tests.e2e.conftest import Server
 
 # Clients that look for a price list or an encoding online at import or first use must
@@ -71,6 +74,23 @@ class City(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     name: str = pydantic.Field(max_length=16)
     size: Literal["village", "town", "city"]
+
+
+def client_library(module: str) -> ModuleType:
+    """`module`, imported at a test module's top. Missing, the test module skips with the
+    reason, or fails where CI is set (`require_service`): the `clients` extra and the
+    Makefile install every client library."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        problem = (f"it does not import ({exc}): run `make venv`, which installs the "
+                   "`clients` extra")
+    try:
+        require_service(module, False, problem)
+    except pytest.skip.Exception as skipped:
+        # At a module's top a skip must say it skips the whole module.
+        raise pytest.skip.Exception(str(skipped.msg), allow_module_level=True) from None
+    raise AssertionError("not reached: require_service skips or fails")
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ from tests.clients.conftest import (
     check_city,
     check_text,
     check_usage,
+    client_library,
 )
 
-instructor = pytest.importorskip("instructor")
+instructor = client_library("instructor")
 
 pytestmark = pytest.mark.slow
 

@@ -22,12 +22,13 @@ from tests.clients.conftest import (
     check_text,
     check_usage,
     check_weather_args,
+    client_library,
     get_weather,
 )
 
-langchain_openai = pytest.importorskip("langchain_openai")
-langchain_anthropic = pytest.importorskip("langchain_anthropic")
-messages = pytest.importorskip("langchain_core.messages")
+langchain_openai = client_library("langchain_openai")
+langchain_anthropic = client_library("langchain_anthropic")
+messages = client_library("langchain_core.messages")
 
 pytestmark = pytest.mark.slow
 

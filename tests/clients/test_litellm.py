@@ -30,9 +30,10 @@ from tests.clients.conftest import (
     check_text,
     check_usage,
     check_weather_args,
+    client_library,
 )
 
-litellm = pytest.importorskip("litellm")
+litellm = client_library("litellm")
 
 pytestmark = pytest.mark.slow
 

@@ -25,13 +25,14 @@ from tests.clients.conftest import (
     check_text,
     check_usage,
     check_weather_args,
+    client_library,
     get_weather,
 )
 
-openai_like = pytest.importorskip("llama_index.llms.openai_like")
-llms = pytest.importorskip("llama_index.core.llms")
-prompts = pytest.importorskip("llama_index.core.prompts")
-core_tools = pytest.importorskip("llama_index.core.tools")
+openai_like = client_library("llama_index.llms.openai_like")
+llms = client_library("llama_index.core.llms")
+prompts = client_library("llama_index.core.prompts")
+core_tools = client_library("llama_index.core.tools")
 
 pytestmark = pytest.mark.slow
 

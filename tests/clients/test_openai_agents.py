@@ -32,10 +32,11 @@ from tests.clients.conftest import (
     check_text,
     check_usage,
     check_weather_args,
+    client_library,
     get_weather,
 )
 
-agents = pytest.importorskip("agents")
+agents = client_library("agents")
 
 pytestmark = pytest.mark.slow
 

@@ -26,10 +26,11 @@ from tests.clients.conftest import (
     check_text,
     check_usage,
     check_weather_args,
+    client_library,
     get_weather,
 )
 
-pydantic_ai = pytest.importorskip("pydantic_ai")
+pydantic_ai = client_library("pydantic_ai")
 from pydantic_ai.capabilities import AbstractCapability  # noqa: E402
 from pydantic_ai.embeddings import Embedder  # noqa: E402
 from pydantic_ai.embeddings.openai import OpenAIEmbeddingModel  # noqa: E402

@@ -3,8 +3,8 @@
 session's server and prints what the SDK handed back, one JSON line a cell; the checks
 are here, the same ones the Python clients get.
 
-Runs where `node` is on PATH (skipped otherwise); its packages come from `npm ci` in
-tests/clients/js, which `make test` runs when node is there.
+Needs `node` on PATH: without it the cells skip, or fail where CI is set; its packages
+come from `npm ci` in tests/clients/js, which `make test` runs when node is there.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ CELLS = [
 @pytest.fixture(scope="module")
 def results(target: Target) -> dict[str, dict[str, Any]]:
     """Every cell's line, from one node process (its start and imports paid once)."""
-    if NODE is None:
-        pytest.skip("node is not on PATH: the Vercel AI SDK cells need it")
+    require_service("node", NODE is not None,
+                    "it is not on PATH: the Vercel AI SDK cells need it")
     require_service("the AI SDK's npm packages", (JS / "node_modules").is_dir(),
                     f"{JS}/node_modules is missing (run `npm ci` there)")
+    assert NODE is not None  # for mypy: require_service skipped or failed without it
     env = {**os.environ, "TOKENYARD_URL": target.server.base_url,
            "TOKENYARD_API_KEY": target.api_key, "TOKENYARD_MODEL": target.model,
            "TOKENYARD_EMBEDDING_MODEL": EMBEDDING_MODEL}
