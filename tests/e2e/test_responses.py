@@ -162,6 +162,19 @@ def test_a_tool_call_and_its_output_lead_to_a_message(client: openai.OpenAI,
     assert second.usage.input_tokens > bare.usage.input_tokens + 20
 
 
+@pytest.mark.parametrize("fields", [
+    {"tool_choice": "auto"}, {"tool_choice": "auto", "tools": []},
+    {"tool_choice": "none", "tools": []},
+])
+def test_tool_choice_without_tools_is_accepted_and_has_no_effect(
+        client: openai.OpenAI, server: Server, fields: dict[str, Any]) -> None:
+    # LlamaIndex and others always send tool_choice, tools or not.
+    r = client.responses.create(model=server.model, input="Say hello.", max_output_tokens=4,
+                                temperature=0, **fields)
+    assert [o.type for o in r.output] == ["message"] and r.output_text
+    assert r.tools == [] and r.tool_choice == fields["tool_choice"]
+
+
 def test_a_named_tool_streams_its_arguments(client: openai.OpenAI, server: Server) -> None:
     with client.responses.stream(model=server.model, input=ASK, tools=[WEATHER],
                                  tool_choice={"type": "function", "name": "get_weather"},

@@ -57,6 +57,8 @@ def test_a_response_is_retrieved_listed_hidden_from_other_orgs_and_deleted(
     with pytest.raises(openai.NotFoundError):
         other_org.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
+        other_org.responses.input_items.list(first.id)
+    with pytest.raises(openai.NotFoundError):
         other_org.responses.delete(first.id)
     with pytest.raises(openai.BadRequestError) as foreign:
         other_org.responses.create(model=server.model, input=ask, max_output_tokens=2,
