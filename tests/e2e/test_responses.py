@@ -140,6 +140,19 @@ def test_parse_fills_a_pydantic_model_from_a_strict_schema(client: openai.OpenAI
     assert r.text.format.type == "json_schema"
 
 
+def test_json_object_format_gives_a_json_object(client: openai.OpenAI,
+                                                server: Server) -> None:
+    # A prompt SmolLM2 closes in a few tokens at temperature 0 ({"capital": "Paris"}).
+    r = client.responses.create(model=server.model,
+                                input='Give the capital of France as JSON: {"capital": ...}',
+                                text={"format": {"type": "json_object"}},
+                                max_output_tokens=48, temperature=0)
+    assert r.status == "completed", f"the object did not close in 48 tokens: {r.output_text!r}"
+    assert isinstance(json.loads(r.output_text), dict)
+    assert r.text is not None and r.text.format is not None
+    assert r.text.format.type == "json_object"
+
+
 def test_a_tool_call_and_its_output_lead_to_a_message(client: openai.OpenAI,
                                                       server: Server) -> None:
     first = client.responses.create(model=server.model, input=ASK, tools=[WEATHER],
