@@ -130,19 +130,44 @@ class AsyncEngineCore:
     """
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = False) -> None:
-        built = build_core(config, show_progress)
+        """Build the core on the step thread (returns once it is built, or raises what
+        building raised)."""
         self.config = config
-        self.core: EngineCore = built.core
-        self.tokenizer: Tokenizer = built.tokenizer
-        self.model_config: ModelConfig = built.model_config
-        self.eos_token_ids: frozenset[int] = built.eos_token_ids
-        self.weights: str = built.weights  # the format served (`auto` resolved)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._owner: dict[str, CoreStream] = {}  # step thread only: request id -> its stream
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tokenyard-engine", daemon=True)
+        failed: list[BaseException] = []
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._build_and_run, name="tokenyard-engine",
+                                        args=(show_progress, built, failed), daemon=True)
         self._thread.start()
+        built.wait()
+        if failed:
+            self._thread.join()
+            raise failed[0]
+
+    def _build_and_run(self, show_progress: bool, built: threading.Event,
+                       failed: list[BaseException]) -> None:
+        # Every torch op runs on this one thread, the load included. With OpenMP each
+        # thread that opens a parallel region gets its own pool of workers; a second
+        # pool (the load's, on the caller's thread) makes libgomp count more threads
+        # than cores and stop spinning between regions, and a decode step, ~150
+        # regions, then wakes its workers from sleep in each: ~25 % of one stream's
+        # rate, measured on 2 cores.
+        try:
+            made = build_core(self.config, show_progress)
+        except BaseException as exc:
+            failed.append(exc)
+            built.set()
+            return
+        self.core: EngineCore = made.core
+        self.tokenizer: Tokenizer = made.tokenizer
+        self.model_config: ModelConfig = made.model_config
+        self.eos_token_ids: frozenset[int] = made.eos_token_ids
+        self.weights: str = made.weights  # the format served (`auto` resolved)
+        built.set()
+        self._run()
 
     # -- facts ---------------------------------------------------------------------------
     @property
