@@ -35,7 +35,8 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
-# The Vercel AI SDK cells of tests/clients need node; without it they are skipped.
+# The Vercel AI SDK cells of tests/clients need node; without it they are skipped (under CI
+# they fail, and .ci/run installs node when it is missing).
 clients-js:
 	@if command -v node >/dev/null; then \
 		cd tests/clients/js && npm ci --no-audit --no-fund --loglevel=error; fi
