@@ -20,17 +20,18 @@ INTRO = """# Reliability
 
 What `make chaos` (`tests/chaos` at full scale, then `python -m tests.chaos.report`)
 found; regenerate it with `make chaos` rather than editing it. Each scenario below ran
-against a real `tokenyard serve` on 127.0.0.1 (or in a network namespace the suite
-creates). Every one ends with the quiescence check, whose figures are in its table:
+against a real `tokenyard serve` on 127.0.0.1, and sent traffic nowhere else. Every one
+ends with the quiescence check, whose figures are in its table:
 
 - nothing running or waiting on any replica and no KV block in use, no request in flight
   or queued at any pool and no concurrency admission open once traffic stops;
 - the HTTP process's resident memory under its bound.
 
 Throughout, no answer is a 5xx other than the documented 503 (overloaded, unavailable)
-and 529. The scenarios that bill also check that every request that produced tokens is
-in the ledger exactly once and that balances equal credit minus ledger (their `ledger_*`
-and balance figures). `make test` runs a short version of each.
+and 529. The scenarios whose tables show `ledger_*` figures also check that every
+request that produced tokens is in the ledger exactly once; the disconnect storm bills a
+prepaid org and checks that its balance equals its credit minus its ledger. `make test`
+runs a short version of each.
 """
 
 
