@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tokenyard.balancer.affinity import LocalAffinity, prefix_hashes
+from tokenyard.balancer.members import record_failure
 from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
@@ -343,6 +344,47 @@ def test_back_off_doubles_for_consecutive_ejections() -> None:
         assert first <= 0.1 < second <= 0.2
         with pytest.raises(ReplicaConnectionError, match="no replica"):
             await collect(pool, "r2")  # ejected: nothing to try
+        assert_no_leases(pool)
+
+    run(scenario)
+
+
+def test_failures_reported_while_ejected_do_not_extend_the_ejection() -> None:
+    """One incident (a replica killed under many streams) ejects once: the requests that
+    were on it when it failed report in afterwards, and used to double the ejection per
+    batch of `eject_after` of them, up to the cap."""
+    async def scenario() -> None:
+        a, b = FakeReplica("a"), FakeReplica("b")
+        pool = make_pool(a, b, policy="round_robin", eject_after=2, eject_base_s=5.0)
+        member = next(m for m in pool.members if m.id == "a")
+        spec = pool.spec
+        for _ in range(10):
+            record_failure(member, ReplicaConnectionError("stream broke"), spec, "p",
+                           before_first_byte=False)
+        snap = pool.snapshot()[0]
+        assert (snap["state"], snap["ejections"]) == ("ejected", 1)
+        assert snap["ejected_for_s"] <= 5.0
+        assert_no_leases(pool)
+
+    run(scenario)
+
+
+def test_a_success_ends_the_run_of_ejections() -> None:
+    async def scenario() -> None:
+        a = FakeReplica("a")
+        a.fail_before = ReplicaConnectionError
+        a.fail_message = "server error 502"
+        pool = make_pool(a, eject_after=1, eject_base_s=0.1)
+        with pytest.raises(ReplicaConnectionError):
+            await collect(pool, "r0")
+        await asyncio.sleep(0.12)
+        a.fail_before = None
+        assert served_by(await collect(pool, "ok")) == "a"
+        a.fail_before = ReplicaConnectionError
+        with pytest.raises(ReplicaConnectionError):
+            await collect(pool, "r1")
+        snap = pool.snapshot()[0]
+        assert snap["ejections"] == 1 and snap["ejected_for_s"] <= 0.1  # not doubled
         assert_no_leases(pool)
 
     run(scenario)

@@ -4,7 +4,8 @@
   it takes no new work until it passes again.
 - **Outlier ejection** is passive (`record_failure`): `eject_after` consecutive failures
   (connection errors, 5xx, broken streams) eject a replica for `eject_base_s`, doubled
-  for each ejection in a row (capped at a minute); it comes back when the time is up and
+  for each ejection in a row (capped at a minute; a success ends the row, and failures
+  reported while it is ejected do not extend it); it comes back when the time is up and
   its health check passes. A connection refused before the first byte marks the replica
   down at once: the process is gone.
 - **Load**: a request holds a `Lease` on its member until it ends.
@@ -143,8 +144,10 @@ async def probe(
 
 
 def record_success(member: Member) -> None:
-    """A request reached `member`: its run of failures ends."""
+    """A request reached `member`: its run of failures ends, and so does its run of
+    ejections (the next one starts from `eject_base_s` again)."""
     member.failures = 0
+    member.ejections = 0
     member.served += 1
 
 
@@ -159,9 +162,16 @@ def record_failure(
     if before_first_byte and isinstance(exc, ReplicaConnectionError) and (
             "Connect" in str(exc) or "refused" in str(exc).lower()):
         member.healthy = False  # nothing listens: the process is gone
+    now = time.monotonic()
+    if now < member.ejected_until:
+        # Requests that were already on it when it failed report in after the ejection:
+        # one incident, so it must not double the ejection once per batch of them (a
+        # killed replica's 16 broken streams took it to the 60 s cap at once).
+        member.failures = 0
+        return
     if member.failures >= spec.eject_after:
         span = min(MAX_EJECTION_S, spec.eject_base_s * 2 ** member.ejections)
-        member.ejected_until = time.monotonic() + span
+        member.ejected_until = now + span
         member.ejections += 1
         member.failures = 0
         logger.warning("replica %s of %s ejected for %.1f s after %r", member.id,
