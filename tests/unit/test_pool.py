@@ -328,14 +328,20 @@ def test_a_refused_connection_marks_down_until_health_passes() -> None:
     run(scenario)
 
 
+async def _ejected_once() -> tuple[FakeReplica, Pool]:
+    """A lone replica answering 502, ejected by its first failure for 0.1 s."""
+    a = FakeReplica("a")
+    a.fail_before = ReplicaConnectionError
+    a.fail_message = "server error 502"
+    pool = make_pool(a, eject_after=1, eject_base_s=0.1)
+    with pytest.raises(ReplicaConnectionError):
+        await collect(pool, "r0")
+    return a, pool
+
+
 def test_back_off_doubles_for_consecutive_ejections() -> None:
     async def scenario() -> None:
-        a = FakeReplica("a")
-        a.fail_before = ReplicaConnectionError
-        a.fail_message = "server error 502"
-        pool = make_pool(a, eject_after=1, eject_base_s=0.1)
-        with pytest.raises(ReplicaConnectionError):
-            await collect(pool, "r0")
+        _, pool = await _ejected_once()
         first = pool.snapshot()[0]["ejected_for_s"]
         await asyncio.sleep(0.12)
         with pytest.raises(ReplicaConnectionError):
@@ -371,12 +377,7 @@ def test_failures_reported_while_ejected_do_not_extend_the_ejection() -> None:
 
 def test_a_success_ends_the_run_of_ejections() -> None:
     async def scenario() -> None:
-        a = FakeReplica("a")
-        a.fail_before = ReplicaConnectionError
-        a.fail_message = "server error 502"
-        pool = make_pool(a, eject_after=1, eject_base_s=0.1)
-        with pytest.raises(ReplicaConnectionError):
-            await collect(pool, "r0")
+        a, pool = await _ejected_once()
         await asyncio.sleep(0.12)
         a.fail_before = None
         assert served_by(await collect(pool, "ok")) == "a"
