@@ -26,6 +26,7 @@ from tests.unit.test_ledger import (  # noqa: F401
     test_close_with_the_database_down_leaves_the_records_in_the_journal,
     test_kill_9_before_any_flush_loses_no_appended_record,
     test_replaying_a_journal_twice_inserts_and_bills_nothing_twice,
+    test_rows_of_one_batch_are_written_in_the_order_they_were_settled,
 )
 from tests.unit.test_request_records import (  # noqa: F401
     test_a_record_is_found_at_once_then_from_the_store_by_its_org_only,

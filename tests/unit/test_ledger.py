@@ -107,6 +107,31 @@ def test_a_thousand_appends_all_land_and_balances_drop_by_exactly_their_sum(
     asyncio.run(scenario())
 
 
+def test_rows_of_one_batch_are_written_in_the_order_they_were_settled(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Found by a CI run: one batch's rows were inserted in reverse, so a request settled
+    after another could get the lower row id. A duplicate keeps its first record."""
+    async def scenario() -> None:
+        db = await Database.open(database_url)
+        org = await Store(db).create_org("acme")
+        writer = LedgerWriter(db, tmp_path / "journal", flush_interval=60.0)
+        await writer.start()
+        for i in (5, 3, 9, 1):
+            writer.append(record(i, org.id, 10 * i))
+        writer.append(record(3, org.id, 999))  # a second record of req-3: ignored
+        await writer.flush()
+        query = select(usage_ledger.c.request_id, usage_ledger.c.cost_micros).order_by(
+            usage_ledger.c.id)
+        async with db.engine.connect() as conn:
+            rows = [tuple(row) for row in await conn.execute(query)]
+        assert rows == [("req-5", 50), ("req-3", 30), ("req-9", 90), ("req-1", 10)]
+        await writer.close()
+        await db.close()
+
+    asyncio.run(scenario())
+
+
 def test_replaying_a_journal_twice_inserts_and_bills_nothing_twice(
     database_url: str, tmp_path: Path
 ) -> None:

@@ -106,7 +106,12 @@ def _insert_usage(dialect: str) -> Any:
 async def commit_usage(conn: AsyncConnection, records: list[UsageRecord]) -> int:
     """Insert `records` on `conn` (in the caller's transaction) and debit prepaid balances
     by the cost of the rows that were new. Returns how many were new."""
-    unique = list({record.request_id: record for record in reversed(records)}.values())
+    # The first record of each request id, in the order settled: rows' ids then follow
+    # the order requests were settled in (a dict built over `reversed` reversed each batch).
+    first: dict[str, UsageRecord] = {}
+    for record in records:
+        first.setdefault(record.request_id, record)
+    unique = list(first.values())
     inserted: set[str] = set()
     if unique:
         # One statement per dialect, executed with many parameter sets: SQLAlchemy compiles
