@@ -145,6 +145,8 @@ def test_ten_times_capacity_is_refused_cleanly_and_recovers(
     assert p99 < max(5.0, 10 * out["baseline"]), (p99, out["baseline"])
     assert out["first_probe"] == 200 and out["back_within"] < 5.0, out
     assert out["after"] < 2 * out["baseline"] + 0.5, (out["after"], out["baseline"])
+    # Both read at least once: a peak of 0 would pass the bounds without a sample.
+    assert min(memory.peaks.values()) > 0, memory.peaks
     assert memory.peaks["http"] < DEFAULT_RSS_BOUND_MB, memory.peaks
     assert memory.peaks["replica"] - replica_before < REPLICA_GROWTH_BOUND_MB, (
         replica_before, memory.peaks)

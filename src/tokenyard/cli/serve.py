@@ -205,8 +205,8 @@ async def run(
         if workers is not None:  # the workers drain first: the replicas serve them meanwhile
             await workers.drain()
         await fleet.stop(config.drain_timeout_s)
-        logger.info("drained in %.1f s", time.monotonic() - began, extra={
-            "event": "drained", "seconds": round(time.monotonic() - began, 3)})
+        took = round(time.monotonic() - began, 3)
+        logger.info("drained in %.1f s", took, extra={"event": "drained", "seconds": took})
         return 0
     finally:
         if workers is not None:

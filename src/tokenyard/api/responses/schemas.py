@@ -329,7 +329,6 @@ class ResponsesRequest(PlatformFields):
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    prompt_cache_options: dict[str, Any] | None = None  # hints only, as on chat
     #: "message.output_text.logprobs" asks for the text's logprobs; the other values
     #: (hosted tools' outputs, reasoning) have nothing to include here.
     include: list[str] | None = None
