@@ -29,6 +29,16 @@ def kernels_disabled() -> bool:
 WEIGHT_FORMATS = ("auto", "float32", "q8_0", "q4_1", "int8")
 
 
+def parse_on_off(raw: str) -> bool:
+    """on/off, true/false, yes/no or 1/0, any case."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not on or off")
+
+
 class Settings:
     """A dataclass of settings read once: defaults < TOKENYARD_* environment < flags.
 
@@ -48,7 +58,8 @@ class Settings:
             kind = types[name]
             try:
                 values[name] = (
-                    float(raw) if "float" in kind else int(raw) if "int" in kind
+                    parse_on_off(raw) if "bool" in kind
+                    else float(raw) if "float" in kind else int(raw) if "int" in kind
                     else Path(raw).expanduser() if "Path" in kind else raw
                 )
             except ValueError:
@@ -83,6 +94,9 @@ class EngineConfig(Settings):
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1_000_000
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # Plan each step while the one before computes (engine/core.py); see operations.md
+    # for what it measured on this machine.
+    async_scheduling: bool = False
 
     _ENV: ClassVar[dict[str, str]] = {
         "model": "TOKENYARD_MODEL",
@@ -92,6 +106,7 @@ class EngineConfig(Settings):
         "max_num_batched_tokens": "TOKENYARD_MAX_NUM_BATCHED_TOKENS",
         "prefill_chunk": "TOKENYARD_PREFILL_CHUNK",
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
+        "async_scheduling": "TOKENYARD_ASYNC_SCHEDULING",
     }
 
     def validate(self) -> None:
@@ -289,10 +304,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int,
                         help="waiting-queue bound; past it requests are shed (503)")
     parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
+    parser.add_argument("--async-scheduling", type=parse_on_off, metavar="on|off",
+                        help="plan each step while the one before computes (default off)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as `EngineConfig` keyword arguments."""
     names = ["model", "weights", "device", "kv_cache_gib", "max_num_batched_tokens",
-             "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads"]
+             "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads",
+             "async_scheduling"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

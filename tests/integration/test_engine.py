@@ -96,6 +96,50 @@ def test_preemption_under_a_small_pool_gives_the_same_outputs_and_frees_all_bloc
     assert all(block.ref_cnt == 0 for block in small.core.kv.pool.blocks)
 
 
+def test_async_scheduling_gives_the_step_by_step_outputs_and_overlaps_steps(
+    llm: LLM,
+) -> None:
+    """Planning each step while the one before computes changes no output: greedy,
+    seeded, EOS, stop token, min_tokens and penalties (the last two turn the overlap off
+    while they run), and with preemption in a small pool; every block is free after."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    convo = prompt_ids(llm)[0]
+    natural = llm.generate([convo], SamplingParams(temperature=0.0, max_tokens=200))[0]
+    mixed = [
+        SamplingParams(temperature=0.0, max_tokens=200),
+        SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=[natural.token_ids[1]]),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=len(natural.token_ids) + 3,
+                       min_tokens=len(natural.token_ids) + 3),
+    ]
+    plain = [greedy(40 + i) for i in range(8)]
+    expected_plain = [r.token_ids for r in llm.generate(prompts, plain)]
+    expected_mixed = [r.token_ids for r in llm.generate([convo] * 5, mixed)]
+
+    engine = LLM(weights="float32", async_scheduling=True)
+    assert [r.token_ids for r in engine.generate(prompts, plain)] == expected_plain
+    overlapped = engine.core.stats().num_overlapped_steps
+    assert overlapped >= 40  # every step after the first prefill, about
+    assert [r.token_ids for r in engine.generate([convo] * 5, mixed)] == expected_mixed
+    penalized = engine.core.stats().num_overlapped_steps
+    engine.generate([convo], mixed[3])
+    assert engine.core.stats().num_overlapped_steps == penalized  # penalties: no overlap
+    stats = engine.core.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    engine.core.close()
+
+    small = LLM(weights="float32", async_scheduling=True, num_kv_blocks=24,
+                enable_prefix_caching=False)
+    assert [r.token_ids for r in small.generate(prompts, plain)] == expected_plain
+    stats = small.core.stats()
+    assert stats.num_preemptions > 0 and stats.num_overlapped_steps > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert all(block.ref_cnt == 0 for block in small.core.kv.pool.blocks)
+    small.core.close()
+
+
 def test_seed_gives_the_same_sample_whatever_the_batch(llm: LLM) -> None:
     target = prompt_ids(llm)[0]
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)

@@ -94,13 +94,17 @@ def test_tokenyard_metrics_follow_engine_stats_and_finished_requests() -> None:
 
 
 def test_engine_figures_are_the_snapshot_as_is() -> None:
-    assert render_engine_stats(STATS).splitlines()[-6:] == [
+    assert render_engine_stats(STATS).splitlines()[-9:] == [
         "# HELP tokenyard:prefix_cache_hits Prompt tokens served from the prefix cache.",
         "# TYPE tokenyard:prefix_cache_hits counter",
         "tokenyard:prefix_cache_hits 120",
         "# HELP tokenyard:num_preemptions_total Requests preempted by the scheduler.",
         "# TYPE tokenyard:num_preemptions_total counter",
         "tokenyard:num_preemptions_total 1",
+        "# HELP tokenyard:num_overlapped_steps_total Engine steps planned while the step "
+        "before still computed (async scheduling).",
+        "# TYPE tokenyard:num_overlapped_steps_total counter",
+        "tokenyard:num_overlapped_steps_total 0",
     ]
     # A replica that restarted reports smaller totals: shown as they are (a counter reset).
     later = TokenyardMetrics()

@@ -111,3 +111,45 @@ def test_waiting_queue_is_bounded_by_count_and_tokens() -> None:
     s2.add_request(req("a", 10))
     with pytest.raises(QueueFullError):
         s2.add_request(req("b", 10))
+
+
+def test_the_next_step_is_planned_before_the_token_in_flight_is_known() -> None:
+    """Async scheduling: a step that samples leaves one token pending; the next step
+    schedules that token (a placeholder for the runner) before `update` appends it."""
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=64)
+    a = req("a", 5, max_tokens=3)
+    s.add_request(a)
+    first = s.schedule()
+    assert first.starts == {"a": 0} and first.sampling == {"a"}
+    assert (a.num_computed_tokens, a.num_pending) == (5, 1)
+    second = s.schedule()  # planned while the first computes
+    assert [(r.request_id, n) for r, n in second.scheduled] == [("a", 1)]
+    assert second.starts == {"a": 5} and a.num_pending == 2
+    s.update(first, {"a": 7})
+    s.update(second, {"a": 8})
+    assert (a.output_token_ids, a.num_pending) == ([7, 8], 0)
+    # The third token is its last by length: planned, and nothing is planned after it.
+    third = s.schedule()
+    assert third.sampling == {"a"} and s.schedule().is_empty
+    s.update(third, {"a": 9})
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [7, 8, 9]
+    assert s.kv.pool.num_free_blocks == 64
+
+
+def test_a_token_in_flight_for_a_finished_or_preempted_request_is_dropped() -> None:
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=64)
+    a, b = req("a", 5, max_tokens=10), req("b", 5, max_tokens=10)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()
+    second = s.schedule()
+    s.abort("a")  # aborted while both steps are in flight
+    s._preempt(b, SchedulerOutput())
+    assert b.num_pending == 0
+    assert s.update(first, {"a": 7, "b": 7}) == [] and s.update(second, {"a": 8, "b": 8}) == []
+    assert a.output_token_ids == b.output_token_ids == []
+    # b is recomputed (its full first block a prefix-cache hit) and goes on.
+    again = s.schedule()
+    assert again.starts == {"b": 4} and again.sampling == {"b"}
+    s.update(again, {"b": 5})
+    assert b.output_token_ids == [5] and s.kv.pool.num_free_blocks == 64 - 2

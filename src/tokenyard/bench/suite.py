@@ -9,7 +9,8 @@ docs/benchmarks.md rewritten from their output.
 3. the gateway's overhead in front of a mock replica (`bench gateway`);
 4. the balancer's policies side by side over 2 replicas (`bench fleet`);
 5. grammar-constrained decoding against unconstrained at batch 16 (`bench grammar`);
-6. moderation on (input and output, the local classifier) against off, one run each.
+6. moderation on (input and output, the local classifier) against off, one run each;
+7. async scheduling off and on, served side by side at 1, 8 and 32 streams.
 
 Each section names the machine, the versions and the exact command. The hand-written
 "## Profile" part of the page is kept.
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the plots go")
     parser.add_argument("--skip-offline", action="store_true",
                         help="keep the page's engine section; run serving and gateway only")
+    parser.add_argument("--only", type=lambda v: [x.strip() for x in v.split(",")],
+                        metavar="NAMES",
+                        help=f"rerun only these sections ({', '.join(SECTIONS)}) and keep "
+                        "the rest of the page as it is")
 
 
 def _cli(*args: str) -> list[str]:
@@ -259,16 +264,103 @@ def moderation_section() -> str:
     return _section("Moderation (`tokenyard bench serve`, moderation on and off)", runs, intro)
 
 
+#: Served under load with async scheduling off and on (engine/core.py): per level,
+#: (concurrency, requests); both servers run, alternating, a fresh seed per round and level.
+ASYNC_LEVELS = ((1, 4), (8, 16), (32, 32))
+ASYNC_RUN = ["--input-len", "256", "--output-len", "64", "--ignore-eos"]
+ASYNC_ROUNDS = 2
+
+
+def async_scheduling_section() -> str:
+    """bench serve against two servers, `--async-scheduling off` and `on`, alternating."""
+    scratch = Path(tempfile.mkdtemp(prefix="tokenyard-bench-async-"))
+    servers: dict[str, tuple[Any, str | None]] = {}
+    reports: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    cmd: list[str] = []
+    try:
+        for mode in ("off", "on"):
+            servers[mode] = start_tokenyard(None, auth=True,
+                                            extra=["--async-scheduling", mode])
+        for r in range(ASYNC_ROUNDS):
+            for concurrency, requests in ASYNC_LEVELS:
+                for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    child, key = servers[mode]
+                    cmd = _cli("bench", "serve", "--base-url", child.url + "/v1", "--quiet",
+                               "--concurrency", str(concurrency), "--requests", str(requests),
+                               *ASYNC_RUN, "--seed", str(100 * r + concurrency))
+                    report = _served_level(cmd, key, scratch / "level.json")
+                    reports.setdefault((mode, concurrency), []).append(report)
+    finally:
+        for child, _ in servers.values():
+            child.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def fig(mode: str, c: int, key: str, sub: str | None = None) -> float:
+        return _median([x[key][sub] if sub else x[key] for x in reports[(mode, c)]])
+
+    rows = ["| streams | output tok/s off | on | on / off | TTFT p50 ms off | on | "
+            "TPOT p50 ms off | on | errors off / on |", "|---|---|---|---|---|---|---|---|---|"]
+    for c, _ in ASYNC_LEVELS:
+        off, on = fig("off", c, "output_token_rate"), fig("on", c, "output_token_rate")
+        errors = [sum(x["failed"] for x in reports[(m, c)]) for m in ("off", "on")]
+        rows.append(
+            f"| {c} | {off:.1f} | {on:.1f} | {on / off:.2f} | "
+            f"{fig('off', c, 'ttft_ms', 'p50'):.0f} | {fig('on', c, 'ttft_ms', 'p50'):.0f} | "
+            f"{fig('off', c, 'tpot_ms', 'p50'):.1f} | {fig('on', c, 'tpot_ms', 'p50'):.1f} | "
+            f"{errors[0]} / {errors[1]} |")
+    shown = [*cmd[:cmd.index("--base-url") + 1], "URL", *cmd[cmd.index("--base-url") + 2:]]
+    intro = ("Two `tokenyard serve` (gateway on), one with `--async-scheduling off` and one "
+             "with `on`, both up, measured in turn: the engine issue's item 3, whether "
+             "planning each step while the one before computes pays on this machine. "
+             f"Medians of {ASYNC_ROUNDS} alternating rounds, 256-token prompts, 64 out, a "
+             "fresh seed per round and level (the same prompts to both).")
+    return _section("Async scheduling off and on (`tokenyard bench serve`)",
+                    [("Served, side by side", shown, "\n".join(rows))], intro)
+
+
+#: The page's sections after the engine's, by name (`--only`).
+SECTIONS: dict[str, Any] = {
+    "serving": lambda args: serving_section(args.img_dir),
+    "gateway": lambda args: gateway_section(),
+    "fleet": lambda args: fleet_section(),
+    "grammar": lambda args: grammar_section(),
+    "moderation": lambda args: moderation_section(),
+    "async": lambda args: async_scheduling_section(),
+}
+
+
+def replace_section(text: str, section: str) -> str:
+    """`text` with the section of the same `## ` title as `section` replaced by it (or,
+    if it has none, `section` added before the profile)."""
+    title = section.split("\n", 1)[0]
+    start = text.find("\n" + title + "\n")
+    if start < 0:
+        head, marker, profile = text.partition(PROFILE_MARKER)
+        return head.rstrip() + "\n\n" + section.rstrip() + "\n" + marker + profile
+    end = text.find("\n## ", start + 1)
+    end = len(text) if end < 0 else end
+    return text[:start + 1] + section.rstrip() + "\n" + text[end:]
+
+
 def main(args: argparse.Namespace) -> int:
     page: Path = args.write
+    args.img_dir.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        unknown = [n for n in args.only if n not in SECTIONS]
+        if unknown:
+            raise SystemExit(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+        text = page.read_text()
+        for name in args.only:
+            text = replace_section(text, SECTIONS[name](args))
+        page.write_text(text)
+        print(f"wrote {page}")
+        return 0
     if not args.skip_offline:
         _run(_cli("bench", "offline", "--write", str(page)))
     text = page.read_text() if page.exists() else "# Benchmarks\n"
     head, _, profile = text.partition(PROFILE_MARKER)
     engine = head.split("\n## Serving the embedded model", 1)[0].rstrip() + "\n"
-    args.img_dir.mkdir(parents=True, exist_ok=True)
-    sections = [serving_section(args.img_dir), gateway_section(), fleet_section(),
-                grammar_section(), moderation_section()]
+    sections = [make(args) for make in SECTIONS.values()]
     page.write_text(engine + "\n" + "\n".join(sections)
                     + (PROFILE_MARKER + profile if profile else ""))
     print(f"wrote {page}")

@@ -295,6 +295,7 @@ class AsyncEngineCore:
         finally:
             self._closed = True
             self._fail_all(RuntimeError("the engine shut down"))
+            self.core.close()
 
     def _run_commands(self) -> None:
         while True:

@@ -1,8 +1,22 @@
-"""The engine's busy loop: schedule, execute, update. No I/O and no text live here."""
+"""The engine's busy loop: schedule, execute, update. No I/O and no text live here.
+
+With async scheduling (vLLM's reference design) the loop keeps one step in flight: while
+the kernels compute step N on the kernel thread, this thread schedules and prepares step
+N+1 (whose inputs for the requests of step N are the tokens N is still sampling,
+placeholders the runner fills in on the kernel thread) and then applies N's tokens. The
+scheduler's Python then overlaps the kernels, which release the GIL. A request whose next
+sampling needs the token in flight (a grammar, penalties, `min_tokens` not yet reached)
+turns the overlap off for as long as it runs; a request that stops on a token in flight
+has had one more token computed for nothing, as in vLLM.
+"""
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, wait
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any, TypeVar
 
 import torch
 
@@ -11,15 +25,59 @@ from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.loader import CausalLM
 from tokenyard.engine.request import Request
-from tokenyard.engine.runner import ModelRunner
+from tokenyard.engine.runner import ModelRunner, StepResult
 from tokenyard.engine.sample.grammar import GrammarCompiler
-from tokenyard.engine.scheduler import Scheduler
+from tokenyard.engine.scheduler import Scheduler, SchedulerOutput
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import EngineCoreOutput, EngineStats
 
 # How long an idle step waits for a compiling grammar before the loop looks at its
 # commands again (seconds).
 GRAMMAR_WAIT_S = 0.005
+
+T = TypeVar("T")
+
+
+class KernelThread:
+    """The one thread that runs an async-scheduled engine's torch work, in submission order.
+
+    The model is built on it too: with OpenMP each thread that opens a parallel region gets
+    its own worker pool, and two pools on a small CPU stop the workers spinning between
+    regions (see engine/async_core.py).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._loop, name="tokenyard-kernels",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, fn))
+        return future
+
+    def call(self, fn: Callable[[], T]) -> T:
+        return self.submit(fn).result()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop after the jobs already submitted, and wait for that (a thread still
+        tearing down its OpenMP workers while the interpreter exits aborts the process)."""
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,9 +106,11 @@ class EngineCore:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
         tokenizer: Tokenizer | None = None,
+        kernels: KernelThread | None = None,
     ) -> None:
         """`tokenizer`: the vocabulary grammars compile against (None: no constrained
-        decoding; a request with a grammar is refused)."""
+        decoding; a request with a grammar is refused). `kernels`: async scheduling, the
+        forward passes run there (None: each step runs on the caller's thread)."""
         self.model_config = model_config
         self.config = config
         self.max_model_len = min(
@@ -80,10 +140,18 @@ class EngineCore:
                 tokenizer, model_config.vocab_size, tokenizer.eos_token_ids
             )
         self._compiling: list[Request] = []  # added while their grammar compiled
+        self.kernels = kernels
+        self._inflight: tuple[SchedulerOutput, Future[StepResult]] | None = None
+        self.num_overlapped_steps = 0
+
+    def close(self) -> None:
+        """Stop the kernel thread, if any (after the step in flight)."""
+        if self.kernels is not None:
+            self.kernels.close()
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     @property
     def max_tokens_in_pool(self) -> int:
@@ -125,16 +193,63 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one batch; return an output for every request that got a token (and a
-        last, empty one with finish_reason "abort" for a request whose grammar failed)."""
+        last, empty one with finish_reason "abort" for a request whose grammar failed).
+
+        With async scheduling the batch whose outputs are returned may have been launched
+        by the call before, and the next one is already launched."""
         outputs = self._check_grammars()
+        if self.kernels is None:
+            step = self.scheduler.schedule()
+            if step.is_empty:
+                self._wait_for_grammars(outputs)
+                return outputs
+            return outputs + self._outputs(step, self.runner.execute(step))
+        if self._inflight is None:
+            self._inflight = self._launch(self.kernels)
+            if self._inflight is None:
+                self._wait_for_grammars(outputs)
+                return outputs
+        step, result = self._inflight
+        self._inflight = self._launch(self.kernels) if self._can_overlap() else None
+        self.num_overlapped_steps += self._inflight is not None
+        try:
+            done = result.result()
+        except BaseException:
+            if self._inflight is not None:  # let the next one finish before failing
+                wait([self._inflight[1]])
+                self._inflight = None
+            raise
+        return outputs + self._outputs(step, done)
+
+    def _launch(self, kernels: KernelThread) -> tuple[SchedulerOutput, Future[StepResult]] | None:
+        """Schedule and prepare a step here, and queue its forward pass on the kernels."""
         step = self.scheduler.schedule()
         if step.is_empty:
-            if self._compiling and not outputs:
-                # Only compiles to wait for: wait on one briefly instead of spinning.
-                wait([r.guided.future for r in self._compiling if r.guided is not None],
-                     timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
-            return outputs
-        result = self.runner.execute(step)
+            return None
+        prepared = self.runner.prepare(step)
+        return step, kernels.submit(lambda: self.runner.run(prepared))
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be planned before the tokens in flight are known: not
+        while a running request samples from its own outputs so far (a grammar,
+        penalties, stop tokens banned until `min_tokens`)."""
+        for request in self.scheduler.running:
+            params = request.params
+            if (request.guided is not None
+                    or params.presence_penalty or params.frequency_penalty
+                    or params.repetition_penalty != 1.0
+                    or request.num_output_tokens < params.min_tokens):
+                return False
+        return True
+
+    def _wait_for_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._compiling and not outputs:
+            # Only compiles to wait for: wait on one briefly instead of spinning.
+            wait([r.guided.future for r in self._compiling if r.guided is not None],
+                 timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+
+    def _outputs(self, step: SchedulerOutput, result: StepResult) -> list[EngineCoreOutput]:
+        outputs = []
         for request in self.scheduler.update(step, result.sampled):
             lp = result.logprobs.get(request.request_id)
             outputs.append(
@@ -184,6 +299,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_tokens=self.scheduler.num_computed_tokens_total,
             num_pinned_kv_blocks=self.kv.num_pinned_blocks,
+            num_overlapped_steps=self.num_overlapped_steps,
         )
 
 

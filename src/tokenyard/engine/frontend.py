@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tokenyard.config import EngineConfig
-from tokenyard.engine.core import EngineCore, resolve_device
+from tokenyard.engine.core import EngineCore, KernelThread, resolve_device
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.loader import build_model, load_model
 from tokenyard.engine.request import Request
@@ -59,8 +59,21 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
     """Load the model of `config` onto its device and build an EngineCore around it.
 
     The one place a replica is built: the offline `LLM`, `AsyncEngineCore` and the
-    replica server all come through here.
+    replica server all come through here. With async scheduling the whole build runs on
+    the core's kernel thread, where its forward passes will run.
     """
+    if not config.async_scheduling:
+        return _build_core(config, show_progress, None)
+    kernels = KernelThread()
+    try:
+        return kernels.call(lambda: _build_core(config, show_progress, kernels))
+    except BaseException:
+        kernels.close()
+        raise
+
+
+def _build_core(config: EngineConfig, show_progress: bool,
+                kernels: KernelThread | None) -> BuiltCore:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
@@ -83,7 +96,8 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
         model.set_threads(torch.get_num_threads())
     tokenizer: Tokenizer = loaded.tokenizer
     eos = frozenset(set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids))
-    core = EngineCore(model, loaded.config, config, device, dtype, tokenizer=tokenizer)
+    core = EngineCore(model, loaded.config, config, device, dtype, tokenizer=tokenizer,
+                      kernels=kernels)
     return BuiltCore(core, tokenizer, loaded.config, eos, weights)
 
 

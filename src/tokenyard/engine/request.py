@@ -57,6 +57,10 @@ class Request:
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    #: Tokens scheduled to be sampled whose ids are not back yet (0 or 1). With async
+    #: scheduling the next step is planned while this one runs: its input for this request
+    #: is the token still being sampled, a placeholder the runner fills in.
+    num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1 until scheduled
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -80,6 +84,21 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending
+
+    @property
+    def ends_by_length_with_pending(self) -> bool:
+        """True if the token in flight will be the last one `max_tokens` or the context
+        window allows: nothing after it is worth scheduling."""
+        if not self.num_pending:
+            return False
+        max_tokens = self.params.max_tokens
+        outputs = self.num_output_tokens + self.num_pending
+        return ((max_tokens is not None and outputs >= max_tokens)
+                or self.num_tokens_with_pending >= self.max_model_len)
 
     @property
     def output_token_ids(self) -> list[int]:

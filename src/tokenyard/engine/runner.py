@@ -25,6 +25,19 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs]
 
 
+@dataclass
+class PreparedStep:
+    """A scheduled step as tensors, ready for `ModelRunner.run`."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # the rows whose hidden state is sampled
+    sample_requests: list[Request]
+    #: (row, request id): inputs that are the token the step before sampled (async).
+    fills: list[tuple[int, str]]
+
+
 class ModelRunner:
     """Owns the model, the KV tensors and the sampler of one replica."""
 
@@ -55,30 +68,50 @@ class ModelRunner:
         # weights); None: every step runs the eager model (see models/decode_step.py).
         self.decode_step = DecodeStep.build(model, self.attention, kernel_cache_dir)
         self.sampler = Sampler()
+        self._last_sampled: dict[str, int] = {}  # the last step's tokens, for placeholders
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        return self.run(self.prepare(step))
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def prepare(self, step: SchedulerOutput) -> PreparedStep:
+        """The step's flat inputs. Cheap Python: with async scheduling it runs while the
+        previous step is still computing, so a pending token is a placeholder here."""
         # Single-token rows first: the attention batches them together.
         items = sorted(step.scheduled, key=lambda item: item[1] > 1)
-        input_ids, positions, meta = self._prepare(items)
+        input_ids, positions, meta, fills = self._prepare(items, step.starts)
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         row = 0
         for request, n in items:
             row += n
-            if request.num_computed_tokens + n == request.num_tokens:
+            if request.request_id in step.sampling:
                 sample_rows.append(row - 1)
                 sample_requests.append(request)
-        if self.decode_step is not None and meta.num_decodes == len(items):
-            hidden = self.decode_step(input_ids, positions, meta)
+        return PreparedStep(input_ids, positions, meta, sample_rows, sample_requests, fills)
+
+    @torch.inference_mode()
+    def run(self, prepared: PreparedStep) -> StepResult:
+        """The forward pass and sampling of a prepared step. Steps must run in the order
+        they were scheduled: a placeholder takes the token the step before sampled."""
+        input_ids, meta = prepared.input_ids, prepared.meta
+        sample_requests = prepared.sample_requests
+        if prepared.fills:
+            rows, ids = zip(*prepared.fills, strict=True)
+            input_ids[list(rows)] = torch.tensor(
+                [self._last_sampled[i] for i in ids], dtype=torch.long, device=self.device
+            )
+        if self.decode_step is not None and meta.num_decodes == len(prepared.positions):
+            hidden = self.decode_step(input_ids, prepared.positions, meta)
         else:
             self.attention.metadata = meta
-            hidden = self.model(input_ids, positions, self.attention)
+            hidden = self.model(input_ids, prepared.positions, self.attention)
             self.attention.metadata = None
         if not sample_requests:
+            self._last_sampled = {}
             return StepResult({}, {})
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        if len(prepared.sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(prepared.sample_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         batch = SamplingBatch.from_params(
             [r.params for r in sample_requests],
@@ -95,6 +128,7 @@ class ModelRunner:
                 batch.token_bitmask, batch.bitmask_rows = mask
         out = self.sampler(logits, batch)
         sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids, strict=True)}
+        self._last_sampled = sampled
         logprobs: dict[str, TokenLogprobs] = {}
         if out.logprobs is not None:
             for i, r in enumerate(sample_requests):
@@ -113,9 +147,10 @@ class ModelRunner:
         return request.generator
 
     def _prepare(
-        self, items: list[tuple[Request, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat inputs for `items`, which must list single-token rows first."""
+        self, items: list[tuple[Request, int]], starts: dict[str, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, str]]]:
+        """Flat inputs for `items`, which must list single-token rows first, and the
+        rows whose token is still pending."""
         bs = self.block_size
         dev = self.device
         ids: list[int] = []
@@ -124,8 +159,9 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
         prefills: list[PrefillSpan] = []
+        fills: list[tuple[int, str]] = []
         for request, n in items:
-            start = request.num_computed_tokens
+            start = starts[request.request_id]
             table = self.kv.block_ids(request.request_id)
             if n == 1:
                 decode_tables.append(table[: start // bs + 1])
@@ -140,7 +176,11 @@ class ModelRunner:
                         block_table=None if start == 0 else context_blocks.to(dev),
                     )
                 )
-            ids.extend(request.all_token_ids[start:start + n])
+            known = request.all_token_ids[start:start + n]
+            if len(known) < n:  # the one pending token of a decode row
+                fills.append((len(ids) + len(known), request.request_id))
+                known.append(0)
+            ids.extend(known)
             p = torch.arange(start, start + n)
             pos.append(p)
             slots.append(torch.tensor(table, dtype=torch.long)[p // bs] * bs + p % bs)
@@ -168,7 +208,7 @@ class ModelRunner:
             decode_context_lens=decode_context_lens,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(pos).to(dev), meta
+        return input_ids, torch.cat(pos).to(dev), meta, fills
 
 
 def _ban_stops_before_min_tokens(batch: SamplingBatch, requests: list[Request]) -> None:

@@ -15,6 +15,11 @@ output tokens). A constrained request whose grammar is still compiling stays in 
 queue, passed over by those behind it, so a compile never stalls a step. Pinned prefix
 blocks give way only to a request that could not run at all otherwise: one alone in the
 running batch, or at the head of the queue while nothing runs.
+
+A request's computed count advances when it is scheduled, as in vLLM: a step that completes
+a request's tokens leaves one token pending until `update` appends it. That lets the next
+step be planned while this one runs (async scheduling, engine/core.py): the pending token is
+the next step's input, and a request whose pending token is its last by length is skipped.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    #: Per request id: the first position this step computes.
+    starts: dict[str, int] = field(default_factory=dict)
+    #: The requests whose last computed position gets a sampled token this step.
+    sampling: set[str] = field(default_factory=set)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -130,19 +139,29 @@ class Scheduler:
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        out = self._plan()
+        for request, n in out.scheduled:
+            out.starts[request.request_id] = request.num_computed_tokens
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens_with_pending:
+                request.num_pending += 1
+                out.sampling.add(request.request_id)
+        return out
+
+    def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         # Decodes first, then prefill chunks; within each, priority then arrival.
         order = sorted(
             self.running,
-            key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.sort_key),
+            key=lambda r: (r.num_tokens_with_pending - r.num_computed_tokens > 1, r.sort_key),
         )
         prefill = self._prefill_budget()
         for request in order:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            left = request.num_tokens - request.num_computed_tokens
+            if request.status is not RequestStatus.RUNNING or request.ends_by_length_with_pending:
+                continue  # preempted earlier in this loop, or its last token is in flight
+            left = request.num_tokens_with_pending - request.num_computed_tokens
             num_new = min(left, budget if left == 1 else min(budget, prefill))
             if num_new <= 0:
                 continue
@@ -211,6 +230,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_pending = 0  # a token in flight for it is dropped: recomputed later
         if request.guided is not None:
             request.guided.drop_matcher()
         request.num_preemptions += 1
@@ -221,19 +241,20 @@ class Scheduler:
 
     # -- after the step --------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish stopped requests.
+        """Append the sampled tokens of step `out`, finish stopped requests.
 
-        Returns the requests that got a token (finished ones included).
+        `sampled` may hold ids that did not sample this step (they are ignored). Returns
+        the requests that got a token (finished ones included).
         """
         now = time.monotonic()
         advanced: list[Request] = []
         self.num_computed_tokens_total += out.num_batched_tokens
-        for request, num_tokens in out.scheduled:
-            if request.is_finished:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens < request.num_tokens:
+        for request, _ in out.scheduled:
+            if request.request_id not in out.sampling:
                 continue  # a prefill chunk: no token yet
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) or preempted since it was scheduled
+            request.num_pending -= 1
             request.append_token(sampled[request.request_id])
             if request.first_token_time is None:
                 request.first_token_time = now

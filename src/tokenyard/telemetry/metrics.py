@@ -79,6 +79,9 @@ ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "prefix_cache_hits"),
     ("num_preemptions_total", "counter", "Requests preempted by the scheduler.",
      "num_preemptions"),
+    ("num_overlapped_steps_total", "counter",
+     "Engine steps planned while the step before still computed (async scheduling).",
+     "num_overlapped_steps"),
 )
 
 

@@ -117,3 +117,5 @@ class EngineStats:
     num_preemptions: int
     num_computed_tokens: int  # tokens run through the model since start
     num_pinned_kv_blocks: int = 0  # blocks kept by prompt-cache pins (cache_control)
+    #: Steps planned while the step before still computed (async scheduling), since start.
+    num_overlapped_steps: int = 0
