@@ -8,6 +8,7 @@ under ``nice`` because it shares the machine.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -18,13 +19,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"
+#: Not AMX: `-march=native` turns it on where the CPU lists it, but a virtual machine may
+#: not grant the tile state to processes, and the first AMX matmul then dies of SIGILL
+#: (seen on a Sapphire Rapids guest). AVX-512/VNNI stay on where the CPU has them.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 #: The server alone: no web UI (it would download or build one), no HTTPS, no curl (the
-#: model is a local file), one static binary tuned to this CPU (AVX2/FMA here).
+#: model is a local file), one static binary tuned to this CPU.
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+#: Names the binary and its build tree, so that changed flags build a new one.
+BUILD_TAG = hashlib.sha256(" ".join(CMAKE_FLAGS).encode()).hexdigest()[:8]
 
 
 def peers_dir(cache_dir: Path) -> Path:
@@ -34,7 +42,7 @@ def peers_dir(cache_dir: Path) -> Path:
 
 def llama_server_path(cache_dir: Path) -> Path:
     """The cached binary (present once built)."""
-    return peers_dir(cache_dir) / f"llama-server-{LLAMA_CPP_PYTHON}"
+    return peers_dir(cache_dir) / f"llama-server-{LLAMA_CPP_PYTHON}-{BUILD_TAG}"
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -81,7 +89,7 @@ def ensure_llama_server(cache_dir: Path, jobs: int = 2,
     say(f"building llama-server from llama_cpp_python {LLAMA_CPP_PYTHON} (log {log})")
     started = time.monotonic()
     source = _unpack_source(root, log)
-    build = root / f"build-{LLAMA_CPP_PYTHON}"
+    build = root / f"build-{LLAMA_CPP_PYTHON}-{BUILD_TAG}"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     _run(["nice", "-n", "10", "cmake", "-S", str(source), "-B", str(build), *generator,
           *CMAKE_FLAGS], log)

@@ -38,9 +38,20 @@ def _build_hash(source: bytes) -> str:
     h = hashlib.sha256(source)
     for header in sorted(_SOURCE_DIR.glob("*.h")):  # the sources include them
         h.update(b"\0" + header.read_bytes())
-    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, sys.platform):
+    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, sys.platform,
+                 _cpu_flags()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: `-march=native` compiles for them, so a cache moved to
+    another CPU builds afresh instead of loading code it may not run."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def load_kernel(name: str, cache_dir: Path) -> ModuleType | None:

@@ -123,9 +123,14 @@ inline __m256i q4_1_values(const uint8_t* blk) {
 // madd twice (products <= 127 * 32767, four to a lane: no overflow).
 inline __m256i block_dot(__m256i w, bool w_signed, const int8_t* x) {
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i p = w_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
-                             : _mm256_maddubs_epi16(w, xv);
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  const __m256i u = w_signed ? _mm256_sign_epi8(w, w) : w;
+  const __m256i v = w_signed ? _mm256_sign_epi8(xv, w) : xv;
+#ifdef TY_DPBUSD
+  // The same sums: maddubs never saturates here (|w| <= 128, |x| <= 127, pairs < 2^15).
+  return TY_DPBUSD(_mm256_setzero_si256(), u, v);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
 }
 inline __m256i block_dot(__m256i w, bool w_signed, const int16_t* x) {
   const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
@@ -133,7 +138,11 @@ inline __m256i block_dot(__m256i w, bool w_signed, const int16_t* x) {
   const __m256i w1 = w_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
   const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+#ifdef TY_DPWSSD
+  return TY_DPWSSD(TY_DPWSSD(_mm256_setzero_si256(), w0, x0), w1, x1);
+#else
   return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
 }
 #endif
 

@@ -130,6 +130,11 @@ at::Tensor embedding(const at::Tensor& w, int64_t qtype, int64_t K, const at::Te
 }
 
 bool has_avx2() { return TY_AVX2 != 0; }
+#ifdef TY_DPBUSD
+bool has_vnni() { return true; }
+#else
+bool has_vnni() { return false; }
+#endif
 
 }  // namespace
 
@@ -139,4 +144,5 @@ TORCH_LIBRARY(tokenyard_quant, m) {
   m.def("dequantize_out", dequantize_out);  // blocks -> a given float32 [N, K] buffer
   m.def("embedding", embedding);        // rows ids of a block table -> float32 [T, K]
   m.def("has_avx2", has_avx2);          // whether the AVX2/FMA/F16C path was compiled in
+  m.def("has_vnni", has_vnni);          // whether its int8 dot products use VNNI
 }

@@ -8,6 +8,18 @@
 #define TY_AVX2 0
 #endif
 
+// VNNI: u8 x s8 products summed four to an int32 lane and added to it in one instruction
+// (what maddubs then madd with ones computes, without the int16 step), and int16 pairs
+// likewise (madd then add). AVX-VNNI or AVX-512 VNNI on 256-bit registers, where the
+// compiler targets a CPU that has either.
+#if TY_AVX2 && defined(__AVXVNNI__)
+#define TY_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define TY_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#elif TY_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TY_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define TY_DPWSSD(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#endif
+
 namespace tyk {
 
 #if TY_AVX2
