@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 
 from tokenyard.bench.children import Child, start_child, start_tokenyard
-from tokenyard.bench.host import cpu_model
+from tokenyard.bench.host import OtherLoad, cpu_model
 from tokenyard.bench.llama_build import LLAMA_CPP_PYTHON, ensure_llama_server
 from tokenyard.bench.loadgen import Target, list_models, run_load
 from tokenyard.bench.peers_table import PAGE_SECTION, render_section, write_section
@@ -248,6 +248,11 @@ def medians(rounds: Sequence[dict[str, dict[str, PhaseRun]]],
     return values
 
 
+#: Above this share of the CPU taken by other processes while measuring, the page says
+#: the machine was shared.
+OTHER_SHARE_MAX = 0.10
+
+
 def main(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else Plan()
     rounds_wanted = 1 if args.quick else args.rounds
@@ -256,7 +261,7 @@ def main(args: argparse.Namespace) -> int:
     binary = ensure_llama_server(default_cache_dir(), args.build_jobs,
                                  say=lambda s: print(s, file=sys.stderr))
     build_s = time.monotonic() - build_started
-    started, load_before = time.monotonic(), os.getloadavg()[0]
+    started, load_before, others = time.monotonic(), os.getloadavg()[0], OtherLoad()
     rounds: list[dict[str, dict[str, PhaseRun]]] = []
     for r in range(rounds_wanted):
         if rounds and time.monotonic() - started > args.budget_min * 60:
@@ -269,17 +274,22 @@ def main(args: argparse.Namespace) -> int:
             one[name] = run_server(name, binary, model, plan, 1000 * (r + 1), args.threads)
         rounds.append(one)
     measured_s = time.monotonic() - started
+    other_share = others.share(measured_s)
     command = "tokenyard bench peers " + " ".join(sys.argv[3:] if sys.argv[1:2] == ["bench"]
                                                   else sys.argv[1:])
     setup = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores; 1-minute load average "
-                   f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
+                   f"{load_before:.2f} before (after: {os.getloadavg()[0]:.2f}, the servers' "
+                   "own threads included); other processes took "
+                   + ("an unknown share" if other_share is None else f"{other_share:.1%}")
+                   + " of the CPU while it measured",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": command.strip(), "model": model.name,
         "llama": f"llama-server from llama_cpp_python {LLAMA_CPP_PYTHON}'s vendored "
                  f"llama.cpp, `-t {args.threads} -np N -c C --cont-batching` (C: 2,048 "
                  "at N = 1, else 512·N)",
-        "oversubscribed": max(load_before, os.getloadavg()[0]) > (os.cpu_count() or 1),
+        "oversubscribed": (load_before > (os.cpu_count() or 1)
+                           or (other_share is not None and other_share > OTHER_SHARE_MAX)),
         "tokenyard": f"`tokenyard serve --no-auth --threads {args.threads}`",
         "plan": plan, "rounds": len(rounds), "measured_s": measured_s, "build_s": build_s,
     }

@@ -102,10 +102,11 @@ def requests_table(rounds: Sequence[Mapping[str, Mapping[str, PhaseLike]]]) -> s
 
 
 _OVERSUBSCRIBED = (
-    "**The machine was oversubscribed** (load average above its core count): other work "
-    "shared the cores the servers' threads ran on. llama.cpp's threads wait for each other "
-    "at every step, so one descheduled thread stalls the others: the figures then measure "
-    "how each server bears contention more than its speed on an idle machine.")
+    "**The machine was shared** (a load average above its core count before, or other "
+    "processes taking over a tenth of the CPU while it measured): other work shared the "
+    "cores the servers' threads ran on. llama.cpp's threads wait for each other at every "
+    "step, so one descheduled thread stalls the others: the figures then measure how each "
+    "server bears contention more than its speed on an idle machine.")
 
 
 def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
