@@ -10,6 +10,7 @@ the replica directly send `Server.replica_headers`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -19,9 +20,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +56,14 @@ class Server:
     def replica_headers(self) -> dict[str, str]:
         """The bearer header a direct call to the replica (stats, info) needs."""
         return {"Authorization": f"Bearer {self.replica_token}"} if self.replica_token else {}
+
+
+def replica_get(server: Server, path: str) -> dict[str, Any]:
+    """A GET on the replica itself (stats, info), with its token."""
+    request = urllib.request.Request(server.replica_url + path,
+                                     headers=server.replica_headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return dict(json.load(response))
 
 
 def _read_banner(proc: subprocess.Popen[str], found: dict[str, str], ready: threading.Event,

@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
-from tests.e2e.conftest import running_server
-from tests.e2e.test_prompt_caching import replica_get
+from tests.e2e.conftest import replica_get, running_server
 from tokenyard.engine.llm import LLM
 from tokenyard.wire.sampling_params import SamplingParams
 

@@ -8,10 +8,8 @@ The server gets a small KV pool, so that a handful of prompts cycle every unpinn
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.e2e.conftest import Server, running_server
+from tests.e2e.conftest import Server, replica_get, running_server
 from tests.e2e.test_gateway import _ledger_rows, _poll, _with_store
 from tokenyard.store import Prices, Store, cost_micros
 
@@ -53,14 +51,6 @@ class Cached:
 
     def replica(self, path: str) -> dict[str, Any]:
         return replica_get(self.server, path)
-
-
-def replica_get(server: Server, path: str) -> dict[str, Any]:
-    """A GET on the replica itself (stats, info), with its token."""
-    request = urllib.request.Request(server.replica_url + path,
-                                     headers=server.replica_headers)
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return dict(json.load(response))
 
 
 @pytest.fixture(scope="module")
