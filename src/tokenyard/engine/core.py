@@ -12,11 +12,7 @@ has had one more token computed for nothing, as in vLLM.
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, TypeVar
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -35,49 +31,19 @@ from tokenyard.wire.outputs import EngineCoreOutput, EngineStats
 # commands again (seconds).
 GRAMMAR_WAIT_S = 0.005
 
-T = TypeVar("T")
+#: A launched step: what was scheduled, and its forward pass's result to come.
+_InFlight = tuple[SchedulerOutput, Future[StepResult]]
 
 
-class KernelThread:
+def kernel_thread() -> ThreadPoolExecutor:
     """The one thread that runs an async-scheduled engine's torch work, in submission order.
 
     The model is built on it too: with OpenMP each thread that opens a parallel region gets
     its own worker pool, and two pools on a small CPU stop the workers spinning between
-    regions (see engine/async_core.py).
+    regions (see engine/async_core.py). An executor's worker is joined before the
+    interpreter tears down (a thread still exiting then aborts the process).
     """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._loop, name="tokenyard-kernels",
-                                        daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._jobs.put((future, fn))
-        return future
-
-    def call(self, fn: Callable[[], T]) -> T:
-        return self.submit(fn).result()
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop after the jobs already submitted, and wait for that (a thread still
-        tearing down its OpenMP workers while the interpreter exits aborts the process)."""
-        self._jobs.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenyard-kernels")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,7 +72,7 @@ class EngineCore:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
         tokenizer: Tokenizer | None = None,
-        kernels: KernelThread | None = None,
+        kernels: ThreadPoolExecutor | None = None,
     ) -> None:
         """`tokenizer`: the vocabulary grammars compile against (None: no constrained
         decoding; a request with a grammar is refused). `kernels`: async scheduling, the
@@ -141,13 +107,13 @@ class EngineCore:
             )
         self._compiling: list[Request] = []  # added while their grammar compiled
         self.kernels = kernels
-        self._inflight: tuple[SchedulerOutput, Future[StepResult]] | None = None
+        self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0
 
     def close(self) -> None:
         """Stop the kernel thread, if any (after the step in flight)."""
         if self.kernels is not None:
-            self.kernels.close()
+            self.kernels.shutdown()
 
     @property
     def has_work(self) -> bool:
@@ -221,13 +187,13 @@ class EngineCore:
             raise
         return outputs + self._outputs(step, done)
 
-    def _launch(self, kernels: KernelThread) -> tuple[SchedulerOutput, Future[StepResult]] | None:
+    def _launch(self, kernels: ThreadPoolExecutor) -> _InFlight | None:
         """Schedule and prepare a step here, and queue its forward pass on the kernels."""
         step = self.scheduler.schedule()
         if step.is_empty:
             return None
         prepared = self.runner.prepare(step)
-        return step, kernels.submit(lambda: self.runner.run(prepared))
+        return step, kernels.submit(self.runner.run, prepared)
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be planned before the tokens in flight are known: not
@@ -235,9 +201,7 @@ class EngineCore:
         penalties, stop tokens banned until `min_tokens`)."""
         for request in self.scheduler.running:
             params = request.params
-            if (request.guided is not None
-                    or params.presence_penalty or params.frequency_penalty
-                    or params.repetition_penalty != 1.0
+            if (request.guided is not None or params.has_penalties
                     or request.num_output_tokens < params.min_tokens):
                 return False
         return True

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tokenyard.config import EngineConfig
-from tokenyard.engine.core import EngineCore, KernelThread, resolve_device
+from tokenyard.engine.core import EngineCore, kernel_thread, resolve_device
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.loader import build_model, load_model
 from tokenyard.engine.request import Request
@@ -64,16 +65,16 @@ def build_core(config: EngineConfig, show_progress: bool = True) -> BuiltCore:
     """
     if not config.async_scheduling:
         return _build_core(config, show_progress, None)
-    kernels = KernelThread()
+    kernels = kernel_thread()
     try:
-        return kernels.call(lambda: _build_core(config, show_progress, kernels))
+        return kernels.submit(_build_core, config, show_progress, kernels).result()
     except BaseException:
-        kernels.close()
+        kernels.shutdown()
         raise
 
 
 def _build_core(config: EngineConfig, show_progress: bool,
-                kernels: KernelThread | None) -> BuiltCore:
+                kernels: ThreadPoolExecutor | None) -> BuiltCore:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)

@@ -93,12 +93,7 @@ class Request:
     def ends_by_length_with_pending(self) -> bool:
         """True if the token in flight will be the last one `max_tokens` or the context
         window allows: nothing after it is worth scheduling."""
-        if not self.num_pending:
-            return False
-        max_tokens = self.params.max_tokens
-        outputs = self.num_output_tokens + self.num_pending
-        return ((max_tokens is not None and outputs >= max_tokens)
-                or self.num_tokens_with_pending >= self.max_model_len)
+        return bool(self.num_pending) and self._length_reached(self.num_pending)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -141,8 +136,10 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if self.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return RequestStatus.FINISHED_LENGTH if self._length_reached(0) else None
+
+    def _length_reached(self, extra: int) -> bool:
+        """Whether `max_tokens` or the context window is reached with `extra` more tokens."""
+        max_tokens = self.params.max_tokens
+        return ((max_tokens is not None and self.num_output_tokens + extra >= max_tokens)
+                or self.num_tokens + extra >= self.max_model_len)

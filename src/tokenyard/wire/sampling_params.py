@@ -147,5 +147,11 @@ class SamplingParams:
                 )
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens so far (presence, frequency, repetition)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -109,12 +109,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             all_greedy=not random_rows,
             all_random=len(random_rows) == size,
-            no_penalties=all(
-                p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0
-                and p.repetition_penalty == 1.0
-                for p in params
-            ),
+            no_penalties=not any(p.has_penalties for p in params),
             no_top_k=all(p.top_k <= 0 for p in random_rows),
             no_top_p=all(p.top_p >= 1.0 for p in random_rows),
             no_min_p=all(p.min_p <= 0.0 for p in random_rows),
