@@ -46,7 +46,10 @@ _DEFAULT_CAPABILITIES = {
     "upstream": frozenset({"chat", "completions"}),
     "embeddings": frozenset({"embeddings"}),
 }
-POLICIES = ("affinity", "least", "round_robin")
+#: Balancer policy names the fleet file accepts: the keys of the balancer's registry
+#: (`balancer/policy.py`), which adds each policy registered there (a leaf cannot import
+#: it); the built-in ones are named here too, so a file parses before the balancer loads.
+POLICIES = {"affinity", "least", "round_robin"}
 
 
 class FleetConfigError(ValueError):
@@ -285,7 +288,7 @@ def _balancer(value: Any) -> BalancerSpec:
     _only(table, known, "balancer")
     spec = BalancerSpec(**table)
     if spec.policy not in POLICIES:
-        raise FleetConfigError(f"balancer.policy: one of {', '.join(POLICIES)}")
+        raise FleetConfigError(f"balancer.policy: one of {', '.join(sorted(POLICIES))}")
     for name in ("queue_timeout_s", "health_interval_s", "eject_base_s"):
         value = getattr(spec, name)
         if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

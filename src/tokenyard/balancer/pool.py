@@ -2,12 +2,9 @@
 
 - **Health**: every replica's health route is polled (`health_interval_s`); failures
   eject a replica for a while (`balancer/members.py` keeps that account).
-- **Selection**: with the `affinity` policy, the replica that most recently served the
-  longest prefix of the prompt (its block hashes, `balancer/affinity.py`) wins unless its
-  outstanding work exceeds the least loaded one's by more than the prefill the prefix
-  saves (at least 2,048 tokens when it holds most of the prompt); otherwise (and with
-  `least`) the replica with the fewest tokens in flight from this gateway, then the
-  fewest running and waiting requests in its own stats; `round_robin` is the control.
+- **Selection**: the pool's `Policy` (`balancer/policy.py`, named by the fleet file's
+  `balancer.policy`: `affinity`, `least`, `round_robin`, or one registered there) ranks
+  the replicas that may take work; the pool tries them in that order.
 - **Failover**: a request that has not received its first byte is tried on the next
   replica (each at most once); one that has, ends with the error (the caller's stream
   gets a clean error event). A replica that answers "draining" is skipped the same way.
@@ -24,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -39,6 +35,7 @@ from tokenyard.balancer.members import (
     record_failure,
     record_success,
 )
+from tokenyard.balancer.policy import Policy, RequestFacts, make_policy
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
     ReplicaError,
@@ -57,10 +54,6 @@ from tokenyard.wire.sampling_params import SamplingParams
 logger = logging.getLogger("tokenyard.balancer")
 
 _T = TypeVar("_T")
-#: Outstanding tokens the replica holding most of a prompt may carry beyond the least
-#: loaded one's and still get it (otherwise the allowance is the prefill it saves).
-AFFINITY_SLACK_TOKENS = 2048
-
 
 
 class Pool:
@@ -84,8 +77,10 @@ class Pool:
         self.members = [Member(mid, client) for mid, client in members]
         self.affinity: AffinityTable = affinity or LocalAffinity(self.spec.affinity_entries)
         self.block_size = block_size
+        #: Chosen once by name (ValueError for an unknown one; the fleet file's parse
+        #: already refused it).
+        self.policy: Policy = make_policy(self.spec.policy, self.affinity, block_size)
         self.info_cache = info
-        self._rr = itertools.count()
         self._waiting = WaitQueue()
         self._owner: dict[str, Member] = {}
         self._health_task: asyncio.Task[None] | None = None
@@ -93,7 +88,6 @@ class Pool:
         self.inflight = 0
         #: Decisions taken and how long they took (ns), for the `balance` stage.
         self.decisions = 0
-        self.affinity_hits = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -189,33 +183,17 @@ class Pool:
             self._memo = (*key, prefix_hashes(prompt, self.block_size, salt))
         return self._memo[3]
 
-    async def _order(self, hashes: Sequence[int], exclude: set[str]) -> list[Member]:
+    @property
+    def affinity_hits(self) -> int:
+        """Decisions the prefix affinity changed (0 under another policy)."""
+        return int(getattr(self.policy, "hits", 0))
+
+    async def _order(self, facts: RequestFacts, exclude: set[str]) -> list[Member]:
         now = time.monotonic()
         avail = [m for m in self.members if m.id not in exclude and m.available(now)]
         if len(avail) <= 1:
             return avail
-        policy = self.spec.policy
-        if policy == "round_robin":
-            start = next(self._rr) % len(avail)
-            return avail[start:] + avail[:start]
-        ranked = sorted(avail, key=Member.load)
-        if policy == "affinity" and hashes:
-            depth = await self.affinity.lookup(hashes)
-            if depth:
-                best = max(ranked, key=lambda m: depth.get(m.id, 0))
-                least = ranked[0].inflight_tokens
-                # The held prefix saves its prefill: worth at most that much extra work
-                # queued on its holder (a shared system prompt alone saves little, so it
-                # cannot pull every request to one replica).
-                held = depth.get(best.id, 0)
-                allowance = held * self.block_size
-                if 2 * held >= len(hashes):  # most of the prompt: a conversation, keep it
-                    allowance = max(allowance, AFFINITY_SLACK_TOKENS)
-                if held and best.inflight_tokens - least <= allowance:
-                    self.affinity_hits += 1
-                    ranked.remove(best)
-                    ranked.insert(0, best)
-        return ranked
+        return await self.policy.order(avail, facts)
 
     # ------------------------------------------------------------------ failover
 
@@ -233,11 +211,12 @@ class Pool:
         request ends) and what `attempt` returned. The decisions' own time is the
         timeline's `balance` stage."""
         deadline = time.monotonic() + self.spec.queue_timeout_s
+        facts = RequestFacts(hashes, cost, priority)
         tried: set[str] = set()
         while True:
             self.decisions += 1
             began = time.perf_counter_ns()
-            order = await self._order(hashes, tried)
+            order = await self._order(facts, tried)
             if timeline is not None:
                 timeline.add("balance", time.perf_counter_ns() - began)
             full: ReplicaOverloaded | None = None
@@ -263,7 +242,7 @@ class Pool:
                     raise
                 record_success(member)
                 if hashes:
-                    await self.affinity.record(hashes, member.id)
+                    await self.policy.placed(hashes, member)
                 return lease, result
             if full is None:
                 raise last or ReplicaConnectionError(
@@ -351,7 +330,7 @@ class Pool:
             cost=len(prompt_token_ids) + (params.max_tokens or 0),
             priority=priority, request_id=request_id, timeline=timeline,
         )
-        if self.spec.policy != "affinity":
+        if not self.policy.follows_output:
             return stream
         return self._remember_output(stream, request_id, prompt_token_ids, cache_salt)
 
@@ -372,8 +351,8 @@ class Pool:
                 reason = getattr(delta, "finish_reason", None)
                 if reason is not None and reason != "abort":
                     if member is not None and output:
-                        await self.affinity.record(
-                            prefix_hashes(prompt + output, self.block_size, salt), member.id)
+                        await self.policy.placed(
+                            prefix_hashes(prompt + output, self.block_size, salt), member)
                     return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]

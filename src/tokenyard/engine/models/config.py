@@ -1,4 +1,5 @@
-"""Model configuration shared by every Llama-family architecture."""
+"""Model configuration shared by every architecture (models/families.py), and the error
+of reading one from a GGUF file."""
 
 from __future__ import annotations
 
@@ -6,12 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class GGUFError(ValueError):
+    """The GGUF file is unreadable or describes a model we cannot run."""
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of one decoder-only model.
 
-    `architecture` is one of "llama" (Llama 1-3, SmolLM2), "mistral", "qwen2", "qwen3"
-    (models/llama.py) or "gemma3" (models/gemma.py, which also reads the Gemma fields below).
+    `architecture` names its family (models/families.py): "llama" (Llama 1-3, SmolLM2),
+    "mistral", "qwen2", "qwen3" (models/llama.py) or "gemma3" (models/gemma.py, which also
+    reads the Gemma fields below).
     """
 
     architecture: str

@@ -20,16 +20,9 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from tokenyard.engine.models.config import ModelConfig
+from tokenyard.engine.models.config import GGUFError, ModelConfig
+from tokenyard.engine.models.families import FAMILIES, GGUF_ARCHITECTURES, Family
 from tokenyard.text.gguf_file import GGUFFile
-
-#: GGUF `general.architecture` -> our architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-}
-
-#: Archs whose q/k rows llama.cpp permutes on conversion (Qwen uses NEOX rope: no permute).
-_PERMUTED_ARCHS = ("llama", "mistral")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -37,42 +30,11 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-#: Gemma 3 norms a layer four times; llama.cpp's names for them differ from Llama's.
-_GEMMA_BLOCK_NAMES = {
-    **_BLOCK_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-
-#: Gemma 3 as llama.cpp runs it, where its GGUF metadata is silent: every 6th layer
-#: attends globally, the sliding layers' RoPE base is 10,000.
-GEMMA3_GLOBAL_EVERY = 6
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 # Tensors that carry no weights of their own; handled through the config instead.
 _SKIPPED_TENSORS = ("rope_freqs.weight",)
-
-
-class GGUFError(ValueError):
-    """The GGUF file is unreadable or describes a model we cannot run."""
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -89,17 +51,28 @@ def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+def gguf_family(reader: GGUFFile) -> Family:
+    """The family of the file's `general.architecture`; GGUFError if we run none."""
+    gguf_arch = field_value(reader, "general.architecture")
+    found = GGUF_ARCHITECTURES.get(gguf_arch)
+    if found is None:
+        raise GGUFError(
+            f"unsupported GGUF architecture {gguf_arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    return found
+
+
+def gguf_hf_name(gguf_name: str, family: Family = FAMILIES["llama"]) -> str | None:
     """Map a GGUF tensor name to its Hugging Face name (None if not a model weight).
 
-    e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; `arch` is the
-    GGUF's `general.architecture` (Gemma 3 names its norms differently).
+    e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; the layers'
+    names are the `family`'s (Gemma 3 names its norms differently).
     """
     if gguf_name in _SKIPPED_TENSORS:
         return None
     m = _BLOCK_RE.match(gguf_name)
     if m:
-        part = (_GEMMA_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES).get(m.group(2))
+        part = family.gguf_block_names.get(m.group(2))
         return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
@@ -109,12 +82,8 @@ def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 def read_gguf_config(reader: GGUFFile, name: str = "model") -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (keys as llama.cpp writes them)."""
-    gguf_arch = field_value(reader, "general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise GGUFError(
-            f"unsupported GGUF architecture {gguf_arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
-    arch = GGUF_ARCHITECTURES[gguf_arch]
+    family = gguf_family(reader)
+    gguf_arch = field_value(reader, "general.architecture")  # its metadata keys' prefix
 
     def meta(key: str, default: Any = None) -> Any:
         value = field_value(reader, f"{gguf_arch}.{key}", default)
@@ -145,7 +114,7 @@ def read_gguf_config(reader: GGUFFile, name: str = "model") -> ModelConfig:
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
 
     config = ModelConfig(
-        architecture=arch,
+        architecture=family.name,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -165,38 +134,9 @@ def read_gguf_config(reader: GGUFFile, name: str = "model") -> ModelConfig:
         eos_token_ids=eos_ids,
         name=name,
     )
-    if arch == "gemma3":
-        _read_gemma3(reader, config)
+    if family.gguf_config is not None:
+        family.gguf_config(reader, config)
     return config
-
-
-def _read_gemma3(reader: GGUFFile, config: ModelConfig) -> None:
-    """Fill the Gemma 3 fields of `config` from the metadata, with llama.cpp's defaults."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if field_value(reader, f"gemma3.{key}") is not None:
-            raise GGUFError(f"gemma3.{key} (logit soft-capping) is not supported")
-    window = field_value(reader, "gemma3.attention.sliding_window")
-    config.sliding_window = None if window is None else int(window)
-    pattern = field_value(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
-    layers = config.num_hidden_layers
-    if isinstance(pattern, list):  # one flag per layer: True = sliding
-        sliding = [bool(flag) for flag in pattern]
-    else:
-        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
-    if len(sliding) != layers:
-        raise GGUFError(f"sliding_window_pattern has {len(sliding)} layers, expected {layers}")
-    if config.sliding_window is None:
-        sliding = [False] * layers
-    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
-    config.rope_local_theta = float(
-        field_value(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
-    )
-    # llama.cpp's rule (the GGUF has no query_pre_attn_scalar): head_dim, except the 27B
-    # model (62 layers), which scales by hidden / heads.
-    scalar = config.head_dim
-    if layers == 62:
-        scalar = config.hidden_size // config.num_attention_heads
-    config.query_pre_attn_scalar = float(scalar)
 
 
 def _rope_scaling(reader: GGUFFile, arch: str, freqs: Any) -> dict[str, Any] | None:
@@ -250,23 +190,24 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every model weight in the file.
 
-    q/k of llama/mistral are un-permuted. Unknown tensor names raise GGUFError so a
-    mis-mapped model fails loudly instead of loading with missing pieces.
+    q/k of llama/mistral are un-permuted, Gemma's norm scales made `w` again (its family
+    says). Unknown tensor names raise GGUFError so a mis-mapped model fails loudly
+    instead of loading with missing pieces.
     """
-    gguf_arch = field_value(reader, "general.architecture")
-    permuted = gguf_arch in _PERMUTED_ARCHS
+    family = gguf_family(reader)
+    permuted = family.gguf_permuted_qk
     for tensor in tqdm(
         reader.tensors, desc="dequantizing", unit="tensor", disable=not show_progress
     ):
         if tensor.name in _SKIPPED_TENSORS:
             continue
-        hf_name = gguf_hf_name(tensor.name, gguf_arch)
+        hf_name = gguf_hf_name(tensor.name, family)
         if hf_name is None:
             raise GGUFError(f"unknown GGUF tensor {tensor.name!r}")
         value = dequantize_tensor(tensor)
-        if gguf_arch == "gemma3" and tensor.name.endswith("norm.weight"):
-            # llama.cpp's converter stores Gemma's norm scales as 1 + w; HF keeps w.
-            value = value - 1.0
+        if family.gguf_norm_offset and tensor.name.endswith("norm.weight"):
+            # llama.cpp's converter stores e.g. Gemma's norm scales as 1 + w; HF keeps w.
+            value = value - family.gguf_norm_offset
         if permuted and ".self_attn.q_proj." in hf_name:
             value = unpermute_qk(value, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in hf_name:
@@ -283,11 +224,11 @@ def iter_gguf_blocks(
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Yield (HF name, type name, raw blocks uint8 [rows, bytes]) for every model weight
     stored as Q4_0, Q4_1 or Q8_0, undequantized (q/k rows un-permuted, as whole rows)."""
-    gguf_arch = field_value(reader, "general.architecture")
-    permuted = gguf_arch in _PERMUTED_ARCHS
+    family = gguf_family(reader)
+    permuted = family.gguf_permuted_qk
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        hf_name = gguf_hf_name(tensor.name, gguf_arch)
+        hf_name = gguf_hf_name(tensor.name, family)
         if kind not in BLOCK_TYPES or hf_name is None:
             continue
         rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1

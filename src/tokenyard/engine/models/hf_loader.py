@@ -14,9 +14,7 @@ import torch
 from safetensors import safe_open
 
 from tokenyard.engine.models.config import ModelConfig
-
-#: HF `model_type` values we can run.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from tokenyard.engine.models.families import HF_MODEL_TYPES
 
 
 class HFModelError(ValueError):
@@ -63,9 +61,11 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     folder = Path(folder)
     cfg = _read_json(folder / "config.json")
     model_type = cfg.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
         raise HFModelError(
-            f"{folder}: unsupported model_type {model_type!r}; supported: {HF_MODEL_TYPES}"
+            f"{folder}: unsupported model_type {model_type!r}; "
+            f"supported: {tuple(HF_MODEL_TYPES)}"
         )
     hidden = int(cfg["hidden_size"])
     num_heads = int(cfg["num_attention_heads"])
@@ -79,20 +79,14 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
             if tid not in eos_ids:
                 eos_ids.append(tid)
 
-    # Bias conventions differ per family: Qwen2 always has q/k/v bias and none on o_proj;
-    # Llama/Qwen3 `attention_bias` covers q/k/v and o; Mistral has none.
-    if model_type == "qwen2":
-        qkv_bias, o_bias = True, False
-    elif model_type == "mistral":
-        qkv_bias = o_bias = False
-    else:
-        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+    # Bias conventions differ per family (its `hf_attention_biases`).
+    qkv_bias, o_bias = family.hf_attention_biases(cfg)
     if cfg.get("mlp_bias"):
         raise HFModelError(f"{folder}: mlp_bias=true is not supported")
 
     bos = cfg.get("bos_token_id")
     return ModelConfig(
-        architecture=model_type,
+        architecture=family.name,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
@@ -107,7 +101,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=family.hf_qk_norm,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         name=folder.name,

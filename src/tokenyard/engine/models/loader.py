@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenyard.config import default_cache_dir
 from tokenyard.engine.models.config import ModelConfig
-from tokenyard.engine.models.gemma import GemmaForCausalLM
+from tokenyard.engine.models.families import CausalLM, family
 from tokenyard.engine.models.gguf_loader import (
     iter_gguf_blocks,
     iter_gguf_weights,
@@ -32,15 +32,10 @@ from tokenyard.engine.models.gguf_loader import (
     read_gguf_config,
 )
 from tokenyard.engine.models.hf_loader import load_hf_folder
-from tokenyard.engine.models.llama import LlamaForCausalLM
 from tokenyard.text.model_files import CACHE_MARKER, file_sha256, resolve_model_path
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-#: The model classes `build_model` makes; they share one interface (forward,
-#: compute_logits, set_threads, the block-weight attributes of models/quant.py).
-CausalLM = LlamaForCausalLM | GemmaForCausalLM
 
 #: Bump when the cache layout or the conversion changes; older entries are rebuilt.
 CACHE_FORMAT_VERSION = 1
@@ -123,12 +118,9 @@ def _read_blocks(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
 
 
 def build_model(loaded: LoadedModel) -> CausalLM:
-    """Construct the model for `loaded.config`, copy the weights in, switch to eval mode."""
-    model: CausalLM
-    if loaded.config.architecture == "gemma3":
-        model = GemmaForCausalLM(loaded.config)
-    else:
-        model = LlamaForCausalLM(loaded.config)
+    """Construct the model for `loaded.config` (its family's class), copy the weights in,
+    switch to eval mode. ValueError for an architecture no family runs."""
+    model = family(loaded.config.architecture).model(loaded.config)
     model.load_weights(loaded.weights.items())
     return model.eval()
 

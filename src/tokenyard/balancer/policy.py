@@ -1,0 +1,164 @@
+"""Stage 12's selection: how a pool ranks its replicas for one request (`Policy`).
+
+A pool asks its policy only when two or more members may take work now (healthy, not
+draining, not ejected: the pool filters them); the policy returns them best first and
+the pool tries them in that order, failing over down the list. A policy learns from what
+happened through `placed`: a member accepted a request (the pool has its first byte), so
+it now holds that prompt's prefix; and, for a policy that sets `follows_output`, again
+when a generation finished, with the prompt followed by the output (a conversation's
+next turn starts so).
+
+The fleet file's `balancer.policy` names one entry of `POLICIES`, looked up once when the
+pool is built:
+
+- `affinity`: the replica that most recently served the longest prefix of the prompt
+  (its block hashes, `balancer/affinity.py`) wins unless its outstanding work exceeds the
+  least loaded one's by more than the prefill the prefix saves (at least
+  `AFFINITY_SLACK_TOKENS` when it holds most of the prompt); otherwise as `least`.
+- `least`: the replica with the fewest tokens in flight from this gateway, then the
+  fewest running and waiting requests in its own stats.
+- `round_robin`: each member in turn, whatever it holds or carries; the control.
+
+Another policy is one `register_policy` call: the pool and the fleet file's check
+(`deployments.POLICIES`, which this registry keeps in step) take it from then on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenyard import deployments
+from tokenyard.balancer.affinity import AffinityTable
+from tokenyard.balancer.members import Member
+
+#: Outstanding tokens the replica holding most of a prompt may carry beyond the least
+#: loaded one's and still get it (otherwise the allowance is the prefill it saves).
+AFFINITY_SLACK_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What a policy knows of the request it places."""
+
+    #: The prompt's block hashes (salted by tenant); empty where the request carries no
+    #: token ids (an upstream's chat, an embeddings call) or the prompt is under a block.
+    hashes: Sequence[int] = ()
+    #: Tokens it holds on its member while it runs (prompt + max_tokens for a generation).
+    cost: int = 1
+    #: Its priority class (lower first).
+    priority: int = 0
+
+
+class Policy(Protocol):
+    """How one pool ranks its members (see the module's docstring)."""
+
+    #: Whether `placed` also hears of a finished generation's prompt + output (the pool
+    #: then collects the output tokens of every generation, which costs a little).
+    follows_output: bool
+
+    async def order(self, members: list[Member], facts: RequestFacts) -> list[Member]:
+        """`members` (two or more, all available) best first for this request."""
+        ...
+
+    async def placed(self, hashes: Sequence[int], member: Member) -> None:
+        """`member` now holds every prefix in `hashes` (possibly none: an output shorter
+        than a block added to a prompt shorter than one)."""
+        ...
+
+
+#: What `POLICIES` holds: builds a pool's policy from the pool's prefix table (shared
+#: with other pools, and with other gateways when it lives in Redis) and block size.
+PolicyFactory = Callable[[AffinityTable, int], Policy]
+
+
+class LeastOutstanding:
+    """`least`: the lightest load first (`Member.load`).
+
+    It records placements in the prefix table although it does not route by it: a pool
+    reloaded with `affinity`, or another gateway sharing the table, finds it current."""
+
+    follows_output = False
+
+    def __init__(self, affinity: AffinityTable, block_size: int) -> None:
+        self.affinity = affinity
+        self.block_size = block_size
+
+    async def order(self, members: list[Member], facts: RequestFacts) -> list[Member]:
+        return sorted(members, key=Member.load)
+
+    async def placed(self, hashes: Sequence[int], member: Member) -> None:
+        await self.affinity.record(hashes, member.id)
+
+
+class RoundRobin(LeastOutstanding):
+    """`round_robin`: the members in turn, starting one further each decision."""
+
+    def __init__(self, affinity: AffinityTable, block_size: int) -> None:
+        super().__init__(affinity, block_size)
+        self._turn = itertools.count()
+
+    async def order(self, members: list[Member], facts: RequestFacts) -> list[Member]:
+        start = next(self._turn) % len(members)
+        return members[start:] + members[:start]
+
+
+class PrefixAffinity(LeastOutstanding):
+    """`affinity`: the holder of the longest cached prefix first, within a load allowance;
+    `hits` counts the decisions it changed."""
+
+    follows_output = True
+
+    def __init__(self, affinity: AffinityTable, block_size: int) -> None:
+        super().__init__(affinity, block_size)
+        self.hits = 0
+
+    async def order(self, members: list[Member], facts: RequestFacts) -> list[Member]:
+        ranked = await super().order(members, facts)
+        hashes = facts.hashes
+        if not hashes:
+            return ranked
+        depth = await self.affinity.lookup(hashes)
+        if not depth:
+            return ranked
+        best = max(ranked, key=lambda m: depth.get(m.id, 0))
+        least = ranked[0].inflight_tokens
+        # The held prefix saves its prefill: worth at most that much extra work queued on
+        # its holder (a shared system prompt alone saves little, so it cannot pull every
+        # request to one replica).
+        held = depth.get(best.id, 0)
+        allowance = held * self.block_size
+        if 2 * held >= len(hashes):  # most of the prompt: a conversation, keep it
+            allowance = max(allowance, AFFINITY_SLACK_TOKENS)
+        if held and best.inflight_tokens - least <= allowance:
+            self.hits += 1
+            ranked.remove(best)
+            ranked.insert(0, best)
+        return ranked
+
+
+#: Policy name (the fleet file's `balancer.policy`) -> its factory.
+POLICIES: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    """Make `name` a balancer policy: pools built with it from now on use `factory`, and
+    the fleet file accepts it."""
+    POLICIES[name] = factory
+    deployments.POLICIES.add(name)
+
+
+def make_policy(name: str, affinity: AffinityTable, block_size: int) -> Policy:
+    """The policy `name` for one pool; ValueError naming the known ones if it is none."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(
+            f"unknown balancer policy {name!r}; one of {', '.join(sorted(POLICIES))}")
+    return factory(affinity, block_size)
+
+
+register_policy("affinity", PrefixAffinity)
+register_policy("least", LeastOutstanding)
+register_policy("round_robin", RoundRobin)
