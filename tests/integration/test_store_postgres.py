@@ -19,6 +19,10 @@ import pytest
 from tests.conftest import require_service
 
 # The backend-neutral tests: collected here too, where `database_url` is PostgreSQL's.
+from tests.unit.test_idempotency_owner import (  # noqa: F401
+    test_0008_makes_the_records_per_key_and_route_and_back,
+    test_a_record_is_its_api_key_s_and_its_route_s,
+)
 from tests.unit.test_ledger import (  # noqa: F401
     test_a_failed_flush_keeps_the_records_and_retries,
     test_a_live_writers_journal_is_not_replayed_by_another_writer,

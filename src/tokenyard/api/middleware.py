@@ -200,10 +200,13 @@ def stream_failed(request: web.Request, response: web.StreamResponse, err: APIEr
 async def _idempotent(
     request: web.Request, gateway: Gateway, idem_key: str, handler: Handler
 ) -> web.StreamResponse:
-    """Run `handler` once per (org, Idempotency-Key); replay its stored 2xx response."""
-    org_id = request[KEY].org_id
+    """Run `handler` once per (API key, Idempotency-Key); replay its stored 2xx response
+    to the same key on the same route only (gateway/idempotency.py)."""
+    caller = request[KEY]
     store = gateway.store
-    stored = await idempotency.claim(store, org_id, idem_key, await request.read())
+    stored = await idempotency.claim(store, caller,
+                                     idempotency.route_of(request.method, request.path),
+                                     idem_key, await request.read())
     if stored is not None:
         headers = {**stored.headers, idempotency.REPLAYED_HEADER: "true"}
         return web.Response(status=stored.status_code or 200, body=stored.body or b"",
@@ -213,13 +216,13 @@ async def _idempotent(
         response = await handler(request)
     except BaseException:
         # A task of its own: a cancelled handler (client gone) must still free the key.
-        asyncio.get_running_loop().create_task(store.idem_release(org_id, idem_key))
+        asyncio.get_running_loop().create_task(idempotency.release(store, caller, idem_key))
         raise
     if isinstance(response, RecordingStreamResponse):
         failed, body = response.failed, bytes(response.recorded)
     else:
         failed, body = False, bytes(cast(bytes, getattr(response, "body", b"")) or b"")
     content_type = response.headers.get("Content-Type", "application/json")
-    await idempotency.finish(store, org_id, idem_key, response.status,
+    await idempotency.finish(store, caller, idem_key, response.status,
                              {"Content-Type": content_type}, body, failed=failed)
     return response

@@ -1,7 +1,10 @@
 """Idempotency-Key records: claim a key atomically, store the response, replay it.
 
-The claim is an INSERT on the (org_id, key) primary key: of two racing requests the
-database lets exactly one insert, and the other sees the winner's row. An expired record,
+A record is one API key's (`api_key_id`, within its org) and holds the route it was first
+sent to: the same Idempotency-Key from another key of the org is another record, and on
+another route it is a 'mismatch' like another body. The claim is an INSERT on the
+(org_id, api_key_id, key) primary key: of two racing requests the database lets exactly
+one insert, and the other sees the winner's row. An expired record,
 or a 'running' one whose request has held it past the lease (its gateway crashed), counts
 as absent and is replaced.
 """
@@ -36,8 +39,12 @@ async def begin(
     running_lease_s: float = DEFAULT_RUNNING_LEASE_S,
     owner: str | None = None,
     owner_is_dead: Callable[[str], bool] | None = None,
+    *,
+    api_key_id: str = "",
+    route: str = "",
 ) -> tuple[IdemOutcome, IdempotencyRecord | None]:
-    """Claim `key` for a request whose body hashes to `body_hash` (SHA-256 hex).
+    """Claim `key` of the API key `api_key_id` for a request to `route` whose body hashes
+    to `body_hash` (SHA-256 hex).
 
     `owner` names the claiming process (kept with the claim while it runs); a running
     claim whose owner `owner_is_dead` says is gone (a gateway worker killed mid-request)
@@ -45,7 +52,8 @@ async def begin(
 
     Returns ('new', None): the caller runs the request, then `complete` or `release`;
     ('replay', record): a response is stored for the same body; ('running', record): the
-    same key is in flight; ('mismatch', record): the key was used with another body.
+    same key is in flight; ('mismatch', record): the key was used with another body or
+    on another route (`record.route` tells which).
     """
     stale = or_(
         records.c.expires_at <= now,
@@ -56,14 +64,16 @@ async def begin(
     )
     row = {
         "org_id": org_id,
+        "api_key_id": api_key_id,
         "key": key,
+        "route": route,
         "body_hash": body_hash,
         "state": "running",
         "headers": None if owner is None else {OWNER: owner},
         "created_at": now,
         "expires_at": now + timedelta(seconds=ttl_s),
     }
-    this_key = and_(records.c.org_id == org_id, records.c.key == key)
+    this_key = _this_key(org_id, api_key_id, key)
     for _ in range(MAX_ATTEMPTS):
         try:
             # Delete-if-stale first: the transaction starts with a write, so SQLite takes
@@ -79,7 +89,7 @@ async def begin(
         if found is None:
             continue  # released between our insert and our read: try to claim it again
         record = _record(found)
-        if record.body_hash != body_hash:
+        if record.body_hash != body_hash or record.route != route:
             return "mismatch", record
         holder = record.headers.get(OWNER) if record.state == "running" else None
         if holder is not None and owner_is_dead is not None and owner_is_dead(holder):
@@ -99,6 +109,8 @@ async def complete(
     status: int,
     headers: dict[str, str],
     body: bytes,
+    *,
+    api_key_id: str = "",
 ) -> bool:
     """Store the response (status code, headers, body bytes) of the request holding `key`.
 
@@ -106,20 +118,24 @@ async def complete(
     """
     query = (
         update(records)
-        .where(records.c.org_id == org_id, records.c.key == key, records.c.state == "running")
+        .where(_this_key(org_id, api_key_id, key), records.c.state == "running")
         .values(state="done", status_code=status, headers=dict(headers), body=body)
     )
     async with engine.begin() as conn:
         return (await conn.execute(query)).rowcount == 1
 
 
-async def release(engine: AsyncEngine, org_id: str, key: str) -> bool:
+async def release(engine: AsyncEngine, org_id: str, key: str, *, api_key_id: str = "") -> bool:
     """Delete a 'running' claim (the request failed), so that a retry runs it anew."""
-    query = delete(records).where(
-        records.c.org_id == org_id, records.c.key == key, records.c.state == "running"
-    )
+    query = delete(records).where(_this_key(org_id, api_key_id, key), records.c.state == "running")
     async with engine.begin() as conn:
         return (await conn.execute(query)).rowcount == 1
+
+
+def _this_key(org_id: str, api_key_id: str, key: str) -> Any:
+    """The one record of Idempotency-Key `key` of API key `api_key_id` (of `org_id`)."""
+    return and_(records.c.org_id == org_id, records.c.api_key_id == api_key_id,
+                records.c.key == key)
 
 
 def _record(row: Any) -> IdempotencyRecord:
@@ -133,4 +149,6 @@ def _record(row: Any) -> IdempotencyRecord:
         body=None if row["body"] is None else bytes(row["body"]),
         created_at=row["created_at"],
         expires_at=row["expires_at"],
+        api_key_id=row["api_key_id"],
+        route=row["route"],
     )

@@ -170,3 +170,5 @@ class IdempotencyRecord:
     body: bytes | None
     created_at: datetime
     expires_at: datetime
+    api_key_id: str = ""  # the API key whose record it is ('': none was named)
+    route: str = ""  # what it was first sent to, e.g. "POST /v1/chat/completions"

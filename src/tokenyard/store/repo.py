@@ -289,22 +289,27 @@ class Store(Accounts):
         running_lease_s: float = idempotency.DEFAULT_RUNNING_LEASE_S,
         owner: str | None = None,
         owner_is_dead: Callable[[str], bool] | None = None,
+        *,
+        api_key_id: str = "",
+        route: str = "",
     ) -> tuple[IdemOutcome, IdempotencyRecord | None]:
-        """Claim an Idempotency-Key (see `idempotency.begin`)."""
+        """Claim an Idempotency-Key of an API key on a route (see `idempotency.begin`)."""
         return await idempotency.begin(
             self.db.engine, self.clock(), org_id, key, body_hash, ttl_s, running_lease_s,
-            owner, owner_is_dead,
+            owner, owner_is_dead, api_key_id=api_key_id, route=route,
         )
 
     async def idem_complete(
-        self, org_id: str, key: str, status: int, headers: dict[str, str], body: bytes
+        self, org_id: str, key: str, status: int, headers: dict[str, str], body: bytes,
+        *, api_key_id: str = "",
     ) -> bool:
         """Store the response of a claimed key for replay (see `idempotency.complete`)."""
-        return await idempotency.complete(self.db.engine, org_id, key, status, headers, body)
+        return await idempotency.complete(self.db.engine, org_id, key, status, headers, body,
+                                          api_key_id=api_key_id)
 
-    async def idem_release(self, org_id: str, key: str) -> bool:
+    async def idem_release(self, org_id: str, key: str, *, api_key_id: str = "") -> bool:
         """Drop the claim of a failed request so that a retry may run (see `.release`)."""
-        return await idempotency.release(self.db.engine, org_id, key)
+        return await idempotency.release(self.db.engine, org_id, key, api_key_id=api_key_id)
 
     # -- first start -------------------------------------------------------------------
 

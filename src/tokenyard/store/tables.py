@@ -184,8 +184,16 @@ usage_ledger = Table(
 idempotency_records = Table(
     "idempotency_records",
     metadata,
+    # A record is the API key's, not its org's: another key of the org that sends the same
+    # Idempotency-Key runs a request of its own (authorized as itself), never this replay.
+    # The defaults ('') only serve gateways of before 0008 during a rolling upgrade: their
+    # rows name no key and no route, so no gateway of 0008 ever replays them.
     Column("org_id", String(ID), nullable=False),
+    Column("api_key_id", String(ID), nullable=False, server_default=""),
     Column("key", String(255), nullable=False),
+    # What the key was first sent to ("POST /v1/chat/completions"): on another route the
+    # same key is refused like another body.
+    Column("route", String(100), nullable=False, server_default=""),
     Column("body_hash", String(64), nullable=False),  # SHA-256 hex of the request body
     Column("state", String(8), nullable=False),  # 'running' or 'done'
     Column("status_code", Integer, nullable=True),
@@ -194,7 +202,7 @@ idempotency_records = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False, index=True),
     # The primary key is what lets exactly one of two racing requests claim a key.
-    PrimaryKeyConstraint("org_id", "key"),
+    PrimaryKeyConstraint("org_id", "api_key_id", "key"),
 )
 
 shadow_results = Table(
