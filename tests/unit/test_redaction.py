@@ -4,6 +4,7 @@ that tells a card number from another long number, JSON kept valid, operator pat
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -58,3 +59,47 @@ def test_operator_patterns_are_applied_after_the_built_in_ones() -> None:
         "ticket [REDACTED:custom] for [REDACTED:custom]")
     with pytest.raises(ValueError, match="bad redaction pattern"):
         Redactor(["("])
+
+
+@pytest.mark.parametrize(("text", "out"), [
+    # The local part is its whole run of address characters, wherever a word starts in it.
+    ("mail -bob@x.com now", "mail [REDACTED:email] now"),
+    ("see x@foo.bar.123", "see [REDACTED:email].123"),  # the last label must be letters
+    ("x@foo.com-bar", "[REDACTED:email]-bar"),
+    ("foo@bar@x.com", "foo@[REDACTED:email]"),
+    ("u@h.example.COM.", "[REDACTED:email]."),
+    ("a@b, a@b.c, bob@ex_ample.com", "a@b, a@b.c, bob@ex_ample.com"),
+    (("a" * 100) + "@" + ("b" * 100) + ".org", "[REDACTED:email]"),
+])
+def test_email_edges(text: str, out: str) -> None:
+    assert R.text(text) == out
+
+
+# Runs of the characters a pattern repeats, with and without what would complete a match.
+# "a-", "a.", "1-" and "a%" took the old e-mail pattern seconds per 60 KB (quadratic: every
+# word boundary in the run was tried, each try scanning to the run's end).
+ADVERSARIAL = ["a-", "a.", "a%", "1-", "a@", "a@a.", "@a.", "a.b@", "x@a.bc", "1 ", "+1 ",
+               "(555) ", "555.555-", "sk-", "bearer ", " ", "a"]
+
+
+@pytest.mark.parametrize("size", [60_000, 1_000_000])
+@pytest.mark.parametrize("unit", ADVERSARIAL)
+def test_redaction_time_is_linear_in_the_text(unit: str, size: int) -> None:
+    # A complexity guard, not a benchmark: linear patterns take about 0.02 s per 60 KB and
+    # 0.2 s per MB here; the old e-mail pattern took 4 s on 60 KB of "a-" (and, quadratic,
+    # would take over 20 minutes on 1 MB). The bounds leave a loaded machine a wide margin.
+    text = (unit * (size // len(unit) + 1))[:size]
+    began = time.perf_counter()
+    if size <= 60_000:
+        R.json({"user": text})
+    else:
+        R.text(text)
+    elapsed = time.perf_counter() - began
+    assert elapsed < (0.5 if size <= 60_000 else 5.0), f"{elapsed:.2f} s for {unit!r} * {size}"
+
+
+def test_a_long_local_part_is_still_redacted_whole_in_linear_time() -> None:
+    text = "a-" * 500_000 + "a@example.com"
+    began = time.perf_counter()
+    assert R.text(text) == "[REDACTED:email]"
+    assert time.perf_counter() - began < 5.0

@@ -5,15 +5,34 @@ message's text parts are joined into the chat template's single string."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenyard.api.errors import schema_error
 from tokenyard.errors import UNSUPPORTED_PARAMETER
+from tokenyard.text.stop import MAX_STOP_LENGTH
 
 #: How several text parts of one message are joined into the template's single string.
 TEXT_PART_SEPARATOR = "\n"
+
+# The body cap bounds every string of a request, and what the model reads (messages, tools,
+# schemas) is bounded again by its context window. What it never reads (the model's name,
+# the identifiers and tags kept, logged or compared with the request) is bounded on its own,
+# as the API's spec bounds it where it does (tests/unit/test_string_bounds.py holds every
+# string field of the request schemas to one or the other).
+
+#: The longest model (or deployment) name a request may name; served names are far shorter.
+MAX_MODEL_LENGTH = 256
+#: The longest opaque identifier a client attaches (an end user's, a workspace's, a stored
+#: response's id), as Anthropic bounds `metadata.user_id`.
+MAX_ID_LENGTH = 512
+
+ModelName = Annotated[str, Field(max_length=MAX_MODEL_LENGTH)]
+Identifier = Annotated[str, Field(max_length=MAX_ID_LENGTH)]
+#: One stop string (OpenAI's `stop`, Anthropic's `stop_sequences`); their number is
+#: SamplingParams' to bound.
+StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 
 
 class RequestModel(BaseModel):

@@ -17,6 +17,17 @@ document and a match cannot span two fields; text that is not JSON (a body cut a
 capture limit) is redacted as a whole. Regular expressions, not a classifier: they miss
 what they do not describe (a phone number spelled out in words), and the operator's own
 patterns cover what is specific to them.
+
+Every built-in pattern runs in time linear in the text, whatever the text: a client
+controls what is redacted (its `user`, its `metadata`, its messages), a regular expression
+holds the GIL however it is run, and one that backtracks over a long run of its own
+characters (``"a-a-a-…"`` tried from every word boundary, each try scanning to the end of
+the run: quadratic) stalls every request of the process. So a pattern that may start
+inside a run of the characters it repeats only starts where that run starts (a negative
+lookbehind on the run's class) and takes the run possessively (``++``: no giving back),
+and the other repeats are either bounded or followed by a character they cannot match,
+which makes a failed try cost no more than the run it scanned, and the runs tried are
+disjoint.
 """
 
 from __future__ import annotations
@@ -25,9 +36,14 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-_KEY = re.compile(r"\b(?:sk|ty)-[A-Za-z0-9_-]{12,}")
-_BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/-]{8,}=*")
-_EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+_KEY = re.compile(r"\b(?:sk|ty)-[A-Za-z0-9_-]{12,}+")
+_BEARER = re.compile(r"(?i)\b(bearer\s++)[A-Za-z0-9._~+/-]{8,}+=*+")
+# An address: a local part (the whole run of its characters, so tried once per run, not
+# from each word boundary inside it), "@", dot-separated labels (each taken whole) and a
+# top-level label of letters. A try from a run's start costs at most that run and the
+# domain after its "@", and no other position in the run starts one.
+_LOCAL = "A-Za-z0-9._%+-"
+_EMAIL = re.compile(rf"(?<![{_LOCAL}])[{_LOCAL}]++@(?:[A-Za-z0-9-]++\.)+[A-Za-z]{{2,}}+\b")
 _CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
 _PHONE = re.compile(
     r"(?<![\w+])\+\d(?:[ .-]?\(?\d\)?){6,14}(?!\d)"  # +44 20 7946 0958, +15551234567

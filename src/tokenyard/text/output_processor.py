@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from tokenyard.text.detokenizer import IncrementalDetokenizer
-from tokenyard.text.stop import StopStringMatcher
+from tokenyard.text.stop import StopStringMatcher, StopStrings
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import CompletionDelta, EngineCoreOutput, Logprob, RequestOutput
 from tokenyard.wire.sampling_params import SamplingParams
@@ -62,11 +62,13 @@ class OutputProcessor:
         parent = _Parent(request_id, params.n, len(prompt_token_ids))
         self._parents[request_id] = parent
         ids = []
+        # Prepared once for the n completions: only the matchers' small states are per child.
+        prepared = StopStrings(params.stop)
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
             stops = (
-                StopStringMatcher(params.stop, params.include_stop_str_in_output)
-                if params.stop else None
+                StopStringMatcher(prepared, params.include_stop_str_in_output)
+                if prepared else None
             )
             child = _Completion(
                 parent,

@@ -5,22 +5,87 @@ starts, so "###" may come as "a#", "#", "#b". `StopStringMatcher` holds back any
 still grow into a stop string, which guarantees that no part of a stop string is ever streamed
 (unless asked to include the matched one) and that the result does not depend on how the text was
 split into deltas.
+
+The client chooses the stop strings, so the work they cost is linear in their length, never
+more: `StopStrings` computes each string's Knuth-Morris-Pratt failure table once per request
+(linear in the string) and is shared by the request's n matchers, and a matcher keeps, per stop
+string, only how long a prefix of it the text so far ends with. Each character of text then
+advances those states (amortised constant work each, since a state only falls back as far as it
+rose), the held-back tail is the longest of those prefixes (shorter than the longest stop), and
+no set of every prefix of every stop string is ever built.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+#: The longest stop string a request may send (the API schemas refuse a longer one). A stop
+#: string is a marker: a turn separator, a closing tag, a few words; this is far beyond any,
+#: and bounds the text each completion holds back and re-reads.
+MAX_STOP_LENGTH = 1024
+
+
+def _failure_table(stop: str) -> list[int]:
+    """`table[i]`: the length of the longest proper prefix of ``stop[: i + 1]`` that is also
+    its suffix (Knuth-Morris-Pratt), where a partial match of `stop` falls back to."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+class StopStrings:
+    """A request's stop strings, prepared once (linear in their total length) and shared by
+    the matchers of its n completions."""
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        """`stops`: strings that end generation (empty ones and repeats are ignored)."""
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
+        self._tables = tuple(_failure_table(s) for s in self.stops)
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def advance(self, index: int, state: int, text: str) -> tuple[int, int]:
+        """Feed `text` to stop string `index` whose longest matched prefix so far is `state`
+        (less than its length): (the end offset in `text` of its first complete occurrence,
+        or -1; the longest prefix of it that the text then ends with)."""
+        stop, table = self.stops[index], self._tables[index]
+        size, first, i, end = len(stop), stop[0], 0, len(text)
+        while i < end:
+            if state == 0:  # nothing matched yet: skip to its first character (in C)
+                i = text.find(first, i)
+                if i < 0:
+                    return -1, 0
+            char = text[i]
+            while state and stop[state] != char:
+                state = table[state - 1]
+            if stop[state] == char:
+                state += 1
+            i += 1
+            if state == size:
+                return i, state
+        return -1, state
 
 
 class StopStringMatcher:
     """Cuts a text stream at the first occurrence of any stop string."""
 
-    def __init__(self, stops: list[str], include_stop_str_in_output: bool = False) -> None:
-        """`stops`: strings that end generation (empty ones are ignored). With
+    def __init__(
+        self, stops: StopStrings | Iterable[str], include_stop_str_in_output: bool = False
+    ) -> None:
+        """`stops`: strings that end generation (empty ones are ignored), or a request's
+        prepared `StopStrings` shared with its other completions. With
         `include_stop_str_in_output` the matched stop string is emitted as the last text."""
-        self._stops = list(dict.fromkeys(s for s in stops if s))
+        self._stops = stops if isinstance(stops, StopStrings) else StopStrings(stops)
         self._include = include_stop_str_in_output
-        # Proper prefixes of the stops: a pending tail equal to one of these must wait.
-        self._prefixes = {s[:i] for s in self._stops for i in range(1, len(s))}
-        self._longest_prefix = max((len(p) for p in self._prefixes), default=0)
+        # Per stop string, the longest prefix of it that the text so far ends with.
+        self._states = [0] * len(self._stops.stops)
         self._pending = ""
         self._matched: str | None = None
         self._stopped = False
@@ -46,16 +111,25 @@ class StopStringMatcher:
             return "", None
         if not self._stops:
             return text_delta, None
-        # The pending tail holds no complete stop, so only this buffer can contain a new match:
-        # the work per call is proportional to the delta plus the longest stop string.
+        # The stop that *ends* first is the one a character-by-character stream would have
+        # hit first; on a tie the longer one (starting earlier) wins. This keeps the result
+        # independent of how the text was cut into deltas.
+        best: tuple[int, int, str] | None = None
+        states = self._states
+        for index, stop in enumerate(self._stops.stops):
+            end, states[index] = self._stops.advance(index, states[index], text_delta)
+            if end >= 0 and (best is None or (end, -len(stop)) < (best[0], -len(best[2]))):
+                best = (end, index, stop)
         buffer = self._pending + text_delta
-        hit = self._first_match(buffer)
-        if hit is not None:
-            start, stop = hit
+        if best is not None:
+            end, _, stop = best
+            # Each state is at most the pending tail's length, so the match starts in buffer.
+            end += len(self._pending)
             self._stopped, self._matched, self._pending = True, stop, ""
-            end = start + len(stop) if self._include else start
-            return buffer[:end], stop
-        keep = self._held_tail_length(buffer)
+            return buffer[: end if self._include else end - len(stop)], stop
+        # The longest suffix that is a proper prefix of some stop must wait: shorter than the
+        # longest stop string, so what is held (and re-read) per push stays bounded.
+        keep = max(states)
         self._pending = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], None
 
@@ -65,24 +139,3 @@ class StopStringMatcher:
             return ""
         out, self._pending = self._pending, ""
         return out
-
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        # The stop that *ends* first is the one a character-by-character stream would have hit
-        # first; on a tie the longer one (starting earlier) wins. This keeps the result
-        # independent of how the text was cut into deltas.
-        best: tuple[int, int, str] | None = None
-        for stop in self._stops:
-            start = buffer.find(stop)
-            if start < 0:
-                continue
-            key = (start + len(stop), start, stop)
-            if best is None or key[:2] < best[:2]:
-                best = key
-        return None if best is None else (best[1], best[2])
-
-    def _held_tail_length(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of some stop."""
-        for size in range(min(len(buffer), self._longest_prefix), 0, -1):
-            if buffer[-size:] in self._prefixes:
-                return size
-        return 0

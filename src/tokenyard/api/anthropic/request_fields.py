@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from tokenyard.api.schemas import Acceptable, RequestModel, is_none, none_or_empty
+from tokenyard.api.schemas import Acceptable, Identifier, RequestModel, is_none, none_or_empty
 
 
 class JSONOutputFormat(RequestModel):
@@ -42,9 +42,9 @@ class OutputConfig(RequestModel):
 
 
 class Metadata(RequestModel):
-    """`metadata`: an opaque end-user id."""
+    """`metadata`: an opaque end-user id (at most 512 characters, as Anthropic allows)."""
 
-    user_id: str | None = None
+    user_id: Identifier | None = None
 
 
 def _thinking_ok(value: Any) -> bool:
@@ -73,8 +73,8 @@ class ConversationOptions(RequestModel):
     #: The beta SDKs' earlier spelling of `output_config.format`.
     output_format: JSONOutputFormat | None = None
     speed: Literal["standard", "fast"] | None = None  # one speed here
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
+    user_profile_id: Identifier | None = None
+    workspace_id: Identifier | None = None
 
     @property
     def output_schema(self) -> tuple[str, dict[str, Any]] | None:
@@ -92,5 +92,5 @@ class GenerationOptions(RequestModel):
 
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
-    inference_geo: str | None = None
+    inference_geo: Identifier | None = None
     diagnostics: dict[str, Any] | None = None

@@ -41,7 +41,9 @@ from tokenyard.api.images import (
 )
 from tokenyard.api.schemas import (
     TEXT_PART_SEPARATOR,
+    ModelName,
     RequestModel,
+    StopString,
     reject_unknown,
     reject_unsupported,
 )
@@ -223,7 +225,7 @@ class MessageParam(RequestModel):
 
 
 class _Conversation(ConversationOptions):
-    model: str
+    model: ModelName
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlockParam] | None = None
     tools: list[ToolParam] | None = None
@@ -313,7 +315,7 @@ class MessagesRequest(_Conversation, GenerationOptions):
     """POST /v1/messages."""
 
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[StopString] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)

@@ -16,23 +16,51 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from tokenyard.api.schemas import Acceptable, RequestModel, is_none, none_or_empty
+from pydantic import Field, field_validator
+
+from tokenyard.api.errors import schema_error
+from tokenyard.api.schemas import Acceptable, Identifier, RequestModel, is_none, none_or_empty
+from tokenyard.errors import INVALID_VALUE
 
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 #: The tier every response reports: there is one here.
 SERVICE_TIER: ServiceTier = "default"
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
+#: OpenAI's bounds on `metadata`: pairs, a key's and a value's characters.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+#: Open Responses' bound on `prompt_cache_key` and `safety_identifier`.
+MAX_HINT_ID_LENGTH = 64
+
 
 class PlatformFields(RequestModel):
-    """Tags and hints for OpenAI's own platform, accepted on chat and legacy completions."""
+    """Tags and hints for OpenAI's own platform, accepted on chat and legacy completions
+    (and responses). Each is bounded as OpenAI bounds it, `user` as Anthropic bounds its
+    end-user id (OpenAI's spec gives none): a tag costs no more than it could on OpenAI."""
 
-    user: str | None = None
+    user: Identifier | None = None
     metadata: dict[str, str] | None = None
     service_tier: ServiceTier | None = None  # one tier here
-    prompt_cache_key: str | None = None  # prefix caching here is automatic, per org
-    safety_identifier: str | None = None
+    # Prefix caching here is automatic, per org.
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_HINT_ID_LENGTH)
+    safety_identifier: str | None = Field(default=None, max_length=MAX_HINT_ID_LENGTH)
     store: bool | None = None  # nothing is kept for later retrieval either way
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is not None and (
+            len(metadata) > MAX_METADATA_PAIRS
+            or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                   for k, v in metadata.items())
+        ):
+            raise schema_error(INVALID_VALUE, None,
+                               f"'metadata' takes at most {MAX_METADATA_PAIRS} pairs, keys of "
+                               f"at most {MAX_METADATA_KEY} characters and values of at most "
+                               f"{MAX_METADATA_VALUE}.")
+        return metadata
 
 
 class ChatHints(RequestModel):

@@ -35,7 +35,14 @@ from tokenyard.api.openai.tool_schemas import (
     ToolCallParam,
     ToolParam,
 )
-from tokenyard.api.schemas import Acceptable, RequestModel, reject_unknown, reject_unsupported
+from tokenyard.api.schemas import (
+    Acceptable,
+    ModelName,
+    RequestModel,
+    StopString,
+    reject_unknown,
+    reject_unsupported,
+)
 from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER
 
 #: Upper bound on `n` (choices per prompt), as OpenAI's own limit.
@@ -113,7 +120,7 @@ class SamplingFields(PlatformFields):
     min_p: float | None = None
     max_tokens: int | None = None
     min_tokens: int | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     n: int | None = Field(default=None, le=MAX_N)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = None
@@ -135,7 +142,7 @@ class SamplingFields(PlatformFields):
 class ChatCompletionRequest(SamplingFields, ChatHints):
     """POST /v1/chat/completions."""
 
-    model: str
+    model: ModelName
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -184,7 +191,7 @@ PromptType = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(SamplingFields):
     """POST /v1/completions (legacy): a prompt as text, texts, token ids or lists of ids."""
 
-    model: str
+    model: ModelName
     prompt: PromptType
     max_tokens: int | None = 16
     echo: bool | None = None

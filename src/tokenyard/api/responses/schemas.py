@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenyard.api.errors import schema_error
 from tokenyard.api.images import only_from_user, source_problem
@@ -24,6 +24,8 @@ from tokenyard.api.openai.tool_schemas import TOOL_NAME_PATTERN
 from tokenyard.api.schemas import (
     TEXT_PART_SEPARATOR,
     Acceptable,
+    Identifier,
+    ModelName,
     RequestModel,
     is_none,
     none_or_empty,
@@ -245,9 +247,9 @@ class TextConfig(RequestModel):
 class Reasoning(RequestModel):
     """`reasoning`: only no effort is possible (the model does not reason)."""
 
-    effort: str | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+    effort: Identifier | None = None
+    summary: Identifier | None = None
+    generate_summary: Identifier | None = None
 
 
 class ResponsesStreamOptions(RequestModel):
@@ -263,8 +265,6 @@ class ResponsesStreamOptions(RequestModel):
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 #: The most alternatives per token OpenAI allows (`top_logprobs`).
 MAX_TOP_LOGPROBS = 20
-#: The most key-value pairs `metadata` may hold, as OpenAI allows.
-MAX_METADATA_PAIRS = 16
 
 
 def _none_or_false(value: Any) -> bool:
@@ -314,7 +314,7 @@ class ResponsesRequest(PlatformFields):
     """POST /v1/responses (`store`, unlike on chat, keeps the response for
     `previous_response_id`; the other platform fields have no effect)."""
 
-    model: str
+    model: ModelName
     input: str | list[InputItem] = Field(default="")
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -322,7 +322,7 @@ class ResponsesRequest(PlatformFields):
     top_p: float | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
-    previous_response_id: str | None = None
+    previous_response_id: Identifier | None = None
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -331,7 +331,7 @@ class ResponsesRequest(PlatformFields):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     #: "message.output_text.logprobs" asks for the text's logprobs; the other values
     #: (hosted tools' outputs, reasoning) have nothing to include here.
-    include: list[str] | None = None
+    include: list[Identifier] | None = None
     reasoning: Reasoning | None = None
     background: bool | None = None
     conversation: Any = None
@@ -348,19 +348,6 @@ class ResponsesRequest(PlatformFields):
                     raise schema_error(UNSUPPORTED_PARAMETER, name, message)
         reject_unknown(data, [*cls.model_fields, *RESPONSES_UNSUPPORTED])
         return data
-
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        # Stored with the response, so OpenAI's bounds hold here too.
-        if metadata is not None and (
-            len(metadata) > MAX_METADATA_PAIRS
-            or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())
-        ):
-            raise schema_error(INVALID_VALUE, None,
-                               f"'metadata' takes at most {MAX_METADATA_PAIRS} pairs, keys of "
-                               "at most 64 characters and values of at most 512.")
-        return metadata
 
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
