@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import SERVER_OUTPUTS
+from tokenyard.config import DEV_KEY_FILE
 
 _SERVING = re.compile(r"tokenyard serving (\S+) at (https?://\S+)")
 _REPLICA = re.compile(r"replica: (http://\S+)")
@@ -126,9 +127,11 @@ def running_server(
         ready.wait(START_TIMEOUT_S)
         if "replica_url" not in found:
             pytest.fail("tokenyard serve did not start:\n" + "".join(lines[-40:]))
+        api_key = found.get("api_key")
+        if api_key is not None and "…" in api_key:  # masked: not the start that made it
+            api_key = (Path(state) / DEV_KEY_FILE).read_text().strip()
         yield Server(found["base_url"], found["model"], found["replica_url"],
-                     found.get("api_key"), env["TOKENYARD_REPLICA_TOKEN"] or None,
-                     state, lines), proc
+                     api_key, env["TOKENYARD_REPLICA_TOKEN"] or None, state, lines), proc
     finally:
         SERVER_OUTPUTS[:] = [out for out in SERVER_OUTPUTS if out is not lines]
         proc.send_signal(signal.SIGTERM)

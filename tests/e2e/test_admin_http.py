@@ -1,11 +1,14 @@
 """`/admin/v1` on a running `tokenyard serve`: an admin key makes an org and a key; the new
-key works through the OpenAI SDK, may not administer, and its usage shows in the report."""
+key works through the OpenAI SDK, may not administer, and its usage shows in the report.
+Every boolean the admin API takes is a JSON boolean or a 400, never a truthy stand-in."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -13,6 +16,8 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Server, running_server
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "tokenyard"
 
 
 async def _call(server: Server, method: str, path: str, key: str | None = None,
@@ -106,3 +111,67 @@ def test_admin_arguments_are_validated_in_the_openai_error_shape(server: Server)
     assert status == 400 and err["error"]["param"] == "org_id"
     status, err = call(server, "GET", "/admin/v1/orgs", key="sk-ty-wrong")
     assert status == 401 and err["error"]["code"] == "invalid_api_key"
+
+
+#: Stand-ins for a boolean that are not one: `bool()` of each but 0 and null is True.
+NOT_BOOLEANS: list[Any] = ["false", "true", 0, 1, "yes", None]
+#: Every boolean field of the admin API, with the value it takes when left out. A null
+#: counts as left out where that is false; where it is true, a null is refused too.
+BOOLEAN_FIELDS = {"admin": False, "enabled": True, "drain": True}
+
+
+def test_the_walk_below_covers_every_boolean_the_admin_api_reads() -> None:
+    """The admin API reads a boolean through `gateway.admin.flag` (which refuses anything
+    but true and false), never through bool(): a new boolean field must join the walk."""
+    read = set()
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        read |= set(re.findall(r"\bflag\(\s*\w+,\s*\"(\w+)\"", text))
+        if "admin" in path.stem:
+            assert not re.search(r"\bbool\((args|body)\b", text), path
+    assert read == set(BOOLEAN_FIELDS)
+
+
+def test_every_admin_boolean_refuses_what_is_not_a_json_boolean(server: Server) -> None:
+    """`"admin": "false"` once made an admin key (bool("false") is True). Each boolean field
+    of the admin API, sent each stand-in, answers 400 naming the field and stores nothing
+    true; a null where the field is optional and false when left out is taken as left out."""
+    status, org = call(server, "POST", "/admin/v1/orgs", body={"name": "bools"})
+    assert status == 201
+    replica = {"deployment": server.model, "replica": server.replica_url}
+    requests: dict[str, tuple[str, dict[str, Any]]] = {
+        "admin": ("/admin/v1/keys", {"org_id": org["id"]}),
+        "enabled": (f"/admin/v1/orgs/{org['id']}/capture", {}),
+        "drain": ("/admin/v1/replicas/drain", replica),
+    }
+    assert set(requests) == set(BOOLEAN_FIELDS)
+    try:
+        for field, (path, body) in requests.items():
+            for value in NOT_BOOLEANS:
+                status, answer = call(server, "POST", path, body={**body, field: value})
+                if value is None and BOOLEAN_FIELDS[field] is False:
+                    assert status < 300, (field, answer)  # left out: false
+                    continue
+                assert status == 400, (field, value, answer)
+                assert answer["error"]["param"] == field, answer
+                assert "JSON boolean" in answer["error"]["message"], answer
+    finally:
+        call(server, "POST", "/admin/v1/replicas/drain", body={**replica, "drain": False})
+
+    status, keys = call(server, "GET", f"/admin/v1/keys?org_id={org['id']}")
+    assert status == 200
+    assert [k["scopes"]["admin"] for k in keys["data"]] == [False]  # the null's key only
+    status, capture = call(server, "GET", f"/admin/v1/orgs/{org['id']}/capture")
+    assert status == 200 and capture["capture"] is False
+    status, fleet = call(server, "GET", "/admin/v1/deployments")
+    assert status == 200
+    states = [r["state"] for d in fleet["data"] for r in d["replicas"]
+              if r["id"] == server.replica_url]
+    assert states and "draining" not in states
+    # And the real booleans still work.
+    status, key = call(server, "POST", "/admin/v1/keys", body={"org_id": org["id"],
+                                                              "admin": False})
+    assert status == 201 and key["scopes"]["admin"] is False
+    status, capture = call(server, "POST", f"/admin/v1/orgs/{org['id']}/capture",
+                           body={"enabled": False})
+    assert status == 200 and capture["capture"] is False

@@ -132,6 +132,31 @@ def test_bad_arguments_name_the_field(tmp_path: Path) -> None:
                                        "group_by", "key_id"]
 
 
+def test_a_boolean_is_a_json_boolean_or_refused(tmp_path: Path) -> None:
+    """`"admin": "false"` once made an admin key (bool("false") is True). Stand-ins for
+    a boolean are refused naming the field; a null is "left out" only where that is false."""
+    async def scenario(admin: Admin, store: Store) -> None:
+        org = await store.create_org("org")
+        for value in ("false", "true", 0, 1, "yes", [], {}):
+            with pytest.raises(AdminError) as refused:
+                await admin.create_key({"org_id": org.id, "admin": value})
+            assert refused.value.field == "admin"
+            with pytest.raises(AdminError) as refused:
+                await admin.set_capture(org.id, {"enabled": value})
+            assert refused.value.field == "enabled"
+        with pytest.raises(AdminError) as refused:  # null would turn capture on
+            await admin.set_capture(org.id, {"enabled": None})
+        assert refused.value.field == "enabled"
+        assert not (await admin.capture(org.id))["capture"]
+        made = [await admin.create_key({"org_id": org.id, "admin": value})
+                for value in (None, False, True)]
+        assert [k["scopes"]["admin"] for k in made] == [False, False, True]
+        assert sorted(k["scopes"]["admin"] for k in await admin.list_keys(org.id)) == [
+            False, False, True]
+
+    run(tmp_path, scenario)
+
+
 def test_usage_report_sums_the_ledger_by_each_dimension(tmp_path: Path) -> None:
     async def scenario(admin: Admin, store: Store) -> dict[str, list[dict[str, object]]]:
         org = await admin.create_org({"name": "acme"})

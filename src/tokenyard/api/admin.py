@@ -13,7 +13,7 @@
                                               retention_days? (default 7)}
     GET  /admin/v1/orgs/{org_id}/capture
     POST /admin/v1/keys                      {org_id, name?, project_id?, models?,
-                                              max_context_tokens?, admin?, rpm?, tpm?,
+                                              max_context_tokens?, admin?: bool, rpm?, tpm?,
                                               max_concurrency?, expires_at?, priority?}
                                               → the secret, once
     GET  /admin/v1/keys?org_id=
@@ -27,9 +27,11 @@
     GET  /admin/v1/shadow/report?alias=&since=   per (alias, primary, shadow): count,
                         text match rate, p50 latencies and their ratio, mean output tokens
 
-Money is a decimal string ("12.50"); prices are per million tokens. A priority class
-orders the requests of a key or an org in the engine's scheduler: high before normal (the
-default) before low; a key without its own follows its org's.
+A bool is a JSON true or false: anything else ("false", 0, 1, "yes") is a 400 naming
+the field, and null counts as leaving it out only where that means false (`admin`, not
+`enabled`). Money is a decimal string ("12.50"); prices are per million tokens. A
+priority class orders the requests of a key or an org in the engine's scheduler: high
+before normal (the default) before low; a key without its own follows its org's.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     GET  /admin/v1/deployments       deployments (kind, capabilities, prices, max_context,
                                      each replica's balancer state) and aliases (weights,
                                      shadow)
-    POST /admin/v1/replicas/drain    {deployment, replica, drain: true|false}: stop (or
-                                     resume) sending new work to one replica; running
-                                     requests finish
+    POST /admin/v1/replicas/drain    {deployment, replica, drain?: bool (default true)}:
+                                     stop (or resume) sending new work to one
+                                     replica; running requests finish
 
 Admin scope required, as every `/admin/v1` route. `add_fleet_routes` also installs the
 shadow runner (`api/shadow.py`), the other per-application part of the fleet.
@@ -24,6 +24,7 @@ from tokenyard.api.admin import admin_of
 from tokenyard.api.context import STATE, Served
 from tokenyard.deployments import AliasSpec, PriceSpec
 from tokenyard.errors import invalid_request
+from tokenyard.gateway.admin import AdminError, flag
 
 
 def _money(micros: int) -> str:
@@ -76,12 +77,14 @@ async def drain(request: web.Request) -> web.Response:
         raise invalid_request("The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
-    name, replica, draining = body.get("deployment"), body.get("replica"), body.get("drain", True)
+    name, replica = body.get("deployment"), body.get("replica")
     served = request.app[STATE].deployments.get(name) if isinstance(name, str) else None
     if served is None:
         raise invalid_request(f"No deployment {name!r}.", param="deployment")
-    if not isinstance(draining, bool):
-        raise invalid_request("drain must be true or false.", param="drain")
+    try:
+        draining = flag(body, "drain", default=True)  # null: refused (it would drain)
+    except AdminError as exc:
+        raise invalid_request(f"{exc}.", param=exc.field) from None
     if not isinstance(replica, str) or not served.pool.drain(replica, draining):
         known = ", ".join(m.id for m in served.pool.members)
         raise invalid_request(f"No replica {replica!r} in {served.name} (its replicas: "

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import time
 from collections.abc import Sequence
@@ -84,12 +85,29 @@ def make_starter(engine_args: Sequence[str], config: ServeConfig) -> Starter:
     return start
 
 
-def banner(base_url: str, model: str, replica_url: str, api_key: str | None = None) -> str:
-    """What a person needs to start using the server, ready to paste."""
+def masked(key: str) -> str:
+    """A key as a banner shows it after the start that created it: its kind and its last
+    characters, enough to tell keys apart ("sk-ty-…abcd")."""
+    return f"{key[:6]}…{key[-4:]}" if len(key) > 12 else "…"
+
+
+def banner(base_url: str, model: str, replica_url: str, api_key: str | None = None,
+           key_file: Path | None = None) -> str:
+    """What a person needs to start using the server, ready to paste. The development key
+    appears whole only when it was just created (`key_file` None); on later starts the
+    banner masks it and the snippets read it from `key_file`, so that the key is not
+    written to every log the server's output lands in."""
     curl_body = json.dumps({"model": model,
                             "messages": [{"role": "user", "content": "Say hello."}]})
-    key_lines = [f"  API key: {api_key}"] if api_key else []
-    auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    key_lines, auth_header, python_key = [], "", '"unused"'
+    if api_key and key_file is None:
+        key_lines = [f"  API key: {api_key}"]
+        auth_header, python_key = f" -H 'Authorization: Bearer {api_key}'", f'"{api_key}"'
+    elif api_key and key_file is not None:
+        where = str(key_file.absolute())
+        key_lines = [f"  API key: {masked(api_key)} (the whole key is in {where})"]
+        auth_header = f' -H "Authorization: Bearer $(cat {shlex.quote(where)})"'
+        python_key = f"open({where!r}).read().strip()"
     return "\n".join([
         f"tokenyard serving {model} at {base_url}",
         f"  OpenAI base URL:    {base_url}/v1",
@@ -104,7 +122,7 @@ def banner(base_url: str, model: str, replica_url: str, api_key: str | None = No
         "",
         "Python:",
         "  from openai import OpenAI",
-        f'  client = OpenAI(base_url="{base_url}/v1", api_key="{api_key or "unused"}")',
+        f'  client = OpenAI(base_url="{base_url}/v1", api_key={python_key})',
         f'  r = client.chat.completions.create(model="{model}",',
         '      messages=[{"role": "user", "content": "Say hello."}])',
         "  print(r.choices[0].message.content)",
@@ -135,6 +153,7 @@ async def run(
     plus the embeddings pool unless `embeddings` is False."""
     gateway: Gateway | None = None
     api_key: str | None = None
+    key_file: Path | None = None  # where the key shown masked is (None: shown whole)
     if fleet_file is not None:
         spec = load_fleet(fleet_file)
     else:
@@ -146,7 +165,7 @@ async def run(
                   cache_dir or default_cache_dir(),
                   affinity=make_affinity(config.redis_url))
     if auth:
-        gateway, api_key = await open_gateway(config)
+        gateway, api_key, key_file = await open_gateway(config)
     runner: web.AppRunner | None = None
     workers: WorkerPool | None = None
     try:
@@ -187,8 +206,8 @@ async def run(
         shown = f"[{host}]" if ":" in host else host
         replica_urls = ", ".join(m.id for m in state.default.pool.members)
         scheme = "https" if config.tls_cert is not None else "http"
-        print(banner(f"{scheme}://{shown}:{bound}", state.model, replica_urls, api_key),
-              flush=True)
+        print(banner(f"{scheme}://{shown}:{bound}", state.model, replica_urls, api_key,
+                     key_file), flush=True)
         logger.info("serving %s on port %d", state.model, bound, extra={
             "event": "started", "model": state.model, "host": host, "port": bound,
             "deployments": {n: [m.id for m in s.pool.members]
@@ -242,15 +261,18 @@ async def _reload(fleet: Fleet, state: AppState) -> None:
                      extra={"event": "reload_failed", "error": str(exc)})
 
 
-async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None]:
+async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None, Path | None]:
     """The gateway over `config.database` (TOKENYARD_DATABASE_URL, else SQLite in the state
-    directory) and `config.redis_url` (else in-process limits), and the development key to
-    show.
+    directory) and `config.redis_url` (else in-process limits), the development key to
+    show, and the file it was read from (None: it was created just now, and this start is
+    the one that shows it whole).
 
     On an empty database the default org and an admin key are created; the key is kept
-    in `<state dir>/dev-key` (mode 0600) so later starts can show it again.
+    in `<state dir>/dev-key` (mode 0600) so later starts can point to it. The state
+    directory (the SQLite file, the ledger journal, the key) is its owner's only: 0700.
     """
-    config.state_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(config.state_dir)
+    private_dir(config.journal_dir)
     gateway, new_key = await Gateway.open(
         config.database, make_limiter(config.redis_url), config.journal_dir, config=config
     )
@@ -260,11 +282,23 @@ async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None]:
         with os.fdopen(fd, "w") as f:
             f.write(new_key + "\n")
         print(f"created org 'default' and an admin API key (kept in {key_file})", flush=True)
-        return gateway, new_key
+        return gateway, new_key, None
     try:
-        return gateway, key_file.read_text().strip() or None
+        return gateway, key_file.read_text().strip() or None, key_file
     except OSError:
-        return gateway, None
+        return gateway, None, None
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` 0700, or narrow it to 0700 (a state directory an earlier version made
+    0755); one this user does not own is left as it is, with a warning."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        try:
+            path.chmod(0o700)
+        except PermissionError:
+            logger.warning("%s is readable by other users and not this user's to change",
+                           path, extra={"event": "state_dir_shared", "path": str(path)})
 
 
 def serve(host: str, port: int, engine_args: Sequence[str], *, log_format: str = "json",

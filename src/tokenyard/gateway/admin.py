@@ -6,7 +6,8 @@ One set of operations behind both `tokenyard admin …` (which opens the store i
 (`AdminError` names the field at fault) and returns JSON-ready dicts; money goes in and
 out as decimal strings ("12.50") and is stored in integer micro-units. Priority classes go
 in and out by name: "high", "normal" (the default) or "low" (`PRIORITY_CLASSES`); a key's
-may also be "org" (or null): it follows its org's.
+may also be "org" (or null): it follows its org's. A boolean is a JSON boolean, nothing
+else (`flag`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def _opt_int(args: Mapping[str, Any], name: str) -> int | None:
     if number < 0:
         raise AdminError(name, f"{name} must be >= 0")
     return number
+
+
+def flag(args: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean argument: JSON true or false only. A truthy stand-in ("false", 0, 1,
+    "yes") is refused, not coerced: `bool("false")` is True, and one such argument once
+    made an admin key. Absent gives `default`; null counts as absent only where that
+    default is false, so that a null never switches anything on."""
+    if name not in args or (args[name] is None and not default):
+        return default
+    value = args[name]
+    if not isinstance(value, bool):
+        raise AdminError(name, f"{name} must be a JSON boolean, true or false")
+    return value
 
 
 def _str(args: Mapping[str, Any], name: str, required: bool = True) -> str | None:
@@ -196,7 +210,7 @@ class Admin:
         await self._org(org_id)
         scopes = Scopes(models=_models(args),
                         max_context_tokens=_opt_int(args, "max_context_tokens"),
-                        admin=bool(args.get("admin", False)))
+                        admin=flag(args, "admin", default=False))
         # Every argument is checked before the store is called: only its LookupError is
         # about the project.
         name = _str(args, "name", required=False) or "key"
@@ -295,9 +309,7 @@ class Admin:
         (default 7), or stop (`enabled` false; captures already kept stay until they
         expire)."""
         await self._org(org_id)
-        enabled = args.get("enabled", True)
-        if not isinstance(enabled, bool):
-            raise AdminError("enabled", "enabled must be true or false")
+        enabled = flag(args, "enabled", default=True)
         days = _opt_int(args, "retention_days")
         if days == 0:
             raise AdminError("retention_days", "retention_days must be >= 1")

@@ -63,14 +63,18 @@ def record_of(summary: RequestSummary) -> RequestRecord:
     )
 
 
-def record_json(record: RequestRecord, capture: Capture | None) -> dict[str, Any]:
-    """What `GET /v1/requests/{id}` answers."""
+def record_json(record: RequestRecord, capture: Capture | None, *,
+                internal: bool = False) -> dict[str, Any]:
+    """What `GET /v1/requests/{id}` answers. `replica` (a replica's URL: an internal
+    address) is shown to operators only (`internal`: an admin key); a tenant's own record
+    has it null."""
     return {
         "id": record.request_id, "object": "request",
         "created_at": record.created_at.isoformat(),
         "org_id": record.org_id, "project_id": record.project_id,
         "key_prefix": record.key_prefix, "endpoint": record.endpoint,
-        "model": record.model, "deployment": record.deployment, "replica": record.replica,
+        "model": record.model, "deployment": record.deployment,
+        "replica": record.replica if internal else None,
         "status": record.status, "error_code": record.error_code,
         "finish_reason": record.finish_reason, "stream": record.stream,
         "tokens": {"prompt": record.prompt_tokens, "cached": record.cached_tokens,
@@ -169,7 +173,8 @@ class RequestLog:
 
     async def find(self, request_id: str, key: KeyContext) -> dict[str, Any] | None:
         """The request's record (and capture) if `key` may see it: a key of its org, or
-        an admin key. None otherwise, or when it is unknown or purged."""
+        an admin key (which alone sees the replica). None otherwise, or when it is unknown
+        or purged."""
         record = self._records.get(request_id) or self._writing[0].get(request_id)
         if record is None:
             record, capture = await find_request(self.store.db, request_id)
@@ -178,7 +183,7 @@ class RequestLog:
             capture = self._redacted(request_id, *body) if body is not None else None
         if record is None or not (key.scopes.admin or key.org_id == record.org_id):
             return None
-        return record_json(record, capture)
+        return record_json(record, capture, internal=key.scopes.admin)
 
     async def set_capture(self, org_id: str, retention_days: int | None) -> None:
         """Capture the org's bodies for `retention_days` (None: stop); applies here at once."""

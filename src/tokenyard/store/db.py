@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +51,16 @@ class Database:
     async def open(cls, url: str, *, upgrade: bool = True) -> Database:
         """Open `url` (`ServeConfig.database`), migrating it to head unless told not to.
 
-        For SQLite the file's parent directory is created and every connection gets WAL
-        (readers never block the writer), synchronous=NORMAL and a busy timeout.
+        For SQLite the file is made private (`_private_sqlite`) and every connection gets
+        WAL (readers never block the writer), synchronous=NORMAL and a busy timeout.
         """
         url = normalize_url(url)
         parsed = make_url(url)
         options: dict[str, Any] = {}
         if parsed.get_backend_name() == "sqlite":
-            if parsed.database and parsed.database != ":memory:":
-                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            database = parsed.database or ""
+            if database not in ("", ":memory:") and not database.startswith("file:"):
+                _private_sqlite(Path(database))
         else:
             options["pool_pre_ping"] = True  # survive a database restart without errors
         engine = create_async_engine(url, **options)
@@ -74,6 +77,25 @@ class Database:
     async def close(self) -> None:
         """Close every pooled connection."""
         await self.engine.dispose()
+
+
+#: The files SQLite keeps beside a database in WAL mode.
+SQLITE_SIDE_FILES = ("-wal", "-shm")
+
+
+def _private_sqlite(path: Path) -> None:
+    """Make the SQLite file at `path` readable by its owner only: it holds stored
+    responses, captured bodies and key hashes. Its directory, when created here, is 0700;
+    the file is created 0600 before SQLite opens it (SQLite gives the -wal and -shm files
+    it creates the database file's mode), and an existing file and its -wal and -shm are
+    narrowed to 0600 (those a server of an earlier version left 0644)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    for file in (path, *(path.with_name(path.name + end) for end in SQLITE_SIDE_FILES)):
+        with contextlib.suppress(FileNotFoundError, PermissionError):  # not ours: leave it
+            if file.stat().st_mode & 0o077:
+                file.chmod(0o600)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
