@@ -30,10 +30,13 @@ from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.output_processor import OutputProcessor, child_params
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import Completion, EngineCoreOutput, RequestOutput
-from tokenyard.wire.protocol import CoreDelta, Pin, cache_writes
+from tokenyard.wire.protocol import AbortReport, CoreDelta, Pin, cache_writes
 from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.balancer")
+#: How long a generation cut before its first output waits for the replica's account of
+#: what it computed (the replica itself waits up to 5 s for its step to end).
+ABORT_REPORT_TIMEOUT_S = 6.0
 
 
 def replica_error(exc: ReplicaError) -> APIError:
@@ -102,6 +105,9 @@ class Generation:
         self.stop_reasons: list[int | str | None] = [None] * params.n
         #: The last RequestOutput: prompt, cached and output token counts.
         self.last: RequestOutput | None = None
+        #: What the replica had computed for a generation cut before its first output
+        #: (None: not cut so, or no replica said): the prefill is billed from it.
+        self.abort_report: AbortReport | None = None
         self.failed = False
         self._observed = False
 
@@ -122,7 +128,15 @@ class Generation:
             for i, cid in enumerate(ids)
         ]
         self.timeline.mark("queued")
-        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        # Tasks that a cancelled start leaves running (a gather would cancel them, and the
+        # streams with them): `_cut_before_first` first asks the replica what they used.
+        waits = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        try:
+            await asyncio.wait(waits)
+        except asyncio.CancelledError:
+            await self._cut_before_first(ids, streams, waits)
+            raise
+        firsts = [_result(w) for w in waits]
         failed = [r for r in firsts if isinstance(r, BaseException)]
         if failed:
             self.failed = True
@@ -136,6 +150,53 @@ class Generation:
         self._stamp_first_token(cast(list[CoreDelta], firsts))
         for stream, first in zip(streams, firsts, strict=True):
             self._tasks.append(asyncio.create_task(self._pump(stream, cast(CoreDelta, first))))
+
+    async def _cut_before_first(
+        self, ids: Sequence[str], streams: Sequence[AsyncGenerator[CoreDelta, None]],
+        waits: Sequence[asyncio.Future[CoreDelta]],
+    ) -> None:
+        """The caller left before every completion's first delta (a client that
+        disconnected during the queue or the prefill). The prefill that ran is usage:
+        abort each core request with a call that answers what it had computed
+        (`abort_report`, which `gateway.outcome` bills), then close the streams — which
+        aborts them on the replica whatever the calls did."""
+        try:
+            async with asyncio.timeout(ABORT_REPORT_TIMEOUT_S):
+                reports = await asyncio.gather(*(
+                    self._abort_for_report(cid, wait) for cid, wait in zip(ids, waits,
+                                                                            strict=True)))
+            self.abort_report = _merged(reports)
+        except Exception as exc:  # nothing is billed for it then; the blocks are freed
+            logger.warning("abort of %s before its first token: no report (%r)",
+                           self.request_id, exc)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            for wait in waits:
+                with contextlib.suppress(BaseException):
+                    await wait
+            for stream in streams:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+
+    async def _abort_for_report(
+        self, core_id: str, wait: asyncio.Future[CoreDelta],
+    ) -> AbortReport | None:
+        """What core request `core_id` used: the replica's answer to its abort, else (it
+        ended meanwhile) the first delta it sent."""
+        first = _result(wait) if wait.done() else None
+        if isinstance(first, BaseException):
+            first = None
+        report = None
+        if first is None or first.finish_reason is None:
+            try:
+                report = await self.replica.abort(core_id)
+            except ReplicaError as exc:
+                logger.info("abort of %s failed (%s)", core_id, exc)
+        if report is None and first is not None:
+            report = AbortReport(first.num_prompt_tokens, first.num_cached_tokens,
+                                 len(first.new_token_ids))
+        return report
 
     def _stamp_first_token(self, firsts: list[CoreDelta]) -> None:
         """first_token now; "admitted" (end of the queue stage) from the replica's own
@@ -236,6 +297,24 @@ class Generation:
         """Whether more replica deltas have already arrived, so the next output is ready
         without waiting (a stream holds its write and sends both steps in one)."""
         return not self._queue.empty()
+
+
+def _result(wait: asyncio.Future[CoreDelta]) -> CoreDelta | BaseException:
+    """A finished first-delta wait's delta, or what it raised (a cancellation too)."""
+    if wait.cancelled():
+        return asyncio.CancelledError()
+    return wait.exception() or wait.result()
+
+
+def _merged(reports: Sequence[AbortReport | None]) -> AbortReport | None:
+    """One generation's report from its completions': the prompt as the completion that
+    got furthest into it computed it (a prompt is billed once per generation, as for a
+    finished one), and every completion's sampled tokens."""
+    found = [r for r in reports if r is not None]
+    if not found:
+        return None
+    furthest = max(found, key=lambda r: r.num_prompt_tokens)
+    return replace(furthest, num_output_tokens=sum(r.num_output_tokens for r in found))
 
 
 async def finished_completions(gen: Generation) -> list[Completion]:

@@ -47,7 +47,7 @@ from tokenyard.balancer.wait_queue import WaitQueue
 from tokenyard.deployments import BalancerSpec
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import EngineStats
-from tokenyard.wire.protocol import CoreDelta
+from tokenyard.wire.protocol import AbortReport, CoreDelta
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -277,6 +277,8 @@ class Pool:
         stream: AsyncIterator[_T] | None = None
         try:
             async def attempt(member: Member) -> tuple[AsyncIterator[_T], _T]:
+                if request_id is not None:  # `abort` reaches it before its first item too
+                    self._owner[request_id] = member
                 it = open_fn(member)
                 try:
                     return it, await it.__anext__()
@@ -362,10 +364,9 @@ class Pool:
         if member is not None:
             await member.client.stop(request_id, stop)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> AbortReport | None:
         member = self._owner.get(request_id)
-        if member is not None:
-            await member.client.abort(request_id)
+        return await member.client.abort(request_id) if member is not None else None
 
     async def stats(self) -> ReplicaStats:
         """The pool's engine figures, summed over the replicas that answer."""

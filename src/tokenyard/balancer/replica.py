@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from tokenyard.wire.protocol import CoreDelta, Pin
+from tokenyard.wire.protocol import AbortReport, CoreDelta, Pin
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -38,8 +38,9 @@ class Replica(Protocol):
         """End a request because a stop string matched on the caller's side."""
         ...
 
-    async def abort(self, request_id: str) -> None:
-        """End a request and free its KV blocks."""
+    async def abort(self, request_id: str) -> AbortReport | None:
+        """End a request and free its KV blocks; what it had computed by then, if the
+        replica reports it (None: unknown, finished, or a replica that does not say)."""
         ...
 
     async def stats(self) -> ReplicaStats:

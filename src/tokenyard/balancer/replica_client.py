@@ -21,6 +21,7 @@ from tokenyard.wire.protocol import (
     INFO_PATH,
     STATS_PATH,
     STOP_PATH,
+    AbortReport,
     CoreDelta,
     GenerateRequest,
     Pin,
@@ -175,9 +176,14 @@ class ReplicaClient(PooledClient):
                 # nobody reads this stream any more.
                 response.close()
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request (unknown or finished ids are ignored)."""
-        await self._call("POST", ABORT_PATH, abort_body(request_id))
+    async def abort(self, request_id: str) -> AbortReport | None:
+        """Abort a request (unknown or finished ids are ignored); what it had computed
+        when the replica ended it (None: it no longer held it, or does not report)."""
+        answer = await self._call("POST", ABORT_PATH, abort_body(request_id))
+        try:
+            return AbortReport.from_answer(answer)
+        except ProtocolError as exc:
+            raise ReplicaConnectionError(f"{self.base_url}{ABORT_PATH}: {exc}") from exc
 
     async def stop(self, request_id: str, stop: str) -> None:
         """The caller matched stop string `stop`: the replica finishes the request as

@@ -28,6 +28,7 @@ from tokenyard.engine.frontend import build_core
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.request import Request
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.protocol import AbortReport
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class AsyncEngineCore:
         """Build the core on the step thread (returns once it is built, or raises what
         building raised)."""
         self.config = config
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._owner: dict[str, CoreStream] = {}  # step thread only: request id -> its stream
         self._closed = False
@@ -256,6 +257,21 @@ class AsyncEngineCore:
         """
         self._submit(lambda: self._finish_from_outside(request_id, None))
 
+    async def abort_report(self, request_id: str) -> AbortReport | None:
+        """`abort`, then what the request had computed when the abort ran between two
+        steps (None: unknown or already finished). A request still waiting reports
+        nothing computed. If the step thread never gets to it (shut down), this waits
+        forever: bound it."""
+        loop = asyncio.get_running_loop()
+        reported: asyncio.Future[AbortReport | None] = loop.create_future()
+
+        def command() -> None:
+            request = self._finish_from_outside(request_id, None)
+            _call_in(loop, _resolve, reported, None if request is None else _report(request))
+
+        self._submit(command)
+        return await reported
+
     def finish_with_stop_string(self, request_id: str, stop: str) -> None:
         """The caller matched stop string `stop`: finish the request as stopped.
 
@@ -272,7 +288,7 @@ class AsyncEngineCore:
             self._thread.join(timeout=timeout)
 
     # -- the step thread -----------------------------------------------------------------
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: Callable[[], object]) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -320,8 +336,9 @@ class AsyncEngineCore:
                 stream._pending.pop(out.request_id, None)
         self._deliver(batches)
 
-    def _finish_from_outside(self, request_id: str, stop: str | None) -> None:
-        """Abort (stop None) or finish as stopped, and end the request's output."""
+    def _finish_from_outside(self, request_id: str, stop: str | None) -> Request | None:
+        """Abort (stop None) or finish as stopped, and end the request's output; the
+        request so ended (None: unknown or already finished)."""
         if stop is None:
             self.core.abort([request_id])
         else:
@@ -329,9 +346,10 @@ class AsyncEngineCore:
         stream = self._owner.pop(request_id, None)
         request = stream._pending.pop(request_id, None) if stream is not None else None
         if stream is None or request is None:
-            return
+            return None
         reason = "abort" if stop is None else "stop"
         self._deliver({stream: [_final_output(request, reason, stop)]})
+        return request
 
     def _abort_owned(self, stream: CoreStream) -> None:
         """Abort what is left of a closed stream (only ids still owned by it)."""
@@ -370,6 +388,20 @@ def _final_output(request: Request, reason: str, stop: str | None) -> EngineCore
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
+
+
+def _report(request: Request) -> AbortReport:
+    """What an ended request had computed: its prompt tokens through the model (cached
+    ones included; with async scheduling, the chunk of the step in flight, which runs),
+    of them those read from the prefix cache, and the tokens it sampled."""
+    prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
+    return AbortReport(prompt, min(max(request.num_cached_tokens, 0), prompt),
+                       request.num_output_tokens)
+
+
+def _resolve(future: asyncio.Future[AbortReport | None], value: AbortReport | None) -> None:
+    if not future.done():  # its waiter may have given up (a timeout)
+        future.set_result(value)
 
 
 def _put_all(batch: list[tuple[CoreStream, _Item, bool]]) -> None:

@@ -53,6 +53,7 @@ from tokenyard.wire.protocol import (
     STOP_PATH,
     GenerateRequest,
     ProtocolError,
+    abort_answer,
     decode_abort,
     decode_stop,
     dumps,
@@ -65,6 +66,8 @@ from tokenyard.wire.sampling_params import SamplingParamsError
 
 # A 128k-token prompt is about 1 MiB of JSON; aiohttp's default body cap is 1 MiB.
 MAX_BODY_BYTES = 16 * 2**20
+#: How long an abort's answer waits for the step thread to run it (and report).
+ABORT_REPORT_WAIT_S = 5.0
 #: The error code of a call without the replica's token (401).
 UNAUTHORIZED = "unauthorized"
 
@@ -207,13 +210,21 @@ class ReplicaServer:
         return state
 
     async def abort(self, http: web.Request) -> web.Response:
-        """Abort a request; its stream ends with finish_reason "abort"."""
+        """Abort a request; its stream ends with finish_reason "abort". The answer carries
+        what the request had computed (`AbortReport`) once the step thread ran the abort,
+        at most `ABORT_REPORT_WAIT_S` later (a step in progress finishes first); past
+        that, or for a request this replica no longer holds, the answer is ok alone."""
         try:
             request_id = decode_abort(await _read_json(http))
         except (_BadRequest, ProtocolError) as exc:
             return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
-        self.engine.abort(request_id)
-        return _json({"ok": True})
+        report = None
+        if not self.engine.is_running:  # nothing runs, and no step thread would answer
+            return _json(abort_answer(None))
+        with contextlib.suppress(TimeoutError):  # the abort itself still runs
+            report = await asyncio.wait_for(self.engine.abort_report(request_id),
+                                            ABORT_REPORT_WAIT_S)
+        return _json(abort_answer(report))
 
     async def stop(self, http: web.Request) -> web.Response:
         """The HTTP side matched a stop string: finish the request as stopped."""

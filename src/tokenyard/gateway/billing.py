@@ -7,6 +7,15 @@ that is refreshed in the background when older than `refresh_s`, and adds what t
 process settled since the snapshot was read. Metering appends one row to the ledger
 writer (off the request path, journaled) and records the same cost locally, so the next
 pre-check sees it before the row reaches the database.
+
+Against a prepaid balance, admission (`reserve`) also holds the request's maximum cost
+(every prompt token at the input price, every token its completions may generate at the
+output price) until it is metered (`release`), so requests in flight see each other: a
+request is refused when the balance left, less what is held, does not cover its maximum
+cost — unless nothing is held, so that a balance smaller than one request's maximum cost
+still serves one request at a time. The org's overdraft is then bounded by one request's
+maximum cost. Holds live in this process, like the local spend: see
+docs/architecture.md for what several gateway processes bound together.
 """
 
 from __future__ import annotations
@@ -51,6 +60,16 @@ class Usage:
         return self.prompt_tokens + self.output_tokens
 
 
+@dataclass(eq=False)
+class Hold:
+    """A request's maximum cost, held against its org's prepaid balance from admission
+    (`Billing.reserve`) until `Billing.release`."""
+
+    org_id: str
+    micros: int
+    released: bool = False
+
+
 @dataclass
 class _OrgView:
     """An org's spending figures as last read from the store, plus local changes since."""
@@ -60,6 +79,7 @@ class _OrgView:
     project_spend: dict[str, int] = field(default_factory=dict)
     caps: dict[str | None, int] = field(default_factory=dict)  # project (None: org) → cap
     requests_today: int = 0
+    held: int = 0  # micros: the maximum cost of this process's admitted, unmetered requests
     read_at: float = float("-inf")
     # Settled here since the read began: (sequence, project, cost). Dropped once a read
     # that started after them (and after the ledger flushed them) lands.
@@ -103,17 +123,48 @@ class Billing:
 
     # -- pre-check --------------------------------------------------------------------------
 
+    async def reserve(self, key: KeyContext, prices: Prices, max_usage: Usage) -> Hold:
+        """`precheck`, and hold the cost of `max_usage` (the most the request may use, at
+        its model's `prices`) against the org's prepaid balance until `release`: refused
+        when the balance left less what is held does not cover it, unless nothing is
+        held. Release the hold once the request is metered (or never ran)."""
+        view = await self._view(key.org_id)
+        micros = self.cost(prices, max_usage)
+        self._check(key, view, micros)
+        view.held += micros
+        return Hold(key.org_id, micros)
+
+    def release(self, hold: Hold | None) -> None:
+        """Give a hold back (its request was metered, or never ran). Idempotent."""
+        if hold is None or hold.released:
+            return
+        hold.released = True
+        view = self._views.get(hold.org_id)
+        if view is not None:
+            view.held -= hold.micros
+
     async def precheck(self, key: KeyContext) -> None:
         """Refuse (429 insufficient_quota, not retryable) an org or project that is out of
-        credit, over its monthly spend cap, or past its free tier's requests for today."""
-        view = await self._view(key.org_id)
+        credit (its holds included), over its monthly spend cap, or past its free tier's
+        requests for today."""
+        self._check(key, await self._view(key.org_id), 0)
+
+    def _check(self, key: KeyContext, view: _OrgView, cost: int) -> None:
+        """`precheck`'s refusals for a request of maximum cost `cost` (micros)."""
         org_spend, project_spend, requests_today = view.spent(key.project_id)
         local_cost = org_spend - view.month_spend
-        if view.balance is not None and view.balance - local_cost <= 0:
-            raise _quota(
-                f"Your organization's prepaid balance is used up "
-                f"({format_money(view.balance - local_cost)} left). Add credit to continue."
-            )
+        if view.balance is not None:
+            left = view.balance - local_cost
+            if left <= 0:
+                raise _quota(f"Your organization's prepaid balance is used up "
+                             f"({format_money(left)} left). Add credit to continue.")
+            if view.held and left - view.held < cost:
+                raise _quota(
+                    f"Your organization's prepaid balance ({format_money(left)} left, "
+                    f"{format_money(view.held)} of it held by requests in flight) does not "
+                    f"cover this request's maximum cost of {format_money(cost)}. Retry once "
+                    "they finish, lower max_tokens, or add credit."
+                )
         org_cap = view.caps.get(None)
         if org_cap is not None and org_spend >= org_cap:
             raise _quota(
@@ -135,12 +186,14 @@ class Billing:
 
     async def _view(self, org_id: str) -> _OrgView:
         view = self._views.get(org_id)
-        if view is None:  # first sight of this org: the one time a request waits for a read
+        if view is None:
             view = self._views[org_id] = _OrgView()
-            await self._refresh(org_id, view)
-            return view
         if self._clock() - view.read_at > self.refresh_s and view.refreshing is None:
             view.refreshing = asyncio.create_task(self._refresh(org_id, view))
+        if view.read_at == float("-inf") and view.refreshing is not None:
+            # Never read yet (first sight of this org): the one time requests wait for a
+            # read — all of them, or those beside the first would pass as postpaid.
+            await asyncio.shield(view.refreshing)
         return view
 
     async def _refresh(self, org_id: str, view: _OrgView) -> None:

@@ -26,7 +26,7 @@ from tokenyard.deployments import PriceSpec
 from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
 from tokenyard.gateway.auth_throttle import FailedAuthThrottle
-from tokenyard.gateway.billing import Billing, Cost, Usage
+from tokenyard.gateway.billing import Billing, Cost, Hold, Usage
 from tokenyard.gateway.limits import Admission, Limiter, RateLimited, Subject
 from tokenyard.gateway.requests import RequestLog
 from tokenyard.gateway.responses import StoredResponses
@@ -61,6 +61,8 @@ class Ticket:
     usage: Usage | None = None
     status: str | None = None
     cost: Cost | None = None
+    #: The request's maximum cost held against a prepaid balance until `finish`.
+    hold: Hold | None = None
 
     @property
     def cost_micros(self) -> int | None:
@@ -83,15 +85,24 @@ def outcome(gens: Sequence[Generation]) -> tuple[Usage | None, str]:
     """What a request's generations used (None: none of them ran) and how it ended, as
     the ledger records it: failed if any failed, aborted if any completion was cut off or
     never finished, stopped if a stop string or stop token of the client's ended one,
-    else completed."""
+    else completed. A generation cut before its first output used what its replica
+    reported computing by the abort (`Generation.abort_report`: the prefill that ran);
+    one cut while still queued computed nothing and is not billed. (An upstream's
+    generation has no such report: getattr.)"""
     ran = [gen for gen in gens if gen.last is not None]
+    cut = [report for gen in gens if gen.last is None
+           and (report := getattr(gen, "abort_report", None)) is not None
+           and report.num_prompt_tokens + report.num_output_tokens > 0]
     usage = Usage(
-        prompt_tokens=sum(gen.num_prompt_tokens for gen in ran),
-        cached_tokens=sum(gen.num_cached_tokens for gen in ran),
-        output_tokens=sum(gen.last.num_output_tokens for gen in ran if gen.last is not None),
+        prompt_tokens=sum(gen.num_prompt_tokens for gen in ran)
+        + sum(r.num_prompt_tokens for r in cut),
+        cached_tokens=sum(gen.num_cached_tokens for gen in ran)
+        + sum(r.num_cached_tokens for r in cut),
+        output_tokens=sum(gen.last.num_output_tokens for gen in ran if gen.last is not None)
+        + sum(r.num_output_tokens for r in cut),
         cache_write_5m_tokens=sum(gen.cache_writes[0] for gen in ran),
         cache_write_1h_tokens=sum(gen.cache_writes[1] for gen in ran),
-    ) if ran else None
+    ) if ran or cut else None
     reasons = [reason for gen in gens for reason in gen.finish_reasons]
     if any(gen.failed for gen in gens):
         status = FAILED
@@ -221,7 +232,8 @@ class Gateway:
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
-        from the token buckets) and the billing pre-check. `context_tokens`: the longest
+        from the token buckets) and the billing pre-check (holding the request's maximum
+        cost against a prepaid balance until `finish`). `context_tokens`: the longest
         single sequence (prompt + its max_tokens), which the key's context scope caps;
         default prompt + max_tokens. `model` is the deployment; `alias`, the name the
         client asked for, which a key's model scope may name instead."""
@@ -238,8 +250,9 @@ class Gateway:
         timeline.mark("limited")
         ticket = Ticket(key, admission, model, endpoint, request_id, Prices())
         try:
-            await self.billing.precheck(key)
             ticket.prices = await self.billing.prices(model)
+            ticket.hold = await self.billing.reserve(
+                key, ticket.prices, Usage(prompt_tokens, 0, max_tokens))
         except BaseException:
             self.finish(ticket, None, FAILED)
             raise
@@ -288,6 +301,7 @@ class Gateway:
                 endpoint=ticket.endpoint, status=status, usage=usage, prices=ticket.prices,
             )
             ticket.cost = Cost.of(ticket.prices, usage, record.cost_micros)
+        self.billing.release(ticket.hold)  # the real cost, if any, is counted by now
         used = usage.total_tokens if usage is not None else 0
         task = asyncio.get_running_loop().create_task(self._settle(ticket.admission, used))
         self._settling.add(task)
