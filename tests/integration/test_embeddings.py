@@ -26,7 +26,7 @@ from sqlalchemy import select
 from tokenizers import Tokenizer
 
 from tokenyard.api.app import make_app
-from tokenyard.api.context import AppState, Served
+from tokenyard.api.context import AppState
 from tokenyard.api.convert import now
 from tokenyard.balancer.embeddings_client import EmbeddingsClient
 from tokenyard.balancer.pool import Pool
@@ -35,6 +35,7 @@ from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec
 from tokenyard.gateway.limits import InProcessLimiter
 from tokenyard.gateway.pipeline import Gateway
+from tokenyard.gateway.served import Served
 from tokenyard.store.tables import usage_ledger
 
 MODEL = "all-minilm-l6-v2"

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from tests.unit.test_store import database_url, run  # noqa: F401
-from tokenyard.api.moderation import _Held
 from tokenyard.deployments import FleetConfigError, ModerationSpec, parse_fleet
 from tokenyard.gateway.admin import AdminError
+from tokenyard.gateway.moderate import _Held
 from tokenyard.gateway.moderation import (
     BlocklistClassifier,
     Moderator,

@@ -18,20 +18,18 @@ every route here validates its own body with `parse_body` anyway.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
 from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.anthropic.routes import add_anthropic_routes
-from tokenyard.api.context import KEY, STATE, AppState, Served
+from tokenyard.api.context import KEY, PIPELINE, STATE, AppState
 from tokenyard.api.convert import now
 from tokenyard.api.dashboard import add_dashboard_routes
 from tokenyard.api.edge import EDGE, Edge
 from tokenyard.api.fleet_admin import add_fleet_routes
+from tokenyard.api.images import admit_images
 from tokenyard.api.middleware import middleware
 from tokenyard.api.moderation import install as install_moderation
 from tokenyard.api.openai.embeddings import add_embeddings_routes
@@ -42,55 +40,14 @@ from tokenyard.api.requests import add_request_routes
 from tokenyard.api.responses.routes import add_responses_routes
 from tokenyard.api.responses.stored import add_stored_response_routes
 from tokenyard.api.web import add_web_routes
-from tokenyard.balancer.affinity import AffinityTable
-from tokenyard.balancer.pool import Pool
-from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.deployments import BalancerSpec, DeploymentSpec
 from tokenyard.errors import not_found
 from tokenyard.gateway.admin import Admin
 from tokenyard.gateway.auth import require_admin
-from tokenyard.text.model_files import load_tokenizer
-from tokenyard.text.tokenizer import Tokenizer
-from tokenyard.wire.replica_info import ReplicaInfo
+from tokenyard.gateway.run import Pipeline
+from tokenyard.gateway.served import Served, build_served, replica_client
 
 __all__ = ["AppState", "Served", "build_served", "build_state", "make_app"]
-
-
-async def build_served(
-    spec: DeploymentSpec,
-    clients: Sequence[tuple[str, Any]],
-    cache_dir: Path,
-    *,
-    balancer: BalancerSpec | None = None,
-    affinity: AffinityTable | None = None,
-    tokenizers: dict[str | None, Tokenizer] | None = None,
-) -> Served:
-    """One deployment over its replicas' `clients` (id, client): an engine's model facts
-    are asked of its first replica that answers, and its tokenizer is loaded (in a
-    thread: a GGUF read takes seconds); an upstream gets the embedded tokenizer for its
-    admission estimates. `tokenizers` shares loaded tokenizers between deployments."""
-    tokenizers = {} if tokenizers is None else tokenizers
-    info: ReplicaInfo | None = None
-    if spec.kind == "engine":
-        pool = Pool(spec.name, clients, balancer, affinity=affinity)
-        info = await pool.info()
-        pool.block_size = info.block_size
-    else:
-        pool = Pool(spec.name, clients, balancer, affinity=affinity)
-    tokenizer = None
-    if spec.kind != "embeddings":
-        key = spec.model if spec.kind == "engine" else None
-        if key not in tokenizers:
-            tokenizers[key] = await asyncio.to_thread(load_tokenizer, key, cache_dir)
-        tokenizer = tokenizers[key]
-    if info is not None and tokenizer is not None and tokenizer.vocab_size > info.vocab_size:
-        # A replica serving another model than `model` would get ids it cannot embed.
-        raise ValueError(
-            f"the tokenizer of {spec.model or 'the embedded model'} has "
-            f"{tokenizer.vocab_size} tokens but the replica's model {info.model} only "
-            f"{info.vocab_size}: pass the replica's --model"
-        )
-    return Served(spec, pool, now(), tokenizer, info)
 
 
 async def build_state(
@@ -99,7 +56,7 @@ async def build_state(
 ) -> AppState:
     """The state of one running replica serving `model` (its own name), no aliases.
     `replica_token`: the replica's shared secret (TOKENYARD_REPLICA_TOKEN)."""
-    client = ReplicaClient(replica_url, token=replica_token)
+    client = replica_client(replica_url, token=replica_token)
     try:
         info = await client.info()
         spec = DeploymentSpec(info.model, "engine", urls=(replica_url,), model=model,
@@ -127,6 +84,7 @@ def make_app(state: AppState) -> web.Application:
     # reading it, and parse_body's check gives the same 413 for the rest.
     app = web.Application(middlewares=[middleware], client_max_size=state.max_body_bytes)
     app[STATE] = state
+    pipeline = app[PIPELINE] = Pipeline(state, images=admit_images)
     app[EDGE] = Edge(state.edge)
     add_openai_routes(app)
     add_embeddings_routes(app)
@@ -151,6 +109,14 @@ def make_app(state: AppState) -> web.Application:
         for pool in [*(s.pool for s in state.deployments.values()), *state.retired]:
             await pool.close()
 
+    async def start_pipeline(app: web.Application) -> None:
+        pipeline.start()
+
+    async def close_pipeline(app: web.Application) -> None:
+        await pipeline.close()
+
     app.on_startup.append(start_pools)
+    app.on_startup.append(start_pipeline)
+    app.on_cleanup.append(close_pipeline)
     app.on_cleanup.append(close_pools)
     return app

@@ -1,6 +1,6 @@
 """What every handler reads: the application's state (the fleet: its deployments and its
-router), and the values the middleware put in each request (its id, timeline, key and,
-once admitted, its gateway ticket)."""
+router), its pipeline, and the values the middleware and the pipeline put in each request
+(its id, timeline, key and, once admitted, its gateway ticket)."""
 
 from __future__ import annotations
 
@@ -12,73 +12,30 @@ from pydantic import BaseModel
 
 from tokenyard.api.edge import EdgeLimits
 from tokenyard.api.errors import parse_body
-from tokenyard.balancer.pool import Pool
 from tokenyard.config import ServeConfig
-from tokenyard.deployments import DeploymentSpec, FleetSpec
+from tokenyard.deployments import FleetSpec
 from tokenyard.errors import overloaded
 from tokenyard.gateway.auth import KeyContext
-from tokenyard.gateway.pipeline import Gateway, Ticket
-from tokenyard.gateway.routing import Route, Router, conversation_key, require
-from tokenyard.telemetry.metrics import TokenyardMetrics
+from tokenyard.gateway.pipeline import Ticket
+from tokenyard.gateway.routing import Route, Router
+from tokenyard.gateway.run import Pipeline
+from tokenyard.gateway.served import Fleet, Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.telemetry.tracing import TraceIds
-from tokenyard.text.prepare import Preparer
-from tokenyard.text.tokenizer import Tokenizer
-from tokenyard.wire.replica_info import ReplicaInfo
-
-
-@dataclass(eq=False)
-class Served:
-    """One deployment as this process serves it: its spec, its pool of replicas and, for
-    the kinds that need them here, its tokenizer and model facts."""
-
-    spec: DeploymentSpec
-    pool: Pool
-    created: int
-    #: The tokenizer prompts are prepared with (an upstream's: ours, for estimates).
-    tokenizer: Tokenizer | None = None
-    #: The engine's model facts (context window, vocabulary); None for other kinds.
-    info: ReplicaInfo | None = None
-    prepare: Preparer | None = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        if self.tokenizer is not None:
-            window = (self.info.max_model_len if self.info is not None
-                      else self.spec.max_context or 1 << 20)
-            self.prepare = Preparer(self.tokenizer, window)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def kind(self) -> str:
-        return self.spec.kind
-
-    @property
-    def vocab_size(self) -> int | None:
-        return self.info.vocab_size if self.info is not None else None
 
 
 @dataclass
-class AppState:
-    """What every handler needs: the deployments this process serves and their router."""
+class AppState(Fleet):
+    """What every handler needs: the fleet the pipeline serves (its deployments, their
+    router, the gateway), and what only HTTP needs."""
 
-    deployments: dict[str, Served]
-    router: Router
-    created: int
     admitting: bool = True
-    metrics: TokenyardMetrics = field(default_factory=TokenyardMetrics)
-    #: Keys, limits, billing and the ledger; None serves without authentication.
-    gateway: Gateway | None = None
     #: Request bodies above this are refused with 413 before any parsing.
     max_body_bytes: int = ServeConfig.max_body_bytes
     #: Per client address: connections, request rate, header timeout and size.
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     #: Embeddings deployments by name → what their route calls.
     embeddings: dict[str, Any] = field(default_factory=dict)
-    #: Pools of removed deployments still finishing their requests.
-    retired: list[Pool] = field(default_factory=list)
 
     @classmethod
     def single(cls, served: Served, created: int) -> AppState:
@@ -86,29 +43,10 @@ class AppState:
         fleet = FleetSpec({served.name: served.spec})
         return cls({served.name: served}, Router(fleet), created)
 
-    @property
-    def default(self) -> Served:
-        """The first chat deployment (what a bare `tokenyard serve` serves)."""
-        for served in self.deployments.values():
-            if served.kind != "embeddings":
-                return served
-        return next(iter(self.deployments.values()))
-
-    @property
-    def model(self) -> str:
-        return self.default.name
-
-    def replace_fleet(self, fleet: FleetSpec, deployments: dict[str, Served]) -> list[Pool]:
-        """Swap in a reloaded fleet; returns the pools no deployment uses any more (the
-        caller drains and closes them)."""
-        kept = {id(s.pool) for s in deployments.values()}
-        gone = [s.pool for s in self.deployments.values() if id(s.pool) not in kept]
-        self.deployments = deployments
-        self.router = Router(fleet)
-        return gone
-
 
 STATE: web.AppKey[AppState] = web.AppKey("tokenyard_state")
+#: The request pipeline over the state's fleet (gateway/run.py).
+PIPELINE: web.AppKey[Pipeline] = web.AppKey("tokenyard_pipeline", Pipeline)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 TIMELINE: web.RequestKey[Timeline] = web.RequestKey("timeline", Timeline)
 KEY: web.RequestKey[KeyContext] = web.RequestKey("api_key", KeyContext)
@@ -136,15 +74,3 @@ async def read_request(request: web.Request, schema: type[_M]) -> _M:
     request[TIMELINE].mark("parsed")
     return body
 
-
-def route(
-    request: web.Request, model: str, capability: str, *, first_user_text: str | None = None,
-) -> Served:
-    """Stage 9: the deployment that serves this request (404 for an unknown name; 400 if
-    it lacks `capability`). The route, with its shadow, waits in the request."""
-    state = request.app[STATE]
-    chosen = state.router.resolve(model, conversation_key(first_user_text))
-    served = state.deployments[chosen.deployment]
-    require(served.spec, capability)
-    request[ROUTE] = chosen
-    return served

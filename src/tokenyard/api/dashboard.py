@@ -26,10 +26,11 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.context import KEY, STATE, Served
+from tokenyard.api.context import KEY, STATE
 from tokenyard.api.respond import json_response
 from tokenyard.errors import invalid_request
 from tokenyard.gateway.auth import require_admin
+from tokenyard.gateway.served import Served
 from tokenyard.telemetry import request_log
 from tokenyard.telemetry.latency_window import LatencyWindow
 from tokenyard.telemetry.recent_requests import RecentRequests

@@ -7,8 +7,7 @@
                                      stop (or resume) sending new work to one
                                      replica; running requests finish
 
-Admin scope required, as every `/admin/v1` route. `add_fleet_routes` also installs the
-shadow runner (`api/shadow.py`), the other per-application part of the fleet.
+Admin scope required, as every `/admin/v1` route.
 """
 
 from __future__ import annotations
@@ -19,12 +18,12 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api import shadow
 from tokenyard.api.admin import admin_of
-from tokenyard.api.context import STATE, Served
+from tokenyard.api.context import STATE
 from tokenyard.deployments import AliasSpec, PriceSpec
 from tokenyard.errors import invalid_request
 from tokenyard.gateway.admin import AdminError, flag
+from tokenyard.gateway.served import Served
 
 
 def _money(micros: int) -> str:
@@ -94,7 +93,6 @@ async def drain(request: web.Request) -> web.Response:
 
 
 def add_fleet_routes(app: web.Application) -> None:
-    """Register the fleet's admin routes and install the shadow runner on `app`."""
+    """Register the fleet's admin routes on `app`."""
     app.router.add_get("/admin/v1/deployments", deployments)
     app.router.add_post("/admin/v1/replicas/drain", drain)
-    shadow.install(app)

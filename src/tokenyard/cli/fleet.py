@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tokenyard.api.app import build_served
-from tokenyard.api.context import AppState, Served
+from tokenyard.api.context import AppState
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec, load_fleet
+from tokenyard.gateway.served import Served, build_served
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenyard.serve")

@@ -12,6 +12,7 @@ from typing import Any
 from tokenyard.cli.admin import add_admin_parser, run_admin
 from tokenyard.cli.embed import add_embed_parser, embed_kwargs
 from tokenyard.config import ServeConfig, add_engine_args, engine_kwargs, replica_token
+from tokenyard.deployments import POLICIES
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -183,7 +184,7 @@ def _add_serve_parser(sub: Any) -> None:
                        "reloaded on SIGHUP. Without it: the embedded model, as flags say")
     serve.add_argument("--replicas", type=int, default=1,
                        help="local engine replicas of the model (default 1)")
-    serve.add_argument("--policy", choices=["affinity", "least", "round_robin"],
+    serve.add_argument("--policy", choices=sorted(POLICIES),
                        default="affinity",
                        help="how the balancer picks a replica (default: prefix affinity, "
                        "then least outstanding work)")

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenyard.api.app import make_app
-from tokenyard.api.context import AppState, Served
+from tokenyard.api.context import AppState
 from tokenyard.api.convert import now
 from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.balancer.affinity import AffinityTable
@@ -39,6 +39,7 @@ from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.routing import Router
+from tokenyard.gateway.served import Served
 from tokenyard.telemetry import logs
 
 logger = logging.getLogger("tokenyard.serve")

@@ -33,8 +33,8 @@ from tokenyard.api.anthropic.schemas import AnthropicMessage, AnthropicUsage
 from tokenyard.api.anthropic.tool_schemas import ToolUseBlock
 from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.sse import anthropic_stream_error, sse_event
-from tokenyard.balancer.generation import Generation
 from tokenyard.errors import APIError
+from tokenyard.gateway.run import Generated
 from tokenyard.text.tool_calls import CallArguments, CallStart, TextPiece, ToolCallParser, ToolEvent
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
@@ -204,7 +204,7 @@ class MessagesFormat:
         self._started = False
 
     def body(
-        self, gens: Sequence[Generation], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         gen, stream = gens[0], self.stream
         return build_anthropic_message(
@@ -229,7 +229,7 @@ class MessagesFormat:
         events.extend(self.stream.output_events(out))
         return events
 
-    def tail(self, gens: Sequence[Generation]) -> list[BaseModel]:
+    def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         return []
 
     def encode(self, event: Any) -> bytes:

@@ -1,13 +1,13 @@
 """The OpenAI dialect's routes: POST /v1/chat/completions, POST /v1/completions and
-GET /v1/models. Each parses and converts its body, prepares its prompts (`text/prepare`)
-and hands them to the one response writer with its dialect's `Format`."""
+GET /v1/models. Each parses and converts its body into the pipeline's `Call`, whose
+`build` does the dialect's prompt work for the deployment the pipeline chose, and renders
+the started run with its dialect's `Format`."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from tokenyard.api.context import STATE, TIMELINE, read_request, route
-from tokenyard.api.images import admit_images
+from tokenyard.api.context import STATE, read_request
 from tokenyard.api.openai.convert import (
     build_model_list,
     chat_request_to_engine,
@@ -16,49 +16,61 @@ from tokenyard.api.openai.convert import (
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.openai.tools import tool_messages, tool_use
-from tokenyard.api.respond import generate, json_response, placed, prepared, token_bytes
+from tokenyard.api.respond import generate, json_response, new_call, start
+from tokenyard.gateway.run import Prepared, Served, placed, prepared
+from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.tool_grammar import constrained
 from tokenyard.text.tools import template_tools
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    timeline = request[TIMELINE]
     req = await read_request(request, ChatCompletionRequest)
-    served = route(request, req.model, "chat",
-                   first_user_text=next((m.text for m in req.messages if m.role == "user"), None))
-    messages, params = chat_request_to_engine(req, served.vocab_size)
-    tools, passed_on, native = placed(tool_use(req), served)
-    messages = tool_messages(req, messages, tools, native)
-    params = constrained(params, tools)
-    messages = await admit_images(messages, model=served.name,
-                                  vision="vision" in served.spec.capabilities)
-    prepare, _ = prepared(served)
-    prompt = prepare.conversation(messages, timeline, prefill=False,
-                                  tools=template_tools(tools, native))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
-    params = prepare.fit(len(prompt), params, param)
-    fmt = ChatFormat(served.name, params.n, req.include_usage, token_bytes(request, served),
-                     tools or passed_on)
-    return await generate(request, served, [prompt], [params], fmt,
-                          stream=bool(req.stream), messages=messages, tools=passed_on)
+
+    def build(served: Served, timeline: Timeline) -> Prepared:
+        messages, params = chat_request_to_engine(req, served.vocab_size)
+        tools, passed_on, native = placed(tool_use(req), served)
+        messages = tool_messages(req, messages, tools, native)
+        prepare, _ = prepared(served)
+        prompt = prepare.conversation(messages, timeline, prefill=False,
+                                      tools=template_tools(tools, native))
+        params = prepare.fit(len(prompt), constrained(params, tools), param)
+        return Prepared([prompt], [params], messages=messages, passed_on=passed_on,
+                        tools=tools or passed_on)
+
+    call = await new_call(
+        request, req.model, build, text_size=sum(len(m.text) for m in req.messages),
+        first_user_text=next((m.text for m in req.messages if m.role == "user"), None))
+    run = await start(request, call)
+    ready = run.ready
+    fmt = ChatFormat(run.served.name, ready.params[0].n, req.include_usage, run.token_bytes,
+                     ready.tools)
+    return await generate(request, run, fmt, stream=bool(req.stream))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (several prompts: choice i*n+j is completion j of prompt i)."""
-    timeline = request[TIMELINE]
     req = await read_request(request, CompletionRequest)
-    served = route(request, req.model, "completions")
-    prompts, params = completion_request_to_engine(req, served.vocab_size)
-    prepare, tok = prepared(served)
-    ids = [prepare.encode_prompt(p) for p in prompts]
-    timeline.mark("tokenized")
-    fitted = [prepare.fit(len(p), params, "max_tokens") for p in ids]
-    echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
-    fmt = CompletionFormat(served.name, params.n, req.include_usage,
-                           token_bytes(request, served), echo)
-    return await generate(request, served, ids, fitted, fmt, stream=bool(req.stream),
-                          texts=[p if isinstance(p, str) else None for p in prompts])
+    raw = req.prompt
+    texts = [raw] if isinstance(raw, str) else [p for p in raw if isinstance(p, str)]
+
+    def build(served: Served, timeline: Timeline) -> Prepared:
+        prompts, params = completion_request_to_engine(req, served.vocab_size)
+        prepare, tok = prepared(served)
+        ids = [prepare.encode_prompt(p) for p in prompts]
+        timeline.mark("tokenized")
+        fitted = [prepare.fit(len(p), params, "max_tokens") for p in ids]
+        echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
+        return Prepared(ids, fitted, texts=[p if isinstance(p, str) else None for p in prompts],
+                        note=echo)
+
+    call = await new_call(request, req.model, build, capability="completions",
+                          text_size=max(map(len, texts), default=0), param="prompt")
+    run = await start(request, call)
+    fmt = CompletionFormat(run.served.name, run.ready.params[0].n, req.include_usage,
+                           run.token_bytes, run.ready.note)
+    return await generate(request, run, fmt, stream=bool(req.stream))
 
 
 async def models(request: web.Request) -> web.Response:

@@ -34,8 +34,8 @@ from tokenyard.api.openai.schemas import (
 from tokenyard.api.openai.tools import delta_parts
 from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
-from tokenyard.balancer.generation import Generation
 from tokenyard.errors import APIError
+from tokenyard.gateway.run import Generated
 from tokenyard.text.tool_calls import ToolCallParser
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
@@ -199,7 +199,7 @@ class _OpenAIFormat:
         self.include_usage = include_usage
         self.token_bytes = token_bytes
 
-    def tail(self, gens: Sequence[Generation]) -> list[BaseModel]:
+    def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         if not self.include_usage:
             return []
         output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
@@ -223,7 +223,7 @@ class ChatFormat(_OpenAIFormat):
         super().__init__(self.stream, n, include_usage, token_bytes)
 
     def body(
-        self, gens: Sequence[Generation], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         gen, stream = gens[0], self.stream
         return build_chat_completion(
@@ -256,7 +256,7 @@ class CompletionFormat(_OpenAIFormat):
         self.echo = echo
 
     def body(
-        self, gens: Sequence[Generation], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         stream = self.stream
         return build_text_completion(

@@ -1,8 +1,9 @@
 """The Responses dialect's route: POST /v1/responses. It expands `previous_response_id`
 into the earlier turns' items, converts the conversation like chat's (tools, images,
-the text format's grammar), prepares the prompt and hands it to the one response writer
-with the dialect's `Format`; a response to keep (`store`, the default) is stored before
-its last bytes go out, so the client's next turn finds it at once."""
+the text format's grammar) into the pipeline's `Call`, whose `build` prepares the prompt
+for the chosen deployment, and renders the run with the dialect's `Format`; a response
+to keep (`store`, the default) is stored before its last bytes go out, so the client's
+next turn finds it at once."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import logging
 
 from aiohttp import web
 
-from tokenyard.api.context import RESPONSE_ID, TIMELINE, read_request, route
-from tokenyard.api.images import admit_images
-from tokenyard.api.respond import generate, placed, prepared, token_bytes
+from tokenyard.api.context import RESPONSE_ID, read_request
+from tokenyard.api.respond import generate, new_call, start
 from tokenyard.api.responses import stored
 from tokenyard.api.responses.convert import (
     first_user_text,
     fitted_conversation,
+    item_messages,
     items_json,
     parse_items,
     request_items,
@@ -26,6 +27,8 @@ from tokenyard.api.responses.convert import (
 )
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
+from tokenyard.gateway.run import Prepared, Served, placed, prepared, text_size
+from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.tool_grammar import constrained
 
 logger = logging.getLogger("tokenyard.api")
@@ -33,27 +36,34 @@ logger = logging.getLogger("tokenyard.api")
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
-    timeline = request[TIMELINE]
     req = await read_request(request, ResponsesRequest)
     items = request_items(req)
     earlier = []
     if req.previous_response_id is not None:
         earlier = parse_items(await stored.expand_previous(request, req.previous_response_id))
     conversation = [*earlier, *items]
-    served = route(request, req.model, "chat", first_user_text=first_user_text(conversation))
-    tools, passed_on, native = placed(tool_use(req), served)
-    prepare, _ = prepared(served)
-    messages, prompt, params = fitted_conversation(
-        prepare, conversation, constrained(request_params(req), tools),
-        instructions=req.instructions, use=tools, native=native,
-        truncate=req.truncation == "auto", first_index=-len(earlier),
-        param="max_output_tokens" if req.max_output_tokens is not None else "input",
-        timeline=timeline)
-    # Images weigh nothing in the prompt's token count: loaded once it is fitted.
-    messages = await admit_images(messages, model=served.name,
-                                  vision="vision" in served.spec.capabilities)
-    fmt = ResponsesFormat(response_shell(req, served.name), tools or passed_on,
-                          token_bytes(request, served))
+    truncate = req.truncation == "auto"
+
+    def build(served: Served, timeline: Timeline) -> Prepared:
+        tools, passed_on, native = placed(tool_use(req), served)
+        prepare, _ = prepared(served)
+        # Images weigh nothing in the prompt's token count: loaded once it is fitted.
+        messages, prompt, params = fitted_conversation(
+            prepare, conversation, constrained(request_params(req), tools),
+            instructions=req.instructions, use=tools, native=native, truncate=truncate,
+            first_index=-len(earlier),
+            param="max_output_tokens" if req.max_output_tokens is not None else "input",
+            timeline=timeline)
+        return Prepared([prompt], [params], messages=messages, passed_on=passed_on,
+                        tools=tools or passed_on)
+
+    plain = item_messages(conversation, req.instructions, None, False, -len(earlier))
+    call = await new_call(request, req.model, build, text_size=text_size(plain),
+                          param="input", bounded=not truncate,
+                          first_user_text=first_user_text(conversation))
+    run = await start(request, call)
+    fmt = ResponsesFormat(response_shell(req, run.served.name), run.ready.tools,
+                          run.token_bytes)
     request[RESPONSE_ID] = fmt.response.id  # the resp_… id the request's trace names
 
     async def remember() -> None:
@@ -64,8 +74,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         except Exception:  # the reply went out whole; only its continuation is lost
             logger.exception("storing response %s failed", fmt.final["id"])
 
-    return await generate(request, served, [prompt], [params], fmt, stream=bool(req.stream),
-                          messages=messages, tools=passed_on,
+    return await generate(request, run, fmt, stream=bool(req.stream),
                           finish=remember if req.store is not False else None)
 
 

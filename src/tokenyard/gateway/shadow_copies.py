@@ -1,14 +1,15 @@
 """Shadow traffic: a share of an alias's requests copied to another deployment.
 
-`tap` is the one call `respond.generate` makes. Without a shadow on the request's route it
+`tap` is the one call the pipeline makes. Without a shadow on the request's route it
 returns the generations untouched (no cost). With one, it starts the copy at once in a
 background task — same prompt (token ids for an engine with the same vocabulary as the
 primary's tokenizer, the messages or texts for an upstream), same sampling parameters,
-the scheduler's low class — and wraps the primary's generations so their text is kept
-as it goes by. The copy is never awaited by the handler and never billed (no ticket, no
-ledger row); its failures are only logged. When both sides are done, the pair's
-latencies (ms from the request's start to its last token), output tokens and whether
-the texts are equal go to the gateway's `ShadowRecorder`, written off the request path.
+the scheduler's low class, the request's own cache salt — and wraps the primary's
+generations so their text is kept as it goes by. The copy is never awaited by the caller
+and never billed (no ticket, no ledger row); its failures are only logged. When both
+sides are done, the pair's latencies (ms from the request's start to its last token),
+output tokens and whether the texts are equal go to the gateway's `ShadowRecorder`,
+written off the request path.
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from aiohttp import web
-
-from tokenyard.api.context import REQUEST_ID, ROUTE, STATE, TICKET, AppState, Served
 from tokenyard.balancer.generation import Generation
+from tokenyard.gateway.routing import Route
+from tokenyard.gateway.served import Fleet, Served
 from tokenyard.gateway.shadow import ShadowRecord, ShadowRecorder
 from tokenyard.wire.outputs import RequestOutput
 from tokenyard.wire.sampling_params import SamplingParams
 
-logger = logging.getLogger("tokenyard.api.shadow")
+logger = logging.getLogger("tokenyard.gateway.shadow")
 
 #: The scheduler's "low" class: a copy never runs before a caller's request.
 SHADOW_PRIORITY = 1
@@ -40,20 +40,20 @@ MAX_IN_FLIGHT = 1024
 
 
 class Shadows:
-    """The application's copies in flight and the recorder of their results (None
-    without a gateway: results are only logged)."""
+    """The process's copies in flight and the recorder of their results (None without a
+    gateway: results are only logged)."""
 
-    def __init__(self, state: AppState) -> None:
-        self.state = state
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
         self.tasks: set[asyncio.Task[None]] = set()
         self.recorder: ShadowRecorder | None = None
         self.skipped = 0
 
-    async def start(self, _app: web.Application) -> None:
-        if self.state.gateway is not None:
-            self.recorder = ShadowRecorder(self.state.gateway.store)
+    def start(self) -> None:
+        if self.fleet.gateway is not None:
+            self.recorder = ShadowRecorder(self.fleet.gateway.store)
 
-    async def close(self, _app: web.Application) -> None:
+    async def close(self) -> None:
         """Cancel the copies still running, then write the results already in."""
         for task in list(self.tasks):
             task.cancel()
@@ -72,45 +72,33 @@ class Shadows:
         else:
             logger.info("shadow %s", record)
 
-
-SHADOWS: web.AppKey[Shadows] = web.AppKey("tokenyard_shadows", Shadows)
-
-
-def install(app: web.Application) -> None:
-    """Give `app` its shadow runner (started and closed with it)."""
-    shadows = app[SHADOWS] = Shadows(app[STATE])
-    app.on_startup.append(shadows.start)
-    app.on_cleanup.append(shadows.close)
-
-
-def tap(
-    request: web.Request, served: Served, gens: list[Generation],
-    prompts: Sequence[list[int]], params: Sequence[SamplingParams], *,
-    messages: Sequence[Any] | None, texts: Sequence[str | None] | None,
-) -> list[Generation]:
-    """`gens` as they are when the request's route has no shadow; else start its copy
-    and return the generations wrapped so their text is kept for the comparison."""
-    chosen = request.get(ROUTE)
-    if chosen is None or chosen.shadow is None:
-        return gens
-    shadows = request.app.get(SHADOWS)
-    shadow = request.app[STATE].deployments.get(chosen.shadow)
-    if shadows is None or shadow is None:
-        return gens
-    if len(shadows.tasks) >= MAX_IN_FLIGHT:
-        shadows.skipped += 1
-        return gens
-    ticket = request.get(TICKET)
-    copies = _copies(shadow, served, request[REQUEST_ID], prompts, params, messages, texts,
-                     ticket.cache_salt if ticket is not None else None)
-    if copies is None:
-        logger.debug("no shadow copy of %s on %s: its prompt cannot be sent there",
-                     request[REQUEST_ID], shadow.name)
-        return gens
-    pair = _Pair(shadows, request[REQUEST_ID], chosen.alias or served.name, served.name,
-                 shadow.name, copies, len(gens))
-    shadows.launch(pair)
-    return [cast(Generation, _Tapped(gen, pair, i)) for i, gen in enumerate(gens)]
+    def tap(
+        self, chosen: Route, served: Served, gens: list[Generation], request_id: str,
+        prompts: Sequence[list[int]], params: Sequence[SamplingParams], *,
+        messages: Sequence[Any] | None, texts: Sequence[str | None] | None,
+        cache_salt: str | None,
+    ) -> list[Generation]:
+        """`gens` as they are when the request's route has no shadow; else start its
+        copy and return the generations wrapped so their text is kept for the
+        comparison."""
+        if chosen.shadow is None:
+            return gens
+        shadow = self.fleet.deployments.get(chosen.shadow)
+        if shadow is None:
+            return gens
+        if len(self.tasks) >= MAX_IN_FLIGHT:
+            self.skipped += 1
+            return gens
+        copies = _copies(shadow, served, request_id, prompts, params, messages, texts,
+                         cache_salt)
+        if copies is None:
+            logger.debug("no shadow copy of %s on %s: its prompt cannot be sent there",
+                         request_id, shadow.name)
+            return gens
+        pair = _Pair(self, request_id, chosen.alias or served.name, served.name,
+                     shadow.name, copies, len(gens))
+        self.launch(pair)
+        return [cast(Generation, _Tapped(gen, pair, i)) for i, gen in enumerate(gens)]
 
 
 def _copies(
@@ -219,7 +207,7 @@ class _Pair:
 
 
 class _Tapped:
-    """A primary generation as `respond` sees it, its outputs also noted in the pair."""
+    """A primary generation as the caller sees it, its outputs also noted in the pair."""
 
     def __init__(self, gen: Generation, pair: _Pair, position: int) -> None:
         self._gen = gen
