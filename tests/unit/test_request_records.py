@@ -153,6 +153,35 @@ def test_captured_bodies_are_redacted_cut_and_shown_to_the_owning_org(
     _with_log(database_url, scenario, capture_max_bytes=180)
 
 
+def test_a_queued_capture_is_redacted_for_its_org_only_and_cut_before_redaction(
+    database_url: str,  # noqa: F811
+) -> None:
+    """GET /v1/requests/{id} of a queued record redacts on demand: only for a key that may
+    see it, and only the part that is kept (a response of megabytes was redacted whole,
+    on the event loop, before it was cut)."""
+    async def scenario(store: Store, log: RequestLog) -> None:
+        org, other = (await store.create_org("a")).id, (await store.create_org("b")).id
+        key = _key(org)
+        await Admin(store, log).set_capture(org, {"retention_days": 1})
+        seen: list[int] = []
+        text = log.redactor.text
+
+        def counted(value: str) -> str:
+            seen.append(len(value))
+            return text(value)
+
+        log.redactor.text = counted  # type: ignore[method-assign]
+        log.observe(_summary("req_huge", org))
+        log.capture("req_huge", key, b"{}", {"choices": [{"text": "a-" * 2_000_000}]})
+        assert await log.find("req_huge", _key(other)) is None
+        assert seen == []  # another org's key costs no redaction
+        found = await log.find("req_huge", key)
+        assert found is not None and found["capture"]["truncated"] is True
+        assert sum(seen) <= 4096 + 16
+
+    _with_log(database_url, scenario, capture_max_bytes=4096)
+
+
 def test_the_purge_job_deletes_old_records_and_expired_captures(
     database_url: str,  # noqa: F811
 ) -> None:

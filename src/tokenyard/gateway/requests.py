@@ -176,13 +176,17 @@ class RequestLog:
         an admin key (which alone sees the replica). None otherwise, or when it is unknown
         or purged."""
         record = self._records.get(request_id) or self._writing[0].get(request_id)
+        body = None
         if record is None:
             record, capture = await find_request(self.store.db, request_id)
         else:
             body = self._bodies.get(request_id) or self._writing[1].get(request_id)
-            capture = self._redacted(request_id, *body) if body is not None else None
+            capture = None
         if record is None or not (key.scopes.admin or key.org_id == record.org_id):
             return None
+        if capture is None and body is not None:
+            # A queued body is redacted for its reader, after the check, and off the loop.
+            capture = await asyncio.to_thread(self._redacted, request_id, *body)
         return record_json(record, capture, internal=key.scopes.admin)
 
     async def set_capture(self, org_id: str, retention_days: int | None) -> None:
@@ -290,6 +294,9 @@ class RequestLog:
                 return text, cut or body.cut
         else:
             value = body.value
+            whole = json.dumps(value, ensure_ascii=False)
+            if len(whole) > self.capture_max_bytes:  # cut first: redact what is kept only
+                return self._cut(whole)[0], True
         text = json.dumps(self.redactor.json(value), ensure_ascii=False)
         return (text, False) if len(text.encode()) <= self.capture_max_bytes else self._cut(
             text)
