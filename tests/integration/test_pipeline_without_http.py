@@ -32,7 +32,7 @@ def _build(served: Served, timeline: Timeline) -> Prepared:
     messages = [{"role": "user", "content": "Say hi."}]
     prompt = prepare.conversation(messages, timeline, prefill=False)
     params = prepare.fit(len(prompt), SamplingParams(max_tokens=4, temperature=0.0), "messages")
-    return Prepared([prompt], [params], messages=list(messages))  # type: ignore[arg-type]
+    return Prepared([prompt], [params], messages=list(messages))
 
 
 async def _scenario(replica_url: str, state: Path) -> None:
