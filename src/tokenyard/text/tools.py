@@ -76,6 +76,9 @@ class ToolUse:
 
     tools: tuple[Tool, ...]
     choice: ToolChoice = ToolChoice()
+    #: The most calls one response may make (the Responses API's `max_tool_calls`);
+    #: None: the deployment's cap alone.
+    max_calls: int | None = None
 
     @property
     def active(self) -> bool:
