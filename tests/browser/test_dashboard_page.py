@@ -58,10 +58,17 @@ def test_the_dashboard_endpoint_needs_the_admin_scope_and_checks_its_query(
     assert status == 403, body
     status, _, body = call(server, "GET", "/admin/v1/dashboard?recent=lots")
     assert status == 400 and body["error"]["param"] == "recent", body
-    status, _, body = call(server, "GET", "/admin/v1/dashboard?recent=0")
-    assert status == 200 and body["requests"]["recent"] == []
-    (deployment,) = [d for d in body["deployments"] if d["name"] == server.model]
-    (member,) = deployment["replicas"]
+    # The replica's figures arrive with the pool's first health tick (1 s after start):
+    # a test that runs at once, the browser ones before it skipped, waits for it.
+    deadline = time.monotonic() + 10
+    while True:
+        status, _, body = call(server, "GET", "/admin/v1/dashboard?recent=0")
+        assert status == 200 and body["requests"]["recent"] == []
+        (deployment,) = [d for d in body["deployments"] if d["name"] == server.model]
+        (member,) = deployment["replicas"]
+        if member["kv_blocks"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert member["state"] == "healthy" and member["kv_blocks"] > 0
     assert set(body["latency"]) == {"ttft_s", "inter_token_s", "e2e_s", "queue_s"}
 
