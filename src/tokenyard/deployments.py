@@ -19,6 +19,14 @@ are compared and thrown away. A leaf module: plain values, no I/O beyond reading
     capabilities = ["chat", "completions"]
     prices = { input = "0.10", cached_input = "0.05", output = "0.40" }  # per 1M tokens
 
+    [[deployments]]
+    name = "qwen-2026-11-01"
+    kind = "upstream"              # an OpenAI-compatible server we do not run
+    urls = ["http://10.0.0.9:8000/v1"]
+    model = "Qwen/Qwen2.5-7B-Instruct"
+    server = "vllm"                # vllm | sglang | openai (any other; the default)
+    token_env = "QWEN_API_KEY"     # its own key; none sent without it
+
     [aliases]
     smollm2 = "smollm2-135m-instruct-2026-11-22"
     [aliases.smollm2-next]
@@ -50,6 +58,14 @@ _DEFAULT_CAPABILITIES = {
 #: (`balancer/policy.py`), which adds each policy registered there (a leaf cannot import
 #: it); the built-in ones are named here too, so a file parses before the balancer loads.
 POLICIES = {"affinity", "least", "round_robin"}
+#: What an upstream deployment's server is (its `server` field). The ones in
+#: `SALTED_SERVERS` take a per-request `cache_salt` in the OpenAI body (vLLM from 0.9,
+#: SGLang from the release that added it to its OpenAI protocol), so each tenant gets its
+#: own prefix cache there; any other ("openai": OpenAI itself, llama.cpp's llama-server,
+#: another tokenyard, an older vLLM) shares one cache between our tenants, so the cached
+#: tokens it reports are never shown to or billed as cached for a tenant.
+UPSTREAM_SERVERS = ("vllm", "sglang", "openai")
+SALTED_SERVERS = frozenset({"vllm", "sglang"})
 
 
 class FleetConfigError(ValueError):
@@ -104,13 +120,21 @@ class DeploymentSpec:
     model: str | None = None
     #: Extra `tokenyard engine` flags of the local replicas.
     engine_args: tuple[str, ...] = ()
-    #: The environment variable holding the replicas' token or the upstream's API key.
+    #: The environment variable holding the replicas' token or the upstream's API key
+    #: (an upstream without it is sent no key: never the replicas' token).
     token_env: str | None = None
     capabilities: frozenset[str] = frozenset()
     #: The context window to enforce for upstreams (engines report their own).
     max_context: int | None = None
     prices: PriceSpec | None = None
     moderation: ModerationSpec | None = None
+    #: upstream: which server it is (one of UPSTREAM_SERVERS); None for other kinds.
+    server: str | None = None
+
+    @property
+    def salts_cache(self) -> bool:
+        """Whether the upstream keeps a prefix cache per `cache_salt` we send."""
+        return self.server in SALTED_SERVERS
 
     def token(self) -> str | None:
         """The secret named by `token_env`, read now (reloads see a changed value)."""
@@ -213,7 +237,7 @@ def single_fleet(
 def _deployment(item: Any, where: str) -> DeploymentSpec:
     item = _table(item, where)
     _only(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
-                 "capabilities", "max_context", "prices", "moderation"}, where)
+                 "capabilities", "max_context", "prices", "moderation", "server"}, where)
     name = _str(item.get("name"), f"{where}.name")
     kind = item.get("kind", "engine")
     if kind not in KINDS:
@@ -232,6 +256,15 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         raise FleetConfigError(f"{where}: needs 'replicas' (local) or 'urls' (running)")
     if kind == "upstream" and not item.get("model"):
         raise FleetConfigError(f"{where}.model: an upstream needs the model name to ask for")
+    server = item.get("server", "openai" if kind == "upstream" else None)
+    if server is not None and kind != "upstream":
+        raise FleetConfigError(f"{where}.server: only an upstream deployment names its "
+                               "server")
+    if server is not None and server not in UPSTREAM_SERVERS:
+        raise FleetConfigError(f"{where}.server: one of {', '.join(UPSTREAM_SERVERS)} "
+                               f"(vllm and sglang keep each tenant's prefix cache apart; "
+                               f"openai is any other OpenAI-compatible server), "
+                               f"not {server!r}")
     caps = frozenset(_str(c, f"{where}.capabilities[]")
                      for c in _list(item.get("capabilities", []), f"{where}.capabilities"))
     unknown = caps - CAPABILITIES
@@ -251,6 +284,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
         moderation=(_moderation(item["moderation"], f"{where}.moderation")
                     if "moderation" in item else None),
+        server=server,
     )
 
 

@@ -31,11 +31,12 @@ from tokenyard.api.sse import parse_sse
 from tokenyard.balancer.generation import finished_completions
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
+    ReplicaError,
     ReplicaOverloaded,
     ReplicaRequestError,
     ReplicaStreamError,
 )
-from tokenyard.balancer.upstream import UpstreamClient
+from tokenyard.balancer.upstream import UpstreamClient, upstream_salt
 from tokenyard.balancer.upstream_generation import UpstreamGeneration, request_body
 from tokenyard.bench.mock_core import MOCK_MODEL, MOCK_TOKENS, MockConfig
 from tokenyard.bench.mock_replica import MockReplica
@@ -149,7 +150,8 @@ def test_overloaded_upstream_is_replica_overloaded_with_retry_after(status: int)
         with pytest.raises(ReplicaOverloaded) as refused:
             await drain(client, {"messages": CHAT})
         assert refused.value.retry_after == 0.25  # retry-after-ms wins over retry-after
-        assert refused.value.message == "injected failure"
+        # The upstream's own text (it may name its account) is not passed on.
+        assert refused.value.message == "the upstream is overloaded; retry after a short wait."
         gen = chat_gen(client)
         with pytest.raises(APIError) as api:
             await gen.start()
@@ -189,9 +191,10 @@ def test_upstream_400_keeps_its_message_param_and_code() -> None:
 def test_mid_stream_failure_is_a_stream_error_after_some_deltas() -> None:
     async def scenario(mock: MockReplica, client: UpstreamClient) -> None:
         chunks: list[dict[str, Any]] = []
-        with pytest.raises(ReplicaStreamError, match="injected failure"):
+        with pytest.raises(ReplicaStreamError) as broke:
             async for chunk in client.open_chat({"messages": CHAT, "max_tokens": 8}):
                 chunks.append(chunk)
+        assert broke.value.message == "the upstream failed while answering"
         assert len(chunks) >= 3  # the role chunk and half the tokens came first
         gen = chat_gen(client, max_tokens=8)
         await gen.start()
@@ -200,7 +203,8 @@ def test_mid_stream_failure_is_a_stream_error_after_some_deltas() -> None:
             async for out in gen:
                 texts.extend(d.text for d in out.deltas)
         await gen.close()
-        assert failed.value.status == 500 and "injected failure" in failed.value.message
+        assert failed.value.status == 500 and "failed while answering" in failed.value.message
+        assert "injected failure" not in failed.value.message
         assert "".join(texts) == mock_text(4)
         assert gen.failed and gen.finish_reasons == ["abort"]
 
@@ -233,14 +237,10 @@ def choice(text: str | None = None, finish: str | None = None, **extra: Any) -> 
     return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
 
 
-def with_canned(body: bytes, scenario: Callable[[UpstreamClient], Awaitable[T]]) -> T:
-    """`scenario` against a server whose chat route answers `body` as an event stream."""
-    async def answer(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(body)
-        return response
-
+def with_route(answer: Callable[[web.Request], Awaitable[web.StreamResponse]],
+               scenario: Callable[[UpstreamClient], Awaitable[T]], **client: Any) -> T:
+    """`scenario` against a server whose chat route is `answer`, through a client made
+    with `client`'s arguments (default model "canned")."""
     async def go() -> T:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", answer)
@@ -249,11 +249,22 @@ def with_canned(body: bytes, scenario: Callable[[UpstreamClient], Awaitable[T]])
         try:
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
-            async with UpstreamClient(url, model="canned") as client:
-                return await scenario(client)
+            async with UpstreamClient(url, **{"model": "canned", **client}) as upstream:
+                return await scenario(upstream)
         finally:
             await runner.cleanup()
     return asyncio.run(go())
+
+
+def with_canned(body: bytes, scenario: Callable[[UpstreamClient], Awaitable[T]]) -> T:
+    """`scenario` against a server whose chat route answers `body` as an event stream."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(body)
+        return response
+
+    return with_route(answer, scenario)
 
 
 def test_vllm_style_stream_stop_reason_and_cached_tokens() -> None:
@@ -292,8 +303,67 @@ def test_an_error_event_first_is_a_refusal_and_a_cut_stream_is_broken() -> None:
                 pass
         await gen.close()
         assert err.value.status == 500 and gen.failed
+        # Neither the upstream's address nor the exception met reaches the tenant.
+        assert err.value.message == "The engine failed: the upstream broke off its answer"
 
     with_canned(sse(choice("Hel"), choice("lo"), end=b""), cut)
+
+
+def test_a_refusal_that_is_no_api_error_keeps_its_text_in_the_log() -> None:
+    """A 4xx page from whatever stands in front of the upstream (a proxy's HTML, naming
+    its software) is not passed on; a 404 (a wrong URL or model name) is the
+    deployment's fault, not the request's."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        status = int((await request.json())["model"])  # the status it is told to answer
+        return web.Response(status=status, text="<html>nginx/1.25.3 at 10.0.0.9</html>",
+                            content_type="text/html")
+
+    async def refused(client: UpstreamClient) -> ReplicaError:
+        with pytest.raises(ReplicaError) as err:
+            await drain(client, {"messages": CHAT})
+        return err.value
+
+    page = with_route(answer, refused, model="413", deployment="up-1")
+    assert isinstance(page, ReplicaRequestError) and page.status == 413
+    assert page.message == "the upstream deployment up-1 refused the request (413)."
+    missing = with_route(answer, refused, model="404", deployment="up-1")
+    assert isinstance(missing, ReplicaConnectionError)
+
+
+def test_a_salt_goes_only_to_a_server_that_keeps_a_cache_per_salt() -> None:
+    """The tenant's salt goes, as a digest, to a server that salts its prefix cache (the
+    mock remembers prompts per salt, as vLLM does); a server that cannot is not sent it,
+    and the cached tokens it reports for a salted request read 0, for they may be another
+    tenant's. Unsalted (one tenant, no gateway), its cache is that tenant's own."""
+    prompt = " ".join(f"w{i}" for i in range(40))  # two full blocks before the last word
+
+    async def go() -> None:
+        async with serving_mock() as (mock, url), \
+                UpstreamClient(url, model=MOCK_MODEL, salts_cache=True) as salted, \
+                UpstreamClient(url, model=MOCK_MODEL, api_key="k-1") as plain:
+            async def run(client: UpstreamClient, salt: str | None) -> tuple[int, Any]:
+                gen = UpstreamGeneration(client, "r", prompt=prompt, model=MOCK_MODEL,
+                                         params=SamplingParams(max_tokens=2),
+                                         prompt_tokens_estimate=1, cache_salt=salt)
+                await outputs_of(gen)
+                return gen.num_cached_tokens, mock.received[-1]
+
+            cached, seen = await run(salted, "org-a")
+            assert cached == 0 and seen.body["cache_salt"] == upstream_salt("org-a")
+            assert "org-a" not in seen.body["cache_salt"] and seen.authorization is None
+            assert (await run(salted, "org-a"))[0] == 32  # its own cache: hit
+            cached, seen = await run(salted, "org-b")
+            assert cached == 0 and seen.body["cache_salt"] == upstream_salt("org-b")
+            assert upstream_salt("org-a") != upstream_salt("org-b")
+
+            cached, seen = await run(plain, "org-a")
+            assert "cache_salt" not in seen.body and seen.authorization == "Bearer k-1"
+            assert cached == 0  # the first unsalted prompt: nothing cached yet
+            cached, _ = await run(plain, "org-b")
+            assert cached == 0  # the server's cache hit org-a's prompt: not shown
+            assert (await run(plain, None))[0] == 32  # one tenant: shown
+
+    asyncio.run(go())
 
 
 # ---------------------------------------------------------------------------- the formats

@@ -41,6 +41,13 @@ capabilities = ["chat", "tools", "vision"]
 max_context = 32768
 
 [[deployments]]
+name = "qwen-vllm-2026-12-01"
+kind = "upstream"
+urls = ["http://10.0.0.9:8000/v1"]
+model = "Qwen/Qwen2.5-7B-Instruct"
+server = "vllm"
+
+[[deployments]]
 name = "minilm"
 kind = "embeddings"
 replicas = 1
@@ -72,6 +79,11 @@ def test_a_good_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     upstream = fleet.deployments["gpt-up-2026-12-01"]
     assert upstream.capabilities == {"chat", "tools", "vision"}
     assert (upstream.model, upstream.max_context, upstream.token()) == ("gpt-up", 32768, None)
+    # No `server`: any OpenAI-compatible one, which keeps no cache per tenant.
+    assert upstream.server == "openai" and not upstream.salts_cache
+    vllm = fleet.deployments["qwen-vllm-2026-12-01"]
+    assert vllm.server == "vllm" and vllm.salts_cache
+    assert engine.server is None and not engine.salts_cache
     assert fleet.deployments["minilm"].capabilities == {"embeddings"}
     assert fleet.aliases["smollm2"].routes == (("smollm2-135m-instruct-2026-11-22", 1.0),)
     nxt = fleet.aliases["smollm2-next"]
@@ -79,7 +91,7 @@ def test_a_good_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
                           ("gpt-up-2026-12-01", 10.0))
     assert nxt.shadow == ShadowSpec("gpt-up-2026-12-01", 0.05)
     assert fleet.names() == ["smollm2-135m-instruct-2026-11-22", "gpt-up-2026-12-01",
-                             "minilm", "smollm2", "smollm2-next"]
+                             "qwen-vllm-2026-12-01", "minilm", "smollm2", "smollm2-next"]
 
 
 def test_single_fleet_without_a_file() -> None:
@@ -110,6 +122,13 @@ def _dep(**fields: Any) -> dict[str, Any]:
     ({"deployments": [_dep(kind="upstream", model="m")]}, "deployments[0].replicas"),
     ({"deployments": [_dep(kind="upstream", replicas=0, urls=["http://a"])]},
      "deployments[0].model"),
+    ({"deployments": [_dep(kind="upstream", replicas=0, urls=["http://a"], model="m",
+                           server="tgi")]},
+     "deployments[0].server: one of vllm, sglang, openai"),
+    ({"deployments": [_dep(kind="upstream", replicas=0, urls=["http://a"], model="m",
+                           server=1)]}, "deployments[0].server: one of"),
+    ({"deployments": [_dep(server="vllm")]},
+     "deployments[0].server: only an upstream deployment"),
     ({"deployments": [_dep(capabilities=["telepathy"])]}, "deployments[0].capabilities"),
     ({"deployments": [_dep(max_context=0)]}, "deployments[0].max_context"),
     ({"deployments": [_dep(engine_args=[1])]}, "deployments[0].engine_args[]"),

@@ -2,11 +2,16 @@
 
 Speaks the wire format of `tokenyard.wire.protocol` over one pooled aiohttp session.
 Imports nothing that loads torch: the gateway process uses it.
+
+The errors' texts hold the replica's URL and the exceptions met, for the log; a failure
+after a stream began (`ReplicaStreamError`, whose message a tenant's error event carries)
+says only that the request failed on its replica, and its cause goes to the log.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -34,6 +39,10 @@ from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats, stats_from_js
 from tokenyard.wire.sampling_params import SamplingParams
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
+#: A failure after the stream began, as its error event tells the tenant.
+STREAM_FAILED_MESSAGE = "the request failed on its replica after it began"
+
+logger = logging.getLogger("tokenyard.balancer")
 
 
 class ReplicaError(Exception):
@@ -150,7 +159,12 @@ class ReplicaClient(PooledClient):
                 obj = json.loads(line)
                 if "error" in obj:
                     error = obj["error"]
-                    raise ReplicaStreamError(str(error.get("message")), error.get("code"))
+                    # The engine's text names the exception that failed its step.
+                    logger.error("replica %s failed %s after it began: %s", self.base_url,
+                                 request_id, error.get("message"), extra={
+                                     "event": "replica_stream_error",
+                                     "replica": self.base_url, "request_id": request_id})
+                    raise ReplicaStreamError(STREAM_FAILED_MESSAGE, error.get("code"))
                 delta = CoreDelta.from_json(request_id, obj)
                 if delta.finish_reason is not None:
                     finished = True

@@ -6,12 +6,20 @@ over one pooled aiohttp session and maps its refusals to the replica errors of
 `replica_client` (429/503 → overloaded, 401/403 → unauthorized, other 4xx → the request's
 fault, 5xx and connection failures → unreachable, so a balancer may fail over).
 `upstream_generation.UpstreamGeneration` runs one API request on it.
+
+An upstream is someone else's server: nothing it says that could name our network or
+our account (its URL, its error texts, a connection's exception) goes into an error a
+tenant sees — those say which deployment failed, and the details go to the log. A body's
+`cache_salt` (the tenant's) is sent, as a digest, only to a server that keeps a prefix
+cache per salt (`salts_cache`); any other server's cache is shared by all our tenants,
+so the cached tokens it reports are zeroed before anyone counts them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
+import hashlib
 import json
 import logging
 import time
@@ -37,6 +45,10 @@ COMPLETIONS_PATH = "/completions"
 MODELS_PATH = "/models"
 #: The stream error code of an upstream stream that broke off or ended unfinished.
 STREAM_BROKEN = "upstream_stream_broken"
+#: The stream error code of an upstream that sent an error event mid-stream.
+STREAM_FAILED = "upstream_error"
+#: The body field of the tenant's prefix-cache salt (vLLM's and SGLang's name).
+CACHE_SALT = "cache_salt"
 
 Chunk = dict[str, Any]
 
@@ -57,19 +69,26 @@ class UpstreamClient(PooledClient):
         *,
         api_key: str | None = None,
         model: str,
+        deployment: str | None = None,
+        salts_cache: bool = False,
         connect_timeout: float = 5.0,
         request_timeout: float = 60.0,
         max_connections: int = 0,
     ) -> None:
         """`model`: this server's own name of the model, put in every body (servers of
-        one deployment may name it differently). `request_timeout` bounds a health
+        one deployment may name it differently). `deployment`: our name of it, the one
+        errors a tenant sees give. `salts_cache`: the server keeps a prefix cache per
+        `cache_salt` (vLLM, SGLang); otherwise a body's salt is not sent and the cached
+        tokens it reports for a salted request read 0. `request_timeout` bounds a health
         check, the wait for a stream's answer and any silence between two of its chunks;
-        a stream has no total timeout. `api_key` is sent as a bearer token.
-        `max_connections` 0 means unbounded."""
+        a stream has no total timeout. `api_key` is sent as a bearer token (none: no
+        Authorization header). `max_connections` 0 means unbounded."""
         super().__init__(base_url, connect_timeout=connect_timeout,
                          request_timeout=request_timeout, read_timeout=request_timeout,
                          max_connections=max_connections)
         self.model = model
+        self.deployment = deployment
+        self.salts_cache = salts_cache
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._headers = {"Accept": "application/json", **auth}
         self._stream_headers = {"Content-Type": "application/json",
@@ -94,6 +113,11 @@ class UpstreamClient(PooledClient):
         url = self.base_url + path
         options = {**(body.get("stream_options") or {}), "include_usage": True}
         payload = {**body, "model": self.model, "stream": True, "stream_options": options}
+        salt = payload.pop(CACHE_SALT, None)
+        if salt is not None and self.salts_cache:
+            payload[CACHE_SALT] = upstream_salt(salt)
+        # One cache shared by every tenant: its hits are some other tenant's prompt.
+        hide_cached = salt is not None and not self.salts_cache
         try:
             response = await self._get_session().post(
                 url, data=json.dumps(payload, ensure_ascii=False).encode(),
@@ -105,8 +129,10 @@ class UpstreamClient(PooledClient):
         self._streams.add(response)
         try:
             if response.status != 200:
-                raise _refusal(response.status, _error_of(await response.text(errors="replace")),
-                               response.headers, url)
+                message, param, code, structured = _error_of(
+                    await response.text(errors="replace"))
+                raise _refusal(response.status, (message, param, code), response.headers,
+                               url, self._name, structured=structured)
             async for data in _sse_data(response.content):
                 if data == "[DONE]":
                     done = True
@@ -118,10 +144,18 @@ class UpstreamClient(PooledClient):
                 if error is not None:
                     message, param, code = _error_fields(error)
                     if not started:
-                        raise _refusal(_status_of(error), (message, param, code), {}, url)
-                    raise ReplicaStreamError(f"the upstream failed: {message}", code)
+                        raise _refusal(_status_of(error), (message, param, code), {}, url,
+                                       self._name)
+                    logger.warning("upstream %s failed a stream: %s (%s)", url, message,
+                                   code, extra={"event": "upstream_stream_error",
+                                                "deployment": self.deployment})
+                    raise ReplicaStreamError(f"{self._name} failed while answering",
+                                             STREAM_FAILED)
                 started = True
-                ended = ended or chunk.get("usage") is not None or any(
+                usage = chunk.get("usage")
+                if hide_cached and isinstance(usage, dict):
+                    _hide_cached(usage)
+                ended = ended or usage is not None or any(
                     isinstance(c, dict) and c.get("finish_reason")
                     for c in chunk.get("choices") or ())
                 yield chunk
@@ -129,7 +163,10 @@ class UpstreamClient(PooledClient):
                 raise ValueError("the stream ended before it finished")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if started:
-                raise ReplicaStreamError(f"{url}: {exc!r}", STREAM_BROKEN) from exc
+                logger.warning("upstream %s broke off a stream: %r", url, exc, extra={
+                    "event": "upstream_stream_broken", "deployment": self.deployment})
+                raise ReplicaStreamError(f"{self._name} broke off its answer",
+                                         STREAM_BROKEN) from exc
             raise ReplicaConnectionError(f"{url}: {exc!r}") from exc
         finally:
             self._streams.discard(response)
@@ -145,6 +182,28 @@ class UpstreamClient(PooledClient):
     async def health(self) -> bool:
         """True if the upstream answers ``GET /models`` with 200."""
         return await self._probe(MODELS_PATH, self._headers)
+
+    @property
+    def _name(self) -> str:
+        """How a tenant-visible error names this server: by our deployment's name."""
+        return (f"the upstream deployment {self.deployment}" if self.deployment
+                else "the upstream")
+
+
+def upstream_salt(salt: str) -> str:
+    """The `cache_salt` an upstream is sent for a tenant's salt: a digest, one per
+    tenant as the salt is, that does not tell the upstream our organisations' ids."""
+    return hashlib.sha256(b"tokenyard cache salt\0" + salt.encode()).hexdigest()[:32]
+
+
+def _hide_cached(usage: dict[str, Any]) -> None:
+    """Zero the prompt's cached-token counts of a usage object (OpenAI's
+    ``prompt_tokens_details.cached_tokens`` and the older top-level ``cached_tokens``)."""
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and "cached_tokens" in details:
+        details["cached_tokens"] = 0
+    if "cached_tokens" in usage:
+        usage["cached_tokens"] = 0
 
 
 async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
@@ -174,16 +233,17 @@ def _error_fields(error: Any) -> tuple[str, str | None, str | None]:
             param if isinstance(param, str) else None, code if isinstance(code, str) else None)
 
 
-def _error_of(text: str) -> tuple[str, str | None, str | None]:
-    """(message, param, code) of an error body: ``{"error": {...}}`` (OpenAI, llama-server,
-    vLLM), the fields at the top (older vLLM), or plain text."""
+def _error_of(text: str) -> tuple[str, str | None, str | None, bool]:
+    """(message, param, code, structured) of an error body: ``{"error": {...}}`` (OpenAI,
+    llama-server, vLLM), the fields at the top (older vLLM), or plain text (a proxy's
+    page: not structured)."""
     try:
         body = json.loads(text)
     except ValueError:
-        return text[:500] or "no message", None, None
+        return text[:500] or "no message", None, None, False
     if isinstance(body, dict) and "error" in body:
-        return _error_fields(body["error"])
-    return _error_fields(body)
+        return (*_error_fields(body["error"]), True)
+    return (*_error_fields(body), isinstance(body, dict))
 
 
 def _status_of(error: Any) -> int:
@@ -194,15 +254,31 @@ def _status_of(error: Any) -> int:
 
 def _refusal(
     status: int, fields: tuple[str, str | None, str | None], headers: Mapping[str, str],
-    url: str,
+    url: str, name: str, *, structured: bool = True,
 ) -> ReplicaError:
-    """The replica error an upstream's refusal maps to."""
+    """The replica error an upstream's refusal maps to. Only an API error (`structured`)
+    about the request itself keeps the upstream's message, which says what to fix; an
+    overloaded upstream's text (it may name its account or its limits) and a 4xx page
+    that is not an API error (a proxy's) are logged and replaced by `name`'s; a 404 is
+    the deployment's fault (its URL or model), never the request's; the others never
+    reach a tenant as they are (`generation.replica_error`)."""
     message, param, code = fields
     if status in (429, 503):
-        return ReplicaOverloaded(_retry_after(headers), message, code)
+        logger.info("upstream %s is overloaded (%d): %s", url, status, message)
+        return ReplicaOverloaded(_retry_after(headers),
+                                 f"{name} is overloaded; retry after a short wait.", code)
     if status in (401, 403):
-        return ReplicaUnauthorized(f"{url}: the upstream refused this deployment's key "
-                                   f"({status}: {message})")
+        refused = ReplicaUnauthorized(f"{url}: the upstream refused this deployment's key "
+                                      f"({status}: {message})")
+        logger.error("%s", refused, extra={"event": "upstream_unauthorized"})
+        return refused
+    if status == 404:
+        return ReplicaConnectionError(f"{url} answered 404 (its URL or model name is "
+                                      f"wrong): {message}")
+    if 400 <= status < 500 and not structured:
+        logger.warning("upstream %s answered %d: %s", url, status, message)
+        return ReplicaRequestError(status, f"{name} refused the request ({status}).",
+                                   None, None)
     if 400 <= status < 500:
         return ReplicaRequestError(status, message, param, code)
     return ReplicaConnectionError(f"{url} answered {status}: {message}")

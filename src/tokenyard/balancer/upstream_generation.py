@@ -5,7 +5,9 @@
 dialects' formats and the gateway's settlement work on it unchanged. Its deltas carry text
 and no token ids: the upstream tokenizes, applies stop strings and counts; its `usage`,
 which arrives at the end, replaces our own tokenizer's estimate of the prompt. Its body is
-`request_body`; its logprob tokens are interned in a `TokenTable`.
+`request_body`; its logprob tokens are interned in a `TokenTable`. The tenant's
+prefix-cache salt travels in the body as `cache_salt`; the `UpstreamClient` sends it to a
+server that keeps a cache per salt, and otherwise hides that server's cached tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, cast
@@ -23,13 +26,15 @@ from tokenyard.balancer.replica_client import (
     ReplicaError,
     ReplicaStreamError,
 )
-from tokenyard.balancer.upstream import STREAM_BROKEN, Chunk
+from tokenyard.balancer.upstream import CACHE_SALT, STREAM_BROKEN, Chunk
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, openai_content
 from tokenyard.text.tools import CallsAsText, ToolUse, openai_tools
 from tokenyard.wire.outputs import CompletionDelta, Logprob, RequestOutput
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
+
+logger = logging.getLogger("tokenyard.balancer")
 
 #: Finish reasons that pass through as they are; any other non-null one becomes "stop".
 _FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
@@ -49,10 +54,12 @@ def request_body(
     prompt: str | None = None,
     user: str | None = None,
     tools: ToolUse | None = None,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
     """The OpenAI body (without `stream`) of a chat (`messages`) or a completion
     (`prompt`); a message with images sends them as our re-encodings (`openai_content`);
-    active `tools` are passed on as they are (`openai_tools`).
+    active `tools` are passed on as they are (`openai_tools`); `cache_salt`, the
+    tenant's, for the client to send on or withhold (`UpstreamClient`).
     Temperature and top_p are always sent (vLLM otherwise applies the model's
     own defaults); vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens,
     ignore_eos, ...) only when set, so a plain OpenAI-compatible server is not sent
@@ -83,6 +90,7 @@ def request_body(
         "ignore_eos": p.ignore_eos or None,
         "skip_special_tokens": False if not p.skip_special_tokens else None,
         "include_stop_str_in_output": p.include_stop_str_in_output or None,
+        CACHE_SALT: cache_salt,
     }
     if p.logprobs is not None:
         if messages is not None:
@@ -214,12 +222,15 @@ class UpstreamGeneration:
         user: str | None = None,
         tokens: TokenTable | None = None,
         tools: ToolUse | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """A chat (`messages`, the templates' messages) or a completion (`prompt`, text),
         exactly one. `model`: the upstream's name of the model. `prompt_tokens_estimate`:
         our tokenizer's count, reported until the upstream's usage arrives. `tokens`: the
         table logprob tokens are interned in (default: one of its own, `token_bytes`).
-        `tools`: passed on to the upstream, whose calls come back as tagged text."""
+        `tools`: passed on to the upstream, whose calls come back as tagged text.
+        `cache_salt`: the tenant's prefix-cache salt (None: one tenant, no gateway); an
+        upstream that cannot keep tenants' caches apart then reports no cached tokens."""
         if (messages is None) == (prompt is None):
             raise ValueError("an upstream generation needs messages or a prompt, not both")
         self.target = target
@@ -233,6 +244,7 @@ class UpstreamGeneration:
         self.metrics = metrics
         self.prompt_tokens_estimate = prompt_tokens_estimate
         self.tools = tools
+        self.cache_salt = cache_salt
         self._calls = [CallsAsText() for _ in range(params.n)]
         #: Spells the ids of the deltas' logprobs (the formats' `token_bytes`).
         self.token_bytes = tokens if tokens is not None else TokenTable()
@@ -253,7 +265,8 @@ class UpstreamGeneration:
     def body(self) -> dict[str, Any]:
         """The OpenAI body sent upstream."""
         return request_body(self.params, self.model, messages=self.messages,
-                            prompt=self.prompt_text, user=self.user, tools=self.tools)
+                            prompt=self.prompt_text, user=self.user, tools=self.tools,
+                            cache_salt=self.cache_salt)
 
     async def start(self) -> None:
         target = self.target
@@ -325,8 +338,10 @@ class UpstreamGeneration:
         for choice in chunk.get("choices") or ():
             index = choice.get("index", 0)
             if not isinstance(index, int) or not 0 <= index < self.params.n:
-                raise ReplicaStreamError(f"the upstream sent choice {index!r} of "
-                                         f"{self.params.n}", STREAM_BROKEN)
+                logger.warning("the upstream of %s sent choice %.80r of %d", self.request_id,
+                               index, self.params.n)
+                raise ReplicaStreamError("the upstream sent a choice nobody asked for",
+                                         STREAM_BROKEN)
             if self.finish_reasons[index] is not None:
                 continue
             finish = _finish_reason(choice.get("finish_reason"))

@@ -1,5 +1,12 @@
 """The mock replica's OpenAI-compatible routes: ``/v1/chat/completions``,
 ``/v1/completions`` (streamed or not) and ``/v1/models``, on the mock's clock.
+
+Like vLLM with prefix caching, it remembers the prompts it saw in blocks of
+`PREFIX_BLOCK` words, one memory per `cache_salt` (and one shared by every request
+without a salt), and reports the words of a prompt's leading blocks seen before as
+``usage.prompt_tokens_details.cached_tokens``. It records what each request brought
+(`received`: its path, Authorization header and body), so a test can check what a
+gateway in front sent it.
 """
 
 from __future__ import annotations
@@ -8,6 +15,8 @@ import contextlib
 import json
 import time
 import uuid
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -19,18 +28,61 @@ from tokenyard.bench.mock_core import (
     MOCK_TOKENS,
     RATE_LIMITED,
     MockBase,
+    MockConfig,
     _json,
     _Run,
 )
 from tokenyard.errors import APIError
 
+#: Words per block of the mock's prefix cache (vLLM's default block is 16 tokens).
+PREFIX_BLOCK = 16
+#: Block hashes remembered per salt before that memory starts again empty.
+_PREFIX_MEMORY = 100_000
+#: Requests `received` keeps (the latest).
+_RECEIVED = 10_000
+
+
+@dataclass(frozen=True)
+class Received:
+    """One request as the mock got it."""
+
+    path: str
+    authorization: str | None
+    body: dict[str, Any] | None
+
 
 class OpenAIRoutes(MockBase):
     """The OpenAI dialect's handlers, over the mock's shared state."""
 
+    def __init__(self, config: MockConfig, seed: int = 0) -> None:
+        super().__init__(config, seed)
+        #: The latest requests to the OpenAI routes, oldest first.
+        self.received: deque[Received] = deque(maxlen=_RECEIVED)
+        self._prefixes: dict[str | None, set[int]] = {}
+
+    def _receive(self, http: web.Request, body: dict[str, Any] | None) -> None:
+        self.received.append(Received(http.path, http.headers.get("Authorization"), body))
+
+    def _cached_words(self, salt: str | None, words: list[str]) -> int:
+        """Words of `words`' leading full blocks seen before under `salt` (never the
+        last word: as in vLLM, at least one prompt token is computed); remembers them."""
+        seen = self._prefixes.setdefault(salt, set())
+        if len(seen) > _PREFIX_MEMORY:
+            seen.clear()
+        chain, hit, hitting = hash(salt), 0, True
+        for end in range(PREFIX_BLOCK, len(words), PREFIX_BLOCK):
+            chain = hash((chain, *words[end - PREFIX_BLOCK:end]))
+            if hitting and chain in seen:
+                hit = end
+            else:
+                hitting = False
+                seen.add(chain)
+        return hit
+
     # -- OpenAI-compatible -------------------------------------------------------------------
     async def models(self, http: web.Request) -> web.Response:
         """``GET /v1/models``: the one mock model."""
+        self._receive(http, None)
         return _json({"object": "list", "data": [
             {"id": MOCK_MODEL, "object": "model", "created": 0, "owned_by": "tokenyard"}]})
 
@@ -49,12 +101,16 @@ class OpenAIRoutes(MockBase):
         retry-after and retry-after-ms; a max_tokens below 1 is refused naming it."""
         try:
             body = json.loads(await http.read())
+            self._receive(http, body if isinstance(body, dict) else None)
             if chat:
-                prompt_tokens = sum(len(str(m.get("content", "")).split())
-                                    for m in body["messages"])
+                words = [w for m in body["messages"] for w in str(m.get("content", "")).split()]
             else:
-                prompt_tokens = len(str(body["prompt"]).split())
+                words = str(body["prompt"]).split()
+            prompt_tokens = len(words)
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+            salt = body.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ValueError("cache_salt must be a non-empty string")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return _openai_error(APIError(400, f"invalid request: {exc!r}",
                                           param="messages" if chat else "prompt"))
@@ -70,7 +126,8 @@ class OpenAIRoutes(MockBase):
         prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         chat_id, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                 "total_tokens": prompt_tokens + n}
+                 "total_tokens": prompt_tokens + n,
+                 "prompt_tokens_details": {"cached_tokens": self._cached_words(salt, words)}}
         run = _Run()
         if not body.get("stream"):
             async for _ in self._ticks(n, run):

@@ -107,20 +107,36 @@ class Fleet:
                      children: Sequence[LocalReplica] = ()) -> Served:
         """The deployment over its local children and its listed URLs."""
         clients: list[tuple[str, Any]] = []
-        token = spec.token()
         for child in children:
             clients.append((child.url, self._client(spec, child.url, child.token)))
+        token = self._url_token(spec)
         for url in spec.urls:
-            clients.append((url, self._client(spec, url, token or self.config.replica_token)))
+            clients.append((url, self._client(spec, url, token)))
         return await build_served(spec, clients, self.cache_dir,
                                   balancer=self.spec.balancer, affinity=self.affinity,
                                   tokenizers=self.tokenizers)
+
+    def _url_token(self, spec: DeploymentSpec) -> str | None:
+        """The bearer token for a deployment's listed URLs. Our own replicas (engine,
+        embeddings) share the replica token unless `token_env` names another; an
+        upstream is someone else's server: it gets its own key (`token_env`) or none,
+        never the replica token, which would let whoever runs it call our replicas."""
+        token = spec.token()
+        if spec.kind != "upstream":
+            return token or self.config.replica_token
+        if token is None and spec.token_env:
+            logger.warning("upstream %s: %s is not set; its requests go without a key",
+                           spec.name, spec.token_env, extra={
+                               "event": "upstream_key_missing", "deployment": spec.name,
+                               "token_env": spec.token_env})
+        return token
 
     def _client(self, spec: DeploymentSpec, url: str, token: str | None) -> Any:
         if spec.kind == "upstream":
             from tokenyard.balancer.upstream import UpstreamClient
 
-            return UpstreamClient(url, api_key=token, model=spec.model or spec.name)
+            return UpstreamClient(url, api_key=token, model=spec.model or spec.name,
+                                  deployment=spec.name, salts_cache=spec.salts_cache)
         if spec.kind == "embeddings":
             from tokenyard.balancer.embeddings_client import EmbeddingsClient
 

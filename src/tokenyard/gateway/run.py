@@ -432,7 +432,7 @@ def _generation(
             served.pool, request_id, messages=ready.messages, prompt=text, params=params,
             model=served.spec.model or served.name, timeline=call.timeline,
             metrics=metrics, prompt_tokens_estimate=len(prompt), tokens=table,
-            tools=ready.passed_on,
+            tools=ready.passed_on, cache_salt=salt,
         ))
     assert served.tokenizer is not None
     return Generation(
