@@ -200,7 +200,6 @@ def test_documented_responses_fields_without_effect_are_accepted(fields: dict[st
     ({"image": {"context_compression": "enabled"}}, "image"),
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     ({"prompt_cache_options": {"prewarm": True}}, "prompt_cache_options"),
-    ({"max_tool_calls": 2}, "max_tool_calls"),
 ])
 def test_documented_responses_fields_this_server_cannot_honour_are_refused(
         fields: dict[str, Any], param: str) -> None:

@@ -178,8 +178,10 @@ def tool_use(req: ResponsesRequest) -> ToolUse | None:
     parallel = req.parallel_tool_calls is not False
     choice = req.tool_choice
     if isinstance(choice, FunctionChoice):
-        return ToolUse(tools, ToolChoice("required", choice.name, parallel))
-    return ToolUse(tools, ToolChoice(choice or "auto", None, parallel))
+        return ToolUse(tools, ToolChoice("required", choice.name, parallel),
+                       max_calls=req.max_tool_calls)
+    return ToolUse(tools, ToolChoice(choice or "auto", None, parallel),
+                   max_calls=req.max_tool_calls)
 
 
 def text_grammar(req: ResponsesRequest) -> GuidedDecoding | None:
@@ -204,6 +206,8 @@ def request_params(req: ResponsesRequest) -> SamplingParams:
         {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         max_tokens=req.max_output_tokens,
         logprobs=req.logprobs,
         guided=text_grammar(req),
@@ -225,11 +229,15 @@ def response_shell(req: ResponsesRequest, model: str) -> ResponseObject:
         text = req.text.model_dump(mode="json", by_alias=True, exclude_none=True)
         text.setdefault("format", {"type": "text"})
         text.setdefault("verbosity", "medium")
+        if text["format"]["type"] == "json_schema":  # every field the spec requires
+            text["format"] = {"description": None, "strict": False} | text["format"]
     return ResponseObject(
         created_at=int(time.time()), model=model, instructions=req.instructions,
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         tools=tools,
         tool_choice=choice.model_dump(mode="json") if isinstance(choice, FunctionChoice)
         else choice or "auto",

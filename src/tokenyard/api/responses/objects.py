@@ -122,6 +122,9 @@ class ResponseObject(BaseModel):
     max_tool_calls: int | None = None
     temperature: float
     top_p: float
+    #: Open Responses' penalties, as applied (0 when the request set none).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     top_logprobs: int = 0
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"

@@ -291,8 +291,6 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Acceptable, str]] = {
     "prompt": (is_none, "Prompt templates are not supported by this server."),
     "reasoning": (_no_effort, "Reasoning effort is not supported: the model does not "
                   "reason (send no 'reasoning', or effort 'none')."),
-    "max_tool_calls": (is_none, "'max_tool_calls' is not supported by this "
-                       "server; use 'parallel_tool_calls': false for one call."),
     "context_management": (none_or_empty, "'context_management' is not supported: this "
                            "server does not compact context."),
     "moderation": (is_none, "'moderation' per request is not supported: moderation here "
@@ -320,6 +318,9 @@ class ResponsesRequest(PlatformFields):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    #: Open Responses' penalties (not OpenAI's Responses API): applied as on chat.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
     previous_response_id: Identifier | None = None
@@ -336,7 +337,9 @@ class ResponsesRequest(PlatformFields):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
-    max_tool_calls: int | None = None
+    #: The most function calls the response may make (`ToolUse.max_calls`): once made,
+    #: the tool grammar lets the reply only end.
+    max_tool_calls: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="before")

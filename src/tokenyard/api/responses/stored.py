@@ -138,8 +138,21 @@ async def input_items(request: web.Request) -> web.Response:
     })
 
 
+async def compact(request: web.Request) -> web.Response:
+    """POST /v1/responses/compact: not offered, a 404 in OpenAI's error shape (else the
+    path would match `/v1/responses/{id}`, whose methods do not include POST: a 405).
+    Compacting a conversation means having the model summarise it into an encrypted
+    item only this server could read back; not worth it for a small local model."""
+    raise APIError(404, "Compacting a conversation ('POST /v1/responses/compact') is not "
+                   "supported by this server; send the conversation again, or chain "
+                   "responses with 'previous_response_id' and 'truncation': 'auto'.",
+                   type="invalid_request_error", code="not_found")
+
+
 def add_stored_response_routes(app: web.Application) -> None:
-    """GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items."""
+    """GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, and the
+    404 of POST /v1/responses/compact."""
+    app.router.add_post("/v1/responses/compact", compact)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_get("/v1/responses/{response_id}/input_items", input_items)
