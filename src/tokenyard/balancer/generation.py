@@ -44,10 +44,16 @@ def replica_error(exc: ReplicaError) -> APIError:
     if isinstance(exc, ReplicaOverloaded):
         return overloaded(exc.retry_after if exc.retry_after is not None else 1.0,
                           exc.message or None)
+    if isinstance(exc, ReplicaRequestError) and 400 <= exc.status < 500:
+        # The replica's own refusal of the request (its context, its parameters).
+        return APIError(exc.status, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, ReplicaRequestError):
-        status = exc.status if 400 <= exc.status < 500 else 500
-        return APIError(status, exc.message, param=exc.param, code=exc.code)
-    if isinstance(exc, ReplicaStreamError):
+        # Whatever failed inside the replica is the operator's to read, not the tenant's:
+        # its text can name files, addresses and other requests' state.
+        logger.warning("replica failed a request: %s", exc.message)
+        return APIError(500, "The engine failed while serving this request.",
+                        code=exc.code)
+    if isinstance(exc, ReplicaStreamError):  # its message is the client's own, curated
         return APIError(500, f"The engine failed: {exc.message}", code=exc.code)
     if isinstance(exc, ReplicaConnectionError):
         logger.warning("replica unreachable: %s", exc)

@@ -117,6 +117,7 @@ def _copies(
             shadow.pool, rid, messages=messages,
             prompt=None if messages is not None else (texts or [None])[i], params=p,
             model=shadow.spec.model or shadow.name, prompt_tokens_estimate=len(prompt),
+            cache_salt=cache_salt,
         )) for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True))]
     same_vocab = (shadow.tokenizer is not None and primary.tokenizer is not None
                   and shadow.tokenizer.vocab_size == primary.tokenizer.vocab_size)
