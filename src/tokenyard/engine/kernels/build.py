@@ -10,6 +10,7 @@ file (FileBaton), so two processes starting together compile it once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import sys
@@ -119,15 +120,22 @@ def _compile(name: str, cache_dir: Path, python_module: bool = True) -> ModuleTy
     build_dir = Path(cache_dir) / "kernels" / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    module = cpp_extension.load(
-        name=f"tokenyard_{name}_{digest}",
-        sources=[str(source)],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
-        build_directory=str(build_dir),
-        verbose=False,
-        is_python_module=python_module,
-    )
+    # torch's own baton is a file that a builder killed mid-build leaves behind, and every
+    # later load then waits for it forever (a replica killed while it started). An flock,
+    # which the kernel releases with its process, serializes our builders instead; whoever
+    # holds it knows that a baton still there is a dead builder's.
+    with open(build_dir / "tokenyard.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        module = cpp_extension.load(
+            name=f"tokenyard_{name}_{digest}",
+            sources=[str(source)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=str(build_dir),
+            verbose=False,
+            is_python_module=python_module,
+        )
     log.info("kernel %s ready in %.1f s (%s)", name, time.perf_counter() - t0, build_dir)
     if not python_module:  # the library is loaded into torch.ops; `load` gave its path
         return ModuleType(name)
