@@ -54,6 +54,17 @@ _DEFAULT_CAPABILITIES = {
     "upstream": frozenset({"chat", "completions"}),
     "embeddings": frozenset({"embeddings"}),
 }
+#: The output cap of a generating deployment whose fleet entry names none: the
+#: `max_tokens` a request that sets none gets (unless less of the window is left), and
+#: the most one may ask for. The embedded SmolLM2-135M decodes about 100 tokens/s for
+#: one stream alone on 2 cores (half that or less when busy), so 1024 tokens end in
+#: 10–20 s there; its 8k window as the default let one request at temperature 1 run
+#: for minutes.
+DEFAULT_MAX_OUTPUT_TOKENS = 1024
+#: The most tool calls one response of a deployment may make unless its entry says:
+#: a small model forced to call a tool otherwise opens call after call until the
+#: output cap ends it.
+DEFAULT_MAX_TOOL_CALLS = 8
 #: Balancer policy names the fleet file accepts: the keys of the balancer's registry
 #: (`balancer/policy.py`), which adds each policy registered there (a leaf cannot import
 #: it); the built-in ones are named here too, so a file parses before the balancer loads.
@@ -128,6 +139,11 @@ class DeploymentSpec:
     max_context: int | None = None
     prices: PriceSpec | None = None
     moderation: ModerationSpec | None = None
+    #: The default and the most output tokens of one request (None: the embeddings kind,
+    #: which generates nothing).
+    max_output_tokens: int | None = None
+    #: The most tool calls one response may make (None: the embeddings kind).
+    max_tool_calls: int | None = None
     #: upstream: which server it is (one of UPSTREAM_SERVERS); None for other kinds.
     server: str | None = None
 
@@ -217,12 +233,16 @@ def single_fleet(
     name: str, *, replicas: int = 1, urls: Sequence[str] = (), model: str | None = None,
     engine_args: Sequence[str] = (), embeddings: str | None = None,
     embedding_replicas: int = 1, policy: str = "affinity", queue_timeout_s: float = 5.0,
+    max_output_tokens: int | None = None,
 ) -> FleetSpec:
     """The fleet of `tokenyard serve` without a file: one engine deployment (`replicas`
-    local children, or the running `urls`), plus the embeddings pool unless None."""
+    local children, or the running `urls`; `max_output_tokens` its output cap, by
+    default DEFAULT_MAX_OUTPUT_TOKENS), plus the embeddings pool unless None."""
     deployments = {name: DeploymentSpec(
         name, "engine", replicas=0 if urls else replicas, urls=tuple(urls), model=model,
         engine_args=tuple(engine_args), capabilities=_DEFAULT_CAPABILITIES["engine"],
+        max_output_tokens=max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
+        max_tool_calls=DEFAULT_MAX_TOOL_CALLS,
     )}
     if embeddings is not None:
         deployments[embeddings] = DeploymentSpec(
@@ -236,6 +256,7 @@ def single_fleet(
 
 def _deployment(item: Any, where: str) -> DeploymentSpec:
     item = _table(item, where)
+    item, limits = _output_limits(item, where)
     _only(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "moderation", "server"}, where)
     name = _str(item.get("name"), f"{where}.name")
@@ -285,7 +306,31 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         moderation=(_moderation(item["moderation"], f"{where}.moderation")
                     if "moderation" in item else None),
         server=server,
+        **limits,
     )
+
+
+def _output_limits(item: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`item` without its output limits, and the limits (`max_output_tokens`,
+    `max_tool_calls`) as DeploymentSpec fields: a generating kind's, defaults filled in;
+    the embeddings kind generates nothing and may set neither."""
+    names = ("max_output_tokens", "max_tool_calls")
+    rest = {k: v for k, v in item.items() if k not in names}
+    if item.get("kind", "engine") == "embeddings":
+        for key in names:
+            if key in item:
+                raise FleetConfigError(f"{where}.{key}: an embeddings deployment "
+                                       "generates no output")
+        return rest, {}
+    limits = {}
+    for key, default, most in (("max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS, 1 << 20),
+                               ("max_tool_calls", DEFAULT_MAX_TOOL_CALLS, 1024)):
+        value = item.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+            raise FleetConfigError(f"{where}.{key}: an integer from 1 to {most}, "
+                                   f"not {value!r}")
+        limits[key] = value
+    return rest, limits
 
 
 def _alias(name: str, value: Any, deployments: Mapping[str, DeploymentSpec]) -> AliasSpec:

@@ -123,7 +123,7 @@ async def _when_the_replica_dies(seen: Seen, server_pid: int) -> None:
     """Long requests of each dialect in flight, streamed and not, when the replica is
     killed; then one more while it is gone."""
     model = seen.server.model
-    long = {"model": model, "messages": LONG, "max_tokens": 2000, "ignore_eos": True}
+    long = {"model": model, "messages": LONG, "max_tokens": 1000, "ignore_eos": True}
     started: list[asyncio.Event] = []
 
     async def stream(path: str, body: dict[str, Any]) -> None:
@@ -144,7 +144,7 @@ async def _when_the_replica_dies(seen: Seen, server_pid: int) -> None:
         asyncio.ensure_future(stream("/v1/chat/completions", {**long, "stream": True})),
         asyncio.ensure_future(stream("/v1/messages", {**long, "stream": True})),
         asyncio.ensure_future(stream("/v1/responses", {
-            "model": model, "input": "Write a long story.", "max_output_tokens": 2000,
+            "model": model, "input": "Write a long story.", "max_output_tokens": 1000,
             "stream": True})),
     ]
     plain = asyncio.ensure_future(seen.fetch("POST", "/v1/chat/completions", long))

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tokenyard.deployments import DEFAULT_MAX_TOOL_CALLS
 from tokenyard.text.tool_calls import (
     CallArguments,
     CallStart,
@@ -199,7 +200,7 @@ def test_constrained_sets_a_grammar_only_for_active_tools() -> None:
     guided = constrained(params, ToolUse(TOOLS)).guided
     assert guided is not None and guided.kind == "structural_tag" and guided.param == "tools"
     assert constrained(params, ToolUse(TOOLS)).stop == ["<tool_response>"]
-    assert json.loads(guided.spec) == structural_tag(ToolUse(TOOLS))
+    assert json.loads(guided.spec) == structural_tag(ToolUse(TOOLS), DEFAULT_MAX_TOOL_CALLS)
     assert constrained(params, ToolUse(TOOLS, ToolChoice("none"))).guided is None
     assert constrained(params, None) is params
 

@@ -12,7 +12,7 @@ from typing import Any
 from tokenyard.cli.admin import add_admin_parser, run_admin
 from tokenyard.cli.embed import add_embed_parser, embed_kwargs
 from tokenyard.config import ServeConfig, add_engine_args, engine_kwargs, replica_token
-from tokenyard.deployments import POLICIES
+from tokenyard.deployments import DEFAULT_MAX_OUTPUT_TOKENS, POLICIES
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -96,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
             replica_url=args.replica_url, auth=args.auth, fleet_file=args.config,
             replicas=args.replicas, embeddings=args.embeddings, policy=args.policy,
             queue_timeout_s=args.queue_timeout, log_format=args.log_format,
-            log_level=args.log_level,
+            log_level=args.log_level, max_output_tokens=args.max_output_tokens,
         )
     except (RuntimeError, OSError) as exc:  # the replica failed to start, port in use, ...
         print(f"error: {exc}", file=sys.stderr)
@@ -167,6 +167,14 @@ def _add_chat_parser(sub: Any) -> None:
     chat.add_argument("--max-tokens", type=int)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -191,6 +199,11 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--queue-timeout", type=float, default=5.0,
                        help="seconds a request may wait at the balancer when every replica "
                        "is full, before 503/529 (default 5; 0: refuse at once)")
+    serve.add_argument("--max-output-tokens", type=_positive_int,
+                       help="without --config: the most output tokens of one request, and "
+                       "what a request that sets no max_tokens gets (default "
+                       f"{DEFAULT_MAX_OUTPUT_TOKENS}; a fleet file sets max_output_tokens "
+                       "per deployment)")
     serve.add_argument("--no-embeddings", dest="embeddings", action="store_false",
                        help="do not start the embeddings pool (/v1/embeddings)")
     serve.add_argument("--workers", type=int,

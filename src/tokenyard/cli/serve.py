@@ -146,12 +146,14 @@ async def run(
     embeddings: bool = True,
     policy: str = "affinity",
     queue_timeout_s: float = 5.0,
+    max_output_tokens: int | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0. `auth`: API keys, limits,
     billing and the ledger (the gateway); off, anyone may call. `fleet_file`: the
     deployments (reloaded on SIGHUP); without it, one engine deployment of `replicas`
     local replicas (or the running `replica_url`, called with `config.replica_token`),
-    plus the embeddings pool unless `embeddings` is False."""
+    plus the embeddings pool unless `embeddings` is False; `max_output_tokens` is that
+    deployment's output cap (None: the default)."""
     gateway: Gateway | None = None
     api_key: str | None = None
     key_file: Path | None = None  # where the key shown masked is (None: shown whole)
@@ -161,7 +163,7 @@ async def run(
         spec = single_fleet(
             "", replicas=replicas, urls=[replica_url] if replica_url else [], model=model,
             embeddings=EMBEDDINGS_MODEL if embeddings else None, policy=policy,
-            queue_timeout_s=queue_timeout_s)
+            queue_timeout_s=queue_timeout_s, max_output_tokens=max_output_tokens)
     fleet = Fleet(spec, make_starter(engine_args, config), config,
                   cache_dir or default_cache_dir(),
                   affinity=make_affinity(config.redis_url))

@@ -51,7 +51,8 @@ class Served:
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None:
-            self.prepare = Preparer(self.tokenizer, self.window)
+            self.prepare = Preparer(self.tokenizer, self.window, self.spec.max_output_tokens,
+                                    self.spec.max_tool_calls)
 
     @property
     def name(self) -> str:

@@ -11,12 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
+from tokenyard.deployments import DEFAULT_MAX_TOOL_CALLS
 from tokenyard.errors import APIError, context_length_exceeded
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.chat_template import ChatTemplateError
 from tokenyard.text.content import TemplateMessage
 from tokenyard.text.prompts import Conversation, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.text.tool_grammar import constrained
+from tokenyard.text.tools import ToolUse
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -26,16 +29,30 @@ def has_prefill(messages: Sequence[TemplateMessage]) -> bool:
 
 
 def fit(
-    prompt_len: int, params: SamplingParams, param: str, max_model_len: int
+    prompt_len: int, params: SamplingParams, param: str, max_model_len: int,
+    max_output_tokens: int | None = None,
 ) -> SamplingParams:
-    """Check prompt + max_tokens against the window; fill max_tokens when unset.
+    """Check prompt + max_tokens against the window and the deployment's output cap
+    `max_output_tokens` (None: the window alone); fill max_tokens when unset with the
+    rest of the window, at most the cap — the window alone let a request at temperature
+    1 run for minutes. More than the cap is refused, as OpenAI refuses more than a
+    model's output limit (not clamped: the client would get less than it asked for
+    without being told).
 
     `param` names the request parameter a refusal points at."""
     if params.max_tokens is None:
         left = max_model_len - prompt_len
         if left < 1:
             raise context_length_exceeded(max_model_len, prompt_len, None, param=param)
-        return replace(params, max_tokens=left)
+        return replace(params, max_tokens=min(left, max_output_tokens or left))
+    if max_output_tokens is not None and params.max_tokens > max_output_tokens:
+        # A route points a window refusal at the prompt ("messages") when the length
+        # came from chat's max_tokens; this refusal is about the length's own field.
+        name = param if param.startswith("max_") else "max_tokens"
+        raise APIError(400, f"{name} is too large: {params.max_tokens}. This model "
+                       f"supports at most {max_output_tokens} output tokens per request; "
+                       f"set {name} to {max_output_tokens} or less.", param=name,
+                       code="invalid_value")
     if prompt_len + params.max_tokens > max_model_len:
         raise context_length_exceeded(max_model_len, prompt_len, params.max_tokens,
                                       param=param)
@@ -48,6 +65,10 @@ class Preparer:
 
     tokenizer: Tokenizer
     max_model_len: int
+    #: The deployment's output cap (`fit`); None: the window alone.
+    max_output_tokens: int | None = None
+    #: The deployment's cap on tool calls per response (`constrained`); None: unbounded.
+    max_tool_calls: int | None = DEFAULT_MAX_TOOL_CALLS
 
     def template(self, messages: Sequence[TemplateMessage], add_generation_prompt: bool,
                  tools: list[dict[str, Any]] | None = None) -> str:
@@ -121,5 +142,9 @@ class Preparer:
         return ids
 
     def fit(self, prompt_len: int, params: SamplingParams, param: str) -> SamplingParams:
-        """`fit` against this model's context window."""
-        return fit(prompt_len, params, param, self.max_model_len)
+        """`fit` against this model's context window and the deployment's output cap."""
+        return fit(prompt_len, params, param, self.max_model_len, self.max_output_tokens)
+
+    def constrained(self, params: SamplingParams, use: ToolUse | None) -> SamplingParams:
+        """`tool_grammar.constrained` under the deployment's cap on calls per response."""
+        return constrained(params, use, self.max_tool_calls)

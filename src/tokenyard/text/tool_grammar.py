@@ -3,7 +3,10 @@
 `structural_tag` builds the grammar (an XGrammar structural tag, triggered on
 ``<tool_call>``) that makes a malformed call impossible: with `required` or a named tool
 at least one call must come; with `auto` the model may write text, but once it opens a
-call, the call is one of the tools' with arguments valid against its schema.
+call, the call is one of the tools' with arguments valid against its schema. The number
+of calls is bounded (the request's `max_calls`, the deployment's cap): once the last one
+allowed is written, the grammar allows only the end of the turn, so a small model that
+opens call after call cannot run until the output cap.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from tokenyard.deployments import DEFAULT_MAX_TOOL_CALLS
 from tokenyard.text.tools import CALL_END, OPEN, RESPONSE_OPEN, ToolUse, call_begin
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
@@ -19,11 +23,21 @@ from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 MAX_STOP = 16
 
 
-def structural_tag(use: ToolUse) -> dict[str, Any]:
+def call_limit(use: ToolUse, cap: int | None) -> int | None:
+    """The most calls one reply of `use` may make: one without parallel calls, else the
+    least of the request's `max_calls` and the deployment's `cap` (None: unbounded)."""
+    if not use.choice.parallel:
+        return 1
+    limits = [n for n in (use.max_calls, cap) if n is not None]
+    return min(limits) if limits else None
+
+
+def structural_tag(use: ToolUse, limit: int | None = None) -> dict[str, Any]:
     """The XGrammar structural tag that forces valid calls of `use`'s offered tools; each
     tag is one tool's header, its arguments by the tool's schema, and the closing
     ``}</tool_call>``. With `required` (or a named tool) the reply is calls only, one a
-    line; with `auto` it is free text until ``<tool_call>`` triggers a call."""
+    line; with `auto` it is free text until ``<tool_call>`` triggers a call. `limit`
+    (`call_limit`; None: unbounded) bounds the calls: after the last, only the end."""
     tags = [
         {
             "begin": call_begin(t.name),
@@ -35,13 +49,33 @@ def structural_tag(use: ToolUse) -> dict[str, Any]:
         }
         for t in use.offered
     ]
+    if limit is not None and limit > 1 and use.choice.parallel:
+        return {"type": "structural_tag", "format": _bounded(use, tags, limit)}
     shape: dict[str, Any] = (
         {"type": "tags_with_separator", "separator": "\n", "at_least_one": True}
         if use.choice.mode == "required"
         else {"type": "triggered_tags", "triggers": [OPEN], "at_least_one": False}
     )
-    shape.update(tags=tags, stop_after_first=not use.choice.parallel)
+    shape.update(tags=tags, stop_after_first=not use.choice.parallel or limit == 1)
     return {"type": "structural_tag", "format": shape}
+
+
+def _bounded(use: ToolUse, tags: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """At most `limit` (> 1) calls: a first call and up to limit - 1 more, a line apart,
+    for `required`; for `auto`, up to limit - 1 calls each after free text (which may
+    not open a call of its own), then the unbounded form stopping after its first."""
+    call = {"type": "or", "elements": [{"type": "tag", **t} for t in tags]}
+    if use.choice.mode == "required":
+        more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, call]}
+        return {"type": "sequence", "elements": [
+            call, {"type": "repeat", "min": 0, "max": limit - 1, "content": more}]}
+    text_then_call = {"type": "sequence", "elements": [
+        {"type": "any_text", "excludes": [OPEN]}, call]}
+    return {"type": "sequence", "elements": [
+        {"type": "repeat", "min": 0, "max": limit - 1, "content": text_then_call},
+        {"type": "triggered_tags", "triggers": [OPEN], "tags": tags, "at_least_one": False,
+         "stop_after_first": True},
+    ]}
 
 
 def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -50,19 +84,22 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema if "type" in schema else {"type": "object", **schema}
 
 
-def constrained(params: SamplingParams, use: ToolUse | None) -> SamplingParams:
+def constrained(
+    params: SamplingParams, use: ToolUse | None, max_calls: int | None = DEFAULT_MAX_TOOL_CALLS
+) -> SamplingParams:
     """`params` for a reply that may call `use`'s tools: ``<tool_response>`` stops it (the
     model would be writing a result it has not got), and the grammar that forces valid
     calls (`structural_tag`) is set unless another one (a response_format) already is and
     the choice lets the model answer in text. A forced call (required, or a named tool)
     takes the grammar even then, as OpenAI's tool_choice does: the reply is calls only,
     which a text format does not govern (instructor sends both in its Responses mode).
-    Unchanged when the tools are not active."""
+    `max_calls` is the deployment's cap on calls per response (`call_limit`). Unchanged
+    when the tools are not active."""
     if use is None or not use.active:
         return params
     stop = params.stop if len(params.stop) >= MAX_STOP else [*params.stop, RESPONSE_OPEN]
     if params.guided is not None and use.choice.mode != "required":
         return replace(params, stop=stop)
-    spec = json.dumps(structural_tag(use), ensure_ascii=False)
+    spec = json.dumps(structural_tag(use, call_limit(use, max_calls)), ensure_ascii=False)
     return replace(params, stop=stop,
                    guided=GuidedDecoding("structural_tag", spec, param="tools"))
