@@ -523,7 +523,7 @@ def test_special_errors() -> None:
     status, raw, headers = render_anthropic(busy)
     assert status == 529 and headers["retry-after"] == "3"
     assert json.loads(raw) == {"type": "error", "error": {
-        "type": "overloaded_error", "message": busy.message}}
+        "type": "overloaded_error", "message": busy.message}, "request_id": None}
 
     assert body_too_large(10, 20).status == 413
     assert rate_limited("slow down", 0.1).headers == {"retry-after": "1"}

@@ -31,6 +31,7 @@ from tokenyard.api.edge import EDGE, Edge
 from tokenyard.api.fleet_admin import add_fleet_routes
 from tokenyard.api.images import admit_images
 from tokenyard.api.middleware import middleware
+from tokenyard.api.models import add_model_routes
 from tokenyard.api.moderation import install as install_moderation
 from tokenyard.api.openai.embeddings import add_embeddings_routes
 from tokenyard.api.openai.moderations import add_moderation_routes
@@ -89,6 +90,7 @@ def make_app(state: AppState) -> web.Application:
     add_openai_routes(app)
     add_embeddings_routes(app)
     add_anthropic_routes(app)
+    add_model_routes(app)  # GET /v1/models, /v1/models/{model_id}: both dialects
     add_responses_routes(app)  # POST /v1/responses
     add_ops_routes(app)
     add_request_routes(app)  # GET /v1/requests/{id}

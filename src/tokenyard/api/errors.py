@@ -5,7 +5,7 @@ machine-readable code, extra headers such as `retry-after`); each route family r
 its own shape:
 
 - OpenAI routes: ``{"error": {"message", "type", "param", "code"}}``
-- Anthropic routes: ``{"type": "error", "error": {"type", "message"}}`` (+ ``request_id``)
+- Anthropic routes: ``{"type": "error", "error": {"type", "message"}, "request_id"}``
 
 The two APIs disagree on a few statuses: an overloaded server answers 503 on OpenAI routes and
 529 on Anthropic routes, whatever status the error was built with.
@@ -92,14 +92,13 @@ def anthropic_message(err: APIError) -> str:
 
 
 def anthropic_error_body(err: APIError, request_id: str | None = None) -> dict[str, Any]:
-    """``{"type": "error", "error": {"type", "message"}}`` (+ ``request_id`` when given)."""
-    body: dict[str, Any] = {
+    """``{"type": "error", "error": {"type", "message"}, "request_id"}``: the spec's
+    `ErrorResponse` requires `request_id`, null when the request has none."""
+    return {
         "type": "error",
         "error": {"type": anthropic_error_type(err.status), "message": anthropic_message(err)},
+        "request_id": request_id,
     }
-    if request_id is not None:
-        body["request_id"] = request_id
-    return body
 
 
 def openai_status(err: APIError) -> int:

@@ -55,8 +55,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def is_anthropic(request: web.Request) -> bool:
-    """Whether the route speaks the Anthropic dialect (else OpenAI's)."""
-    return request.path.startswith("/v1/messages")
+    """Whether the route speaks the Anthropic dialect (else OpenAI's); /v1/models speaks
+    both, Anthropic's to a request with its SDK's headers (`api/models`)."""
+    return request.path.startswith("/v1/messages") or (
+        request.path.startswith("/v1/models")
+        and ("anthropic-version" in request.headers or "x-api-key" in request.headers))
 
 
 def _error_response(request: web.Request, err: APIError) -> web.Response:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from tokenyard.api.anthropic.schemas import (
     AnthropicMessage,
+    OutputTokensDetails,
     ResponseBlock,
     StopReason,
     TextBlock,
@@ -69,6 +70,9 @@ class MessageDelta(BaseModel):
 
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
+    #: Required by the spec, null here: no refusal details, no code-execution container.
+    stop_details: None = None
+    container: None = None
 
 
 class MessageDeltaUsage(BaseModel):
@@ -79,6 +83,7 @@ class MessageDeltaUsage(BaseModel):
     cache_creation_input_tokens: int | None = None
     cache_read_input_tokens: int | None = None
     server_tool_use: None = None
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
 
 
 class MessageDeltaEvent(BaseModel):

@@ -344,7 +344,8 @@ class TextBlock(BaseModel):
 
     type: Literal["text"] = "text"
     text: str
-
+    #: Required by the spec (null when there are none): no documents are cited here.
+    citations: None = None
 
 
 ResponseBlock = TextBlock | ToolUseBlock
@@ -357,10 +358,18 @@ class CacheCreation(BaseModel):
     ephemeral_1h_input_tokens: int = 0
 
 
+class OutputTokensDetails(BaseModel):
+    """`usage.output_tokens_details`: no model here thinks in blocks of its own, so no
+    output token is a thinking token."""
+
+    thinking_tokens: int = 0
+
+
 class AnthropicUsage(BaseModel):
     """`usage` of a message: input_tokens excludes the cache-read and cache-written
     tokens; `cache_creation` splits the written ones by TTL. No server tools run here
-    (`server_tool_use` null); every request is served at the standard tier."""
+    (`server_tool_use` null); every request is served at the standard tier, in no named
+    region (`inference_geo` null). The spec requires every field, null or not."""
 
     input_tokens: int
     output_tokens: int
@@ -369,6 +378,8 @@ class AnthropicUsage(BaseModel):
     cache_creation: CacheCreation = Field(default_factory=CacheCreation)
     server_tool_use: None = None
     service_tier: Literal["standard"] = "standard"
+    inference_geo: None = None
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
 
 
 class AnthropicMessage(BaseModel):
@@ -381,5 +392,7 @@ class AnthropicMessage(BaseModel):
     model: str
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
+    #: Details of a refusal (the only kind the spec has); none is made here.
+    stop_details: None = None
     usage: AnthropicUsage
     container: None = None  # no code-execution container runs here

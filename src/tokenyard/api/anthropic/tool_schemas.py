@@ -44,6 +44,12 @@ class ToolChoiceParam(RequestModel):
 
 
 
+class DirectCaller(BaseModel):
+    """`caller` of a tool_use block: ``{"type": "direct"}``, a call the model made."""
+
+    type: Literal["direct"] = "direct"
+
+
 class ToolUseBlock(BaseModel):
     """A tool_use content block of the response: the call's id, tool and input."""
 
@@ -51,3 +57,5 @@ class ToolUseBlock(BaseModel):
     id: str
     name: str
     input: dict[str, Any]
+    #: Who made the call: always the model itself here (no code-execution tool runs).
+    caller: DirectCaller = Field(default_factory=lambda: DirectCaller())

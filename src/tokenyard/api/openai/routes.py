@@ -1,22 +1,22 @@
-"""The OpenAI dialect's routes: POST /v1/chat/completions, POST /v1/completions and
-GET /v1/models. Each parses and converts its body into the pipeline's `Call`, whose
-`build` does the dialect's prompt work for the deployment the pipeline chose, and renders
-the started run with its dialect's `Format`."""
+"""The OpenAI dialect's routes: POST /v1/chat/completions and POST /v1/completions
+(GET /v1/models, shared with Anthropic's dialect, is `api/models`). Each parses and
+converts its body into the pipeline's `Call`, whose `build` does the dialect's prompt
+work for the deployment the pipeline chose, and renders the started run with its
+dialect's `Format`."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from tokenyard.api.context import STATE, read_request
+from tokenyard.api.context import read_request
 from tokenyard.api.openai.convert import (
-    build_model_list,
     chat_request_to_engine,
     completion_request_to_engine,
 )
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.openai.tools import tool_messages, tool_use
-from tokenyard.api.respond import generate, json_response, new_call, start
+from tokenyard.api.respond import generate, new_call, start
 from tokenyard.gateway.run import Prepared, Served, placed, prepared
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.tool_grammar import constrained
@@ -73,16 +73,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await generate(request, run, fmt, stream=bool(req.stream))
 
 
-async def models(request: web.Request) -> web.Response:
-    """GET /v1/models: every deployment, then every alias."""
-    state = request.app[STATE]
-    return json_response(build_model_list(
-        [(s.name, s.created, "tokenyard") for s in state.deployments.values()]
-        + [(alias, state.created, "tokenyard") for alias in state.router.fleet.aliases]))
-
-
 def add_openai_routes(app: web.Application) -> None:
     """The OpenAI dialect's routes on `app`."""
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)

@@ -1,0 +1,150 @@
+"""GET /v1/models and GET /v1/models/{model_id}, in both dialects.
+
+OpenAI and Anthropic publish the same two routes with different bodies: OpenAI's list is
+``{"object": "list", "data": [Model]}`` (`id`, `object`, `created` in epoch seconds,
+`owned_by`), Anthropic's ``{"data": [ModelInfo], "first_id", "has_more", "last_id"}``
+(`type: "model"`, `id`, `display_name`, `created_at` in RFC 3339, the context and output
+limits). The request says which it speaks: the official Anthropic SDK sends
+`anthropic-version` on every request and authenticates with `x-api-key`; OpenAI's sends
+neither. Every deployment is listed, then every alias; all fit in one page (the
+Anthropic list's `limit`, `before_id` and `after_id` cut it the way that API does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from tokenyard.api.context import STATE
+from tokenyard.api.openai.convert import build_model_list
+from tokenyard.api.openai.schemas import ModelCard
+from tokenyard.api.respond import json_response
+from tokenyard.errors import INVALID_VALUE, invalid_request, model_not_found
+from tokenyard.gateway.auth import X_API_KEY
+
+#: Anthropic's default and largest page (`limit`).
+DEFAULT_LIMIT, MAX_LIMIT = 20, 1000
+
+
+def speaks_anthropic(request: web.Request) -> bool:
+    """Whether a models request is the Anthropic API's: it carries `anthropic-version`
+    or authenticates with `x-api-key`, as the Anthropic SDK does."""
+    return "anthropic-version" in request.headers or X_API_KEY in request.headers
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One listed model: a deployment or an alias, and its limits when known."""
+
+    id: str
+    created: int
+    max_input_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+class ModelInfo(BaseModel):
+    """Anthropic's ModelInfo. `capabilities` is null: the spec's keys describe Claude's
+    features (thinking, code execution, ...), which no model here reports."""
+
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str
+    capabilities: None = None
+    max_input_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+class ModelInfoList(BaseModel):
+    """Anthropic's ListResponse[ModelInfo]."""
+
+    data: list[ModelInfo]
+    first_id: str | None
+    has_more: bool
+    last_id: str | None
+
+
+def _listed(request: web.Request) -> list[Listed]:
+    """Every deployment (with its context window and output cap), then every alias."""
+    state = request.app[STATE]
+    return ([Listed(s.name, s.created, s.window, s.spec.max_output_tokens)
+             for s in state.deployments.values()]
+            + [Listed(alias, state.created) for alias in state.router.fleet.aliases])
+
+
+def _info(model: Listed) -> ModelInfo:
+    created = datetime.fromtimestamp(model.created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return ModelInfo(id=model.id, display_name=model.id, created_at=created,
+                     max_input_tokens=model.max_input_tokens, max_tokens=model.max_tokens)
+
+
+def _card(model: Listed) -> ModelCard:
+    return ModelCard(id=model.id, created=model.created, owned_by="tokenyard")
+
+
+def _limit(request: web.Request) -> int:
+    raw = request.query.get("limit")
+    if raw is None:
+        return DEFAULT_LIMIT
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIMIT:
+        raise invalid_request(f"'limit' must be an integer from 1 to {MAX_LIMIT}.",
+                              param="limit", code=INVALID_VALUE)
+    return limit
+
+
+def _page(request: web.Request, models: list[Listed]) -> ModelInfoList:
+    """The page `limit`, `after_id` and `before_id` choose (Anthropic's cursors)."""
+    ids = [m.id for m in models]
+    limit = _limit(request)
+    start, end = 0, len(models)
+    for param in ("after_id", "before_id"):
+        cursor = request.query.get(param)
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise invalid_request(f"'{param}' names no listed model: {cursor!r}.",
+                                  param=param, code=INVALID_VALUE)
+        if param == "after_id":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    window = models[start:end]
+    page = window[-limit:] if "before_id" in request.query and "after_id" not in request.query \
+        else window[:limit]
+    data = [_info(m) for m in page]
+    return ModelInfoList(data=data, first_id=data[0].id if data else None,
+                         last_id=data[-1].id if data else None,
+                         has_more=len(page) < len(window))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: OpenAI's list, or Anthropic's page."""
+    models = _listed(request)
+    if speaks_anthropic(request):
+        return json_response(_page(request, models))
+    return json_response(build_model_list([(m.id, m.created, "tokenyard") for m in models]))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model_id}: one model, in the request's dialect; 404 when neither a
+    deployment nor an alias has that name."""
+    wanted = request.match_info["model_id"]
+    found = next((m for m in _listed(request) if m.id == wanted), None)
+    if found is None:
+        raise model_not_found(wanted)
+    body: Any = _info(found) if speaks_anthropic(request) else _card(found)
+    return json_response(body)
+
+
+def add_model_routes(app: web.Application) -> None:
+    """GET /v1/models and GET /v1/models/{model_id} on `app`."""
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id}", get_model)
