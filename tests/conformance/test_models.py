@@ -102,3 +102,19 @@ def test_errors_are_in_each_api_s_shape(server: Server) -> None:
     body = _valid_error(get(server, "/v1/models?limit=0", anthropic_headers(server)), 400,
                         "anthropic", anthropic)
     assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_the_official_sdks_list_and_retrieve_in_their_own_shape(server: Server) -> None:
+    """What each SDK sends picks its dialect: the Anthropic SDK's pages parse as
+    `ModelInfo`, the OpenAI SDK's as `Model`."""
+    import anthropic
+    import openai
+
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key=key(server))
+    listed = claude.models.list()
+    assert server.model in [m.id for m in listed.data]
+    info = claude.models.retrieve(server.model)
+    assert info.type == "model" and info.display_name == server.model
+    gpt = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key(server))
+    assert server.model in [m.id for m in gpt.models.list()]
+    assert gpt.models.retrieve(server.model).owned_by == "tokenyard"
