@@ -389,7 +389,9 @@ class TextCompletion(BaseModel):
     model: str
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    #: Left out, not null, where there is none (a chunk before the usage one): the spec's
+    #: `CreateCompletionResponse.usage`, which each chunk also is, may not be null.
+    usage: Usage | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):
