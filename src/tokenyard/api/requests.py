@@ -1,11 +1,12 @@
 """`GET /v1/requests/{id}`: one finished request as the gateway recorded it.
 
 The timeline (stage ms), token counts, cache hit, model, deployment, replica (its
-address: admin keys only), status, finish reason, cost and time, plus the redacted bodies when its org captures them. A
-key of the request's org may read it, and an admin key any; for anyone else, and for an
-id that is unknown or past the retention window, the answer is the same 404, so an id
-does not tell whether it exists. The record is written off the request path, but a
-request just finished is found at once (the gateway looks in its queue first).
+address: admin keys only), status, finish reason, cost and time, plus the redacted bodies
+when its org captures them. A key of the request's org may read it, and an admin key any;
+for anyone else, and for an id that is unknown or past the retention window, the answer
+is the same 404, so an id does not tell whether it exists. The record is written off the
+request path, but a request just finished is found at once (the gateway looks in its
+queue first).
 """
 
 from __future__ import annotations

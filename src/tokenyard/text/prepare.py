@@ -45,6 +45,9 @@ def fit(
         if left < 1:
             raise context_length_exceeded(max_model_len, prompt_len, None, param=param)
         return replace(params, max_tokens=min(left, max_output_tokens or left))
+    if prompt_len + params.max_tokens > max_model_len:  # the window first: the usual code
+        raise context_length_exceeded(max_model_len, prompt_len, params.max_tokens,
+                                      param=param)
     if max_output_tokens is not None and params.max_tokens > max_output_tokens:
         # A route points a window refusal at the prompt ("messages") when the length
         # came from chat's max_tokens; this refusal is about the length's own field.
@@ -53,9 +56,6 @@ def fit(
                        f"supports at most {max_output_tokens} output tokens per request; "
                        f"set {name} to {max_output_tokens} or less.", param=name,
                        code="invalid_value")
-    if prompt_len + params.max_tokens > max_model_len:
-        raise context_length_exceeded(max_model_len, prompt_len, params.max_tokens,
-                                      param=param)
     return params
 
 

@@ -31,7 +31,6 @@ from tokenyard.gateway.run import (
     text_size,
 )
 from tokenyard.telemetry.timeline import Timeline
-from tokenyard.text.tool_grammar import constrained
 from tokenyard.text.tools import template_tools
 
 
@@ -46,7 +45,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         prepare, _ = prepared(served)
         prompt = prepare.conversation(template_messages, timeline, prefill=True,
                                       tools=template_tools(tools, native))
-        fitted = prepare.fit(len(prompt), constrained(params, tools), "max_tokens")
+        fitted = prepare.fit(len(prompt), prepare.constrained(params, tools), "max_tokens")
         # cache_control breakpoints: the prompt prefixes the replica pins (none upstream).
         pins = cache_pins(prepare, req, prompt,
                           served.info.block_size if served.info is not None else None)

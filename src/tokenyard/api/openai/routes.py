@@ -19,7 +19,6 @@ from tokenyard.api.openai.tools import tool_messages, tool_use
 from tokenyard.api.respond import generate, new_call, start
 from tokenyard.gateway.run import Prepared, Served, placed, prepared
 from tokenyard.telemetry.timeline import Timeline
-from tokenyard.text.tool_grammar import constrained
 from tokenyard.text.tools import template_tools
 
 
@@ -35,7 +34,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prepare, _ = prepared(served)
         prompt = prepare.conversation(messages, timeline, prefill=False,
                                       tools=template_tools(tools, native))
-        params = prepare.fit(len(prompt), constrained(params, tools), param)
+        params = prepare.fit(len(prompt), prepare.constrained(params, tools), param)
         return Prepared([prompt], [params], messages=messages, passed_on=passed_on,
                         tools=tools or passed_on)
 

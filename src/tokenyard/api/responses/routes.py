@@ -29,7 +29,6 @@ from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
 from tokenyard.gateway.run import Prepared, Served, placed, prepared, text_size
 from tokenyard.telemetry.timeline import Timeline
-from tokenyard.text.tool_grammar import constrained
 
 logger = logging.getLogger("tokenyard.api")
 
@@ -49,7 +48,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         prepare, _ = prepared(served)
         # Images weigh nothing in the prompt's token count: loaded once it is fitted.
         messages, prompt, params = fitted_conversation(
-            prepare, conversation, constrained(request_params(req), tools),
+            prepare, conversation, prepare.constrained(request_params(req), tools),
             instructions=req.instructions, use=tools, native=native, truncate=truncate,
             first_index=-len(earlier),
             param="max_output_tokens" if req.max_output_tokens is not None else "input",
