@@ -83,7 +83,8 @@ def _info(model: Listed) -> ModelInfo:
 
 
 def _card(model: Listed) -> ModelCard:
-    return ModelCard(id=model.id, created=model.created, owned_by="tokenyard")
+    return ModelCard(id=model.id, created=model.created, owned_by="tokenyard",
+                     max_model_len=model.max_input_tokens, max_output_tokens=model.max_tokens)
 
 
 def _limit(request: web.Request) -> int:

@@ -401,6 +401,11 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    # Beyond OpenAI's (open) Model object, as vLLM reports them: the context window, and
+    # the most output tokens one request may ask for (its default when it asks for none).
+    # None for an alias: its deployments' figures are theirs.
+    max_model_len: int | None = None
+    max_output_tokens: int | None = None
 
 
 class ModelList(BaseModel):
