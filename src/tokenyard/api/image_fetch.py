@@ -16,6 +16,7 @@ The address policy and the resolver are parameters, so tests can serve images fr
 from __future__ import annotations
 
 import asyncio
+import io
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,13 +39,36 @@ MAX_URL_CHARS = 8192
 _CHUNK = 64 * 1024
 
 
+MiB = 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ImageLimits:
-    """Caps on one image and on a request's images; times in seconds."""
+    """Caps on one image and on a request's images; sizes in bytes, times in seconds.
 
-    max_bytes: int = 20 * 1024 * 1024
+    They bound what one request's images can cost the gateway: its images load one after
+    another (`api/images.py`), so at most one fetched image (`max_bytes`), one decode
+    (`max_decode_bytes`, Pillow's pixels and the decoder's own buffers) with its scaled
+    copy (at most `output_side` squared, 4 bytes a pixel) and the re-encodings kept so
+    far (`max_total_bytes`) are held at once: about 100 MiB at worst.
+
+    - `max_side`, `max_pixels`: the size a header may declare (checked before decoding);
+    - `max_decode_bytes`: the memory one decode may take. A large JPEG is decoded at a
+      reduced scale (libjpeg's 1/2, 1/4, 1/8) when it is to be scaled down anyway, so
+      JPEGs up to `max_side` a side pass; PNG, GIF and WebP decode in full, so it caps
+      their pixels (about 12.5 million for RGB or RGBA, 3 million for WebP, which
+      libwebp decodes through four RGBA canvases);
+    - `output_side`: the long side of what goes on; larger images are scaled down to fit
+      (OpenAI's high detail fits images into 2048x2048, Anthropic into 1568 a side);
+    - `max_total_bytes`: a request's images once re-encoded, in all.
+    """
+
+    max_bytes: int = 20 * MiB
     max_side: int = 8000
     max_pixels: int = 8000 * 8000
+    max_decode_bytes: int = 48 * MiB
+    output_side: int = 2048
+    max_total_bytes: int = 16 * MiB
     max_images: int = 20
     timeout_s: float = 10.0
     max_redirects: int = 3
@@ -162,15 +186,17 @@ def check_url(url: str) -> URL:
 
 
 async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The body, refused as soon as it passes `max_bytes`. Gathered in a BytesIO, whose
+    getvalue hands over its buffer: a bytearray's bytes() would hold the body twice."""
     too_big = f"the image is larger than {max_bytes} bytes."
     if response.content_length is not None and response.content_length > max_bytes:
         raise ImageRejected(too_big)
-    body = bytearray()
+    body = io.BytesIO()
     async for chunk in response.content.iter_chunked(_CHUNK):
-        body += chunk
-        if len(body) > max_bytes:
+        if body.tell() + len(chunk) > max_bytes:
             raise ImageRejected(too_big)
-    return bytes(body)
+        body.write(chunk)
+    return body.getvalue()
 
 
 def _joined(base: URL, location: str) -> str:
