@@ -138,3 +138,24 @@ def _deepest(err: ValidationError) -> ValidationError:
     if not err.context:
         return err
     return max(err.context, key=lambda e: (len(e.absolute_path), -len(e.message)))
+
+
+def properties(spec: Spec, name: str) -> set[str]:
+    """The properties of component `name`, its `allOf` parts' included."""
+    schema = spec.schemas[name]
+    found = set(schema.get("properties", {}))
+    for part in schema.get("allOf", ()):
+        if "$ref" in part:
+            found |= properties(spec, part["$ref"].rsplit("/", 1)[-1])
+        found |= set(part.get("properties", {}))
+    return found
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """(event name, JSON data) of each `data:` line of an SSE stream (`[DONE]` skipped)."""
+    name = None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            yield name, json.loads(line[len("data: "):])

@@ -12,15 +12,14 @@ of tokens, so the file stays quick.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conformance.spec import Spec
+from tests.conformance.keys import new_key
+from tests.conformance.spec import Spec, sse_events
 from tests.e2e.conftest import Server
-from tests.e2e.test_admin_http import call
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -104,15 +103,10 @@ def stream(server: Server, fields: dict[str, Any]) -> list[dict[str, Any]]:
                       json=body(server, stream=True) | fields,
                       headers=headers(server.api_key)) as r:
         assert r.status_code == 200, r.read()
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                event = json.loads(line[len("data: "):])
-                assert event["type"] == name, (name, event)
-                validate_event(event)
-                events.append(event)
+        for name, event in sse_events(r.iter_lines()):
+            assert event["type"] == name, (name, event)
+            validate_event(event)
+            events.append(event)
     return events
 
 
@@ -177,15 +171,6 @@ def test_count_tokens_validates(server: Server) -> None:
     assert r.json()["input_tokens"] > 0
 
 
-def _keys(server: Server, **fields: Any) -> str:
-    """A key of a fresh org, with the admin API's key `fields` (scope, limits)."""
-    status, org = call(server, "POST", "/admin/v1/orgs",
-                       body={"name": f"conf-{uuid.uuid4().hex[:8]}"})
-    assert status == 201, org
-    status, key = call(server, "POST", "/admin/v1/keys", body={"org_id": org["id"]} | fields)
-    assert status == 201, key
-    return str(key["secret"])
-
 
 @pytest.mark.parametrize("fields", [
     {"max_tokens": 0}, {"messages": []}, {"temperature": 3}, {"no_such_field": 1},
@@ -205,12 +190,12 @@ def test_a_bad_stream_request_is_a_400_before_any_event(server: Server) -> None:
 def test_401_403_404_and_429_are_in_anthropic_s_shape(server: Server) -> None:
     assert valid_error(post(server, body(server), key="sk-not-a-key"), 401,
                        "401")["type"] == "authentication_error"
-    scoped = _keys(server, models=["some-other-model"])
+    scoped = new_key(server, models=["some-other-model"])
     assert valid_error(post(server, body(server), key=scoped), 403,
                        "403")["type"] == "permission_error"
     assert valid_error(post(server, body(server, model="no-such-model")), 404,
                        "404")["type"] == "not_found_error"
-    limited = _keys(server, rpm=1)
+    limited = new_key(server, rpm=1)
     assert post(server, body(server), key=limited).status_code == 200
     assert valid_error(post(server, body(server), key=limited), 429,
                        "429")["type"] == "rate_limit_error"

@@ -14,15 +14,14 @@ import base64
 import copy
 import json
 import struct
-import uuid
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.conformance.keys import new_key
 from tests.conformance.spec import Spec
 from tests.e2e.conftest import Server
-from tests.e2e.test_admin_http import call
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -269,25 +268,16 @@ def test_a_body_over_the_cap_is_a_413(server: Server) -> None:
     valid_error(r, 413, "413")
 
 
-def _keys(server: Server, **fields: Any) -> str:
-    """A key of a fresh org, with the admin API's key `fields` (scope, limits)."""
-    status, org = call(server, "POST", "/admin/v1/orgs",
-                       body={"name": f"conf-oa-{uuid.uuid4().hex[:8]}"})
-    assert status == 201, org
-    status, key = call(server, "POST", "/admin/v1/keys", body={"org_id": org["id"]} | fields)
-    assert status == 201, key
-    return str(key["secret"])
-
 
 def test_401_403_and_429_are_in_the_api_s_error_shape(server: Server) -> None:
     path = "/v1/chat/completions"
     valid_error(httpx.post(server.base_url + path, json=chat(server), timeout=60), 401,
                 "no key")
     valid_error(post(server, path, chat(server), key="sk-not-a-key"), 401, "bad key")
-    scoped = _keys(server, models=["some-other-model"])
+    scoped = new_key(server, models=["some-other-model"])
     valid_error(post(server, path, chat(server), key=scoped), 403, "403")
     valid_error(post(server, "/v1/embeddings", {"model": EMBEDDER, "input": "hi"},
                      key=scoped), 403, "403 embeddings")
-    limited = _keys(server, rpm=1)
+    limited = new_key(server, rpm=1)
     assert post(server, path, chat(server), key=limited).status_code == 200
     valid_error(post(server, path, chat(server), key=limited), 429, "429")

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conformance.spec import Spec
+from tests.conformance.spec import Spec, properties
 from tests.conformance.test_openai import (
     EMBEDDER,
     WEATHER,
@@ -146,22 +146,11 @@ COMPANIONS: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 
-def _properties(spec: Spec, name: str) -> set[str]:
-    """The properties of component `name`, its `allOf` parts' included (as
-    test_responses_fields reads its own; kept apart so neither file waits on the other)."""
-    schema = spec.schemas[name]
-    found = set(schema.get("properties", {}))
-    for part in schema.get("allOf", ()):
-        if "$ref" in part:
-            found |= _properties(spec, part["$ref"].rsplit("/", 1)[-1])
-        found |= set(part.get("properties", {}))
-    return found
-
 
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_every_spec_property_is_classified(route: str) -> None:
     _, component, table, _ = ROUTES[route]
-    spec_fields = _properties(Spec.load("openai"), component)
+    spec_fields = properties(Spec.load("openai"), component)
     assert spec_fields - set(table) == set(), (
         f"request fields of {component} nobody classified: {sorted(spec_fields - set(table))}")
     assert set(table) - spec_fields == set(), f"not in {component}: {set(table) - spec_fields}"

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conformance.spec import Spec
+from tests.conformance.keys import new_key
+from tests.conformance.spec import Spec, sse_events
 from tests.e2e.conftest import Server
-from tests.e2e.test_admin_http import call
 from tokenyard.api.responses.objects import ResponseObject
 from tokenyard.api.responses.stream import ResponsesFormat
 from tokenyard.errors import APIError
@@ -102,17 +102,12 @@ def stream(server: Server, fields: dict[str, Any]) -> list[dict[str, Any]]:
     with httpx.stream("POST", server.base_url + "/v1/responses", timeout=120,
                       json=body(server, stream=True) | fields, headers=server.headers) as r:
         assert r.status_code == 200, r.read()
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                event = json.loads(line[len("data: "):])
-                assert event["type"] == name, (name, event)
-                assert event["type"] in components, f"no schema for {event['type']}"
-                _open().validate(_resolved(event, event["type"]), components[event["type"]],
-                                 event["type"])
-                events.append(event)
+        for name, event in sse_events(r.iter_lines()):
+            assert event["type"] == name, (name, event)
+            assert event["type"] in components, f"no schema for {event['type']}"
+            _open().validate(_resolved(event, event["type"]), components[event["type"]],
+                             event["type"])
+            events.append(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 
@@ -227,21 +222,12 @@ def test_a_bad_stream_request_is_a_400_before_any_event(server: Server) -> None:
     assert valid_error(r, 400, "stream")["param"] == "previous_response_id"
 
 
-def _keys(server: Server, **fields: Any) -> str:
-    """A key of a fresh org, with the admin API's key `fields` (scope, limits)."""
-    status, org = call(server, "POST", "/admin/v1/orgs",
-                       body={"name": f"conf-{uuid.uuid4().hex[:8]}"})
-    assert status == 201, org
-    status, key = call(server, "POST", "/admin/v1/keys", body={"org_id": org["id"]} | fields)
-    assert status == 201, key
-    return str(key["secret"])
-
 
 def test_401_403_and_429_are_in_the_api_s_error_shape(server: Server) -> None:
     valid_error(post(server, body(server), key="sk-not-a-key"), 401, "401")
-    scoped = _keys(server, models=["some-other-model"])
+    scoped = new_key(server, models=["some-other-model"])
     valid_error(post(server, body(server), key=scoped), 403, "403")
-    limited = _keys(server, rpm=1)
+    limited = new_key(server, rpm=1)
     assert post(server, body(server), key=limited).status_code == 200
     valid_error(post(server, body(server), key=limited), 429, "429")
 

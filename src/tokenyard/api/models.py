@@ -23,6 +23,7 @@ from tokenyard.api.context import STATE
 from tokenyard.api.openai.convert import build_model_list
 from tokenyard.api.openai.schemas import ModelCard
 from tokenyard.api.respond import json_response
+from tokenyard.api.schemas import page_limit
 from tokenyard.errors import INVALID_VALUE, invalid_request, model_not_found
 from tokenyard.gateway.auth import X_API_KEY
 
@@ -87,24 +88,12 @@ def _card(model: Listed) -> ModelCard:
                      max_model_len=model.max_input_tokens, max_output_tokens=model.max_tokens)
 
 
-def _limit(request: web.Request) -> int:
-    raw = request.query.get("limit")
-    if raw is None:
-        return DEFAULT_LIMIT
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_LIMIT:
-        raise invalid_request(f"'limit' must be an integer from 1 to {MAX_LIMIT}.",
-                              param="limit", code=INVALID_VALUE)
-    return limit
 
 
 def _page(request: web.Request, models: list[Listed]) -> ModelInfoList:
     """The page `limit`, `after_id` and `before_id` choose (Anthropic's cursors)."""
     ids = [m.id for m in models]
-    limit = _limit(request)
+    limit = page_limit(request.query, DEFAULT_LIMIT, MAX_LIMIT)
     start, end = 0, len(models)
     for param in ("after_id", "before_id"):
         cursor = request.query.get(param)

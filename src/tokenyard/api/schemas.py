@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenyard.api.errors import schema_error
-from tokenyard.errors import UNSUPPORTED_PARAMETER
+from tokenyard.errors import INVALID_VALUE, UNSUPPORTED_PARAMETER, invalid_request
 from tokenyard.text.stop import MAX_STOP_LENGTH
 
 #: How several text parts of one message are joined into the template's single string.
@@ -80,3 +80,18 @@ def reject_unsupported(data: Any, accepted: Mapping[str, Acceptable],
         if name in data and not ok(data[name]):
             raise schema_error(UNSUPPORTED_PARAMETER, name,
                                f"The '{name}' {what} is not supported by this server yet.")
+
+
+def page_limit(query: Mapping[str, str], default: int, most: int) -> int:
+    """A list route's `limit` query parameter: `default` when absent, else a whole number
+    from 1 to `most` (a 400 naming `limit` otherwise)."""
+    raw = query.get("limit")
+    if raw is None:
+        return default
+    limit = int(raw) if raw.isdigit() else 0
+    if not 1 <= limit <= most:
+        raise invalid_request(
+            f"Invalid 'limit': expected a whole number from 1 to {most}, got {raw!r}.",
+            param="limit", code=INVALID_VALUE)
+    return limit
+

@@ -25,12 +25,14 @@ from tokenyard.api.respond import count, generate, json_response, new_call, star
 from tokenyard.gateway.run import (
     Prepared,
     Served,
+    ToolPlacement,
     first_user_text,
     placed,
     prepared,
     text_size,
 )
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.text.content import TemplateMessage
 from tokenyard.text.tools import template_tools
 
 
@@ -40,11 +42,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     converted, params = anthropic_request_to_engine(req)
 
     def build(served: Served, timeline: Timeline) -> Prepared:
-        tools, passed_on, native = placed(tool_use(req), served)
-        template_messages = tool_messages(req, converted, tools, native)
+        template_messages, prompt, (tools, passed_on, _) = _conversation(
+            req, converted, served, timeline)
         prepare, _ = prepared(served)
-        prompt = prepare.conversation(template_messages, timeline, prefill=True,
-                                      tools=template_tools(tools, native))
         fitted = prepare.fit(len(prompt), prepare.constrained(params, tools), "max_tokens")
         # cache_control breakpoints: the prompt prefixes the replica pins (none upstream).
         pins = cache_pins(prepare, req, prompt,
@@ -67,15 +67,26 @@ async def count_tokens(request: web.Request) -> web.Response:
     converted = anthropic_messages(req)
 
     def build(served: Served, timeline: Timeline) -> Prepared:
-        tools, _, native = placed(tool_use(req), served)
-        template_messages = tool_messages(req, converted, tools, native)
-        prepare, _ = prepared(served)
-        prompt = prepare.conversation(template_messages, timeline, prefill=True,
-                                      tools=template_tools(tools, native))
+        template_messages, prompt, _ = _conversation(req, converted, served, timeline)
         return Prepared([prompt], [], messages=template_messages)
 
     call = await new_call(request, req.model, build, text_size=text_size(converted))
     return json_response(CountTokensResponse(input_tokens=await count(request, call)))
+
+
+def _conversation(
+    req: MessagesRequest | CountTokensRequest, converted: list[TemplateMessage],
+    served: Served, timeline: Timeline,
+) -> tuple[list[TemplateMessage], list[int], ToolPlacement]:
+    """The request's turns with its tools where `served` takes them, templated with the
+    prefill rule and tokenized: (template messages, prompt ids, where the tools went)."""
+    placement = placed(tool_use(req), served)
+    tools, _, native = placement
+    template_messages = tool_messages(req, converted, tools, native)
+    prepare, _ = prepared(served)
+    prompt = prepare.conversation(template_messages, timeline, prefill=True,
+                                  tools=template_tools(tools, native))
+    return template_messages, prompt, placement
 
 
 def add_anthropic_routes(app: web.Application) -> None:

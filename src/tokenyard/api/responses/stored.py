@@ -20,6 +20,7 @@ from aiohttp import web
 
 from tokenyard.api.context import KEY, STATE
 from tokenyard.api.respond import json_response
+from tokenyard.api.schemas import page_limit
 from tokenyard.errors import APIError, invalid_request
 from tokenyard.gateway.responses import (
     ChainTooLong,
@@ -95,26 +96,13 @@ async def delete(request: web.Request) -> web.Response:
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-def _limit(query: Any) -> int:
-    raw = query.get("limit")
-    if raw is None:
-        return DEFAULT_LIMIT
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_LIMIT:
-        raise invalid_request(
-            f"Invalid 'limit': expected a whole number from 1 to {MAX_LIMIT}, got {raw!r}.",
-            param="limit", code="invalid_value")
-    return limit
 
 
 async def input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}/input_items: one page of the response's own input items."""
     response_id = request.match_info["response_id"]
     query = request.query
-    limit = _limit(query)
+    limit = page_limit(query, DEFAULT_LIMIT, MAX_LIMIT)
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid_request(f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.",
