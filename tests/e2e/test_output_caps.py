@@ -4,13 +4,14 @@ valid calls, at most the deployment's cap of them, at temperature 1, every time.
 
 Before the caps, a forced `get_weather` call at temperature 1 opened call after call
 until the 8k window ended (2 of 8 tries past 120 s), and a Responses stream without
-`max_output_tokens` ran 322 s. Each case sends 20 requests at once so the whole file
-stays well under a minute of generation on a 2-core machine.
+`max_output_tokens` ran 322 s. Each case sends its tries at once: the issue's 20 under
+`make chaos`, 6 in `make test`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,9 @@ pytestmark = pytest.mark.slow
 
 #: The capped server's output cap: small, so 20 unbounded streams end quickly.
 CAP = 24
-TRIES = 20
+#: The issue's 20 tries of each case at once under `make chaos` (TOKENYARD_CHAOS=full,
+#: about three minutes here); `make test` sends 6, the same checks.
+TRIES = 20 if os.environ.get("TOKENYARD_CHAOS", "").strip().lower() == "full" else 6
 #: What a client with a 60 s timeout waits at most (the issue's bound).
 LIMIT_S = 60.0
 #: `get_weather` with a short argument, so that the most calls a reply may make
@@ -65,7 +68,7 @@ def _at_once(fn: Any) -> list[Any]:
 def test_forced_calls_at_temperature_1_end_with_valid_calls_within_the_cap(
     server: Server,
 ) -> None:
-    """20 forced calls, no max_tokens, temperature 1: each ends by itself (not cut by
+    """TRIES forced calls, no max_tokens, temperature 1: each ends by itself (not cut by
     the output cap) with 1 to DEFAULT_MAX_TOOL_CALLS calls, each valid for the tool, in
     at most 40 tokens a call (before the bound: call after call to the window's end).
 
@@ -91,7 +94,7 @@ def test_forced_calls_at_temperature_1_end_with_valid_calls_within_the_cap(
 
 
 def test_unbounded_responses_streams_end_within_the_deployments_cap(capped: Server) -> None:
-    """20 Responses streams without max_output_tokens at temperature 1: each ends (its
+    """TRIES Responses streams without max_output_tokens at temperature 1: each ends (its
     last event the final response) within CAP output tokens."""
     def stream() -> tuple[float, dict[str, Any]]:
         began = time.monotonic()
