@@ -72,6 +72,7 @@ _API_ROUTES: Sequence[tuple[str, str, str | None, str, str]] = (
     ("/v1/chat/completions", "post", "ChatCompletionRequest", "ChatCompletion", "200"),
     ("/v1/completions", "post", "CompletionRequest", "TextCompletion", "200"),
     ("/v1/models", "get", None, "ModelList", "200"),
+    ("/v1/models/{model_id}", "get", None, "ModelCard", "200"),
     ("/v1/messages", "post", "MessagesRequest", "AnthropicMessage", "200"),
     ("/v1/messages/count_tokens", "post", "CountTokensRequest", "CountTokensResponse", "200"),
     ("/v1/embeddings", "post", "EmbeddingRequest", "EmbeddingList", "200"),
@@ -80,6 +81,8 @@ _API_ROUTES: Sequence[tuple[str, str, str | None, str, str]] = (
     ("/v1/responses/{response_id}", "get", None, "ResponseObject", "200"),
     ("/v1/responses/{response_id}", "delete", None, "ResponseDeleted", "200"),
     ("/v1/responses/{response_id}/input_items", "get", None, "InputItemList", "200"),
+    # Not implemented: a 404 in OpenAI's error shape, as for a route OpenAI has not got.
+    ("/v1/responses/compact", "post", None, "OpenAIError", "404"),
     ("/v1/requests/{request_id}", "get", None, "RequestRecordObject", "200"),
 )
 
