@@ -344,8 +344,11 @@ class TextBlock(BaseModel):
 
     type: Literal["text"] = "text"
     text: str
-    #: Required by the spec (null when there are none): no documents are cited here.
-    citations: None = None
+    #: The spec marks it required (null when there are none), but Anthropic's API leaves
+    #: it out when nothing is cited, and clients hold to that: the Vercel AI SDK refuses
+    #: a null (`citations: z.array().optional()`). Left out, as the API does; the
+    #: conformance suite lists the conflict (tests/conformance/test_anthropic.py).
+    citations: None = Field(default=None, exclude=True)
 
 
 ResponseBlock = TextBlock | ToolUseBlock
