@@ -46,6 +46,16 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from tokenyard.fleet_values import (
+    FleetConfigError,
+    a_string,
+    a_table,
+    a_weight,
+    an_array,
+    only_fields,
+    opt_string,
+)
+
 KINDS = ("engine", "upstream", "embeddings")
 #: Capabilities a deployment may declare; a request needing one goes only where declared.
 CAPABILITIES = frozenset({"chat", "completions", "embeddings", "vision", "tools"})
@@ -77,10 +87,6 @@ POLICIES = {"affinity", "least", "round_robin"}
 #: tokens it reports are never shown to or billed as cached for a tenant.
 UPSTREAM_SERVERS = ("vllm", "sglang", "openai")
 SALTED_SERVERS = frozenset({"vllm", "sglang"})
-
-
-class FleetConfigError(ValueError):
-    """The fleet file is malformed; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,7 @@ def load_fleet(path: Path) -> FleetSpec:
 
 def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
     """A FleetSpec from a decoded TOML document."""
-    _only(raw, {"deployments", "aliases", "balancer"}, "the file")
+    only_fields(raw, {"deployments", "aliases", "balancer"}, "the file")
     items = raw.get("deployments", [])
     if not isinstance(items, list) or not items:
         raise FleetConfigError("'deployments' must be a non-empty array of tables")
@@ -225,7 +231,7 @@ def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
             raise FleetConfigError(f"deployments[{i}].name: '{spec.name}' is defined twice")
         deployments[spec.name] = spec
     aliases = {name: _alias(name, value, deployments)
-               for name, value in _table(raw.get("aliases", {}), "aliases").items()}
+               for name, value in a_table(raw.get("aliases", {}), "aliases").items()}
     return FleetSpec(deployments, aliases, _balancer(raw.get("balancer", {})), path)
 
 
@@ -255,18 +261,19 @@ def single_fleet(
 
 
 def _deployment(item: Any, where: str) -> DeploymentSpec:
-    item = _table(item, where)
+    item = a_table(item, where)
     item, limits = _output_limits(item, where)
-    _only(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
+    only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "moderation", "server"}, where)
-    name = _str(item.get("name"), f"{where}.name")
+    name = a_string(item.get("name"), f"{where}.name")
     kind = item.get("kind", "engine")
     if kind not in KINDS:
         raise FleetConfigError(f"{where}.kind: one of {', '.join(KINDS)}, not {kind!r}")
     replicas = item.get("replicas", 0)
     if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 64:
         raise FleetConfigError(f"{where}.replicas: an integer from 0 to 64")
-    urls = tuple(_str(u, f"{where}.urls[]") for u in _list(item.get("urls", []), f"{where}.urls"))
+    urls = tuple(a_string(u, f"{where}.urls[]")
+                 for u in an_array(item.get("urls", []), f"{where}.urls"))
     for url in urls:
         if not url.startswith(("http://", "https://")):
             raise FleetConfigError(f"{where}.urls: {url!r} is not an http(s) URL")
@@ -286,8 +293,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
                                f"(vllm and sglang keep each tenant's prefix cache apart; "
                                f"openai is any other OpenAI-compatible server), "
                                f"not {server!r}")
-    caps = frozenset(_str(c, f"{where}.capabilities[]")
-                     for c in _list(item.get("capabilities", []), f"{where}.capabilities"))
+    caps = frozenset(a_string(c, f"{where}.capabilities[]")
+                     for c in an_array(item.get("capabilities", []), f"{where}.capabilities"))
     unknown = caps - CAPABILITIES
     if unknown:
         raise FleetConfigError(f"{where}.capabilities: unknown {sorted(unknown)}; "
@@ -297,10 +304,10 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         raise FleetConfigError(f"{where}.max_context: a positive integer")
     return DeploymentSpec(
         name=name, kind=kind, replicas=replicas, urls=urls,
-        model=_opt_str(item.get("model"), f"{where}.model"),
-        engine_args=tuple(_str(a, f"{where}.engine_args[]")
-                          for a in _list(item.get("engine_args", []), f"{where}.engine_args")),
-        token_env=_opt_str(item.get("token_env"), f"{where}.token_env"),
+        model=opt_string(item.get("model"), f"{where}.model"),
+        engine_args=tuple(a_string(a, f"{where}.engine_args[]")
+                          for a in an_array(item.get("engine_args", []), f"{where}.engine_args")),
+        token_env=opt_string(item.get("token_env"), f"{where}.token_env"),
         capabilities=caps or _DEFAULT_CAPABILITIES[kind], max_context=max_context,
         prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
         moderation=(_moderation(item["moderation"], f"{where}.moderation")
@@ -341,20 +348,20 @@ def _alias(name: str, value: Any, deployments: Mapping[str, DeploymentSpec]) -> 
     if isinstance(value, str):
         routes: tuple[tuple[str, float], ...] = ((value, 1.0),)
     else:
-        table = _table(value, where)
-        _only(table, {"route", "shadow"}, where)
-        weights = _table(table.get("route"), f"{where}.route")
-        routes = tuple((target, _weight(w, f"{where}.route.{target}"))
+        table = a_table(value, where)
+        only_fields(table, {"route", "shadow"}, where)
+        weights = a_table(table.get("route"), f"{where}.route")
+        routes = tuple((target, a_weight(w, f"{where}.route.{target}"))
                        for target, w in weights.items())
         if not routes or sum(w for _, w in routes) <= 0:
             raise FleetConfigError(f"{where}.route: at least one target with a weight > 0")
         if "shadow" in table:
-            s = _table(table["shadow"], f"{where}.shadow")
-            _only(s, {"deployment", "share"}, f"{where}.shadow")
-            share = _weight(s.get("share", 1.0), f"{where}.shadow.share")
+            s = a_table(table["shadow"], f"{where}.shadow")
+            only_fields(s, {"deployment", "share"}, f"{where}.shadow")
+            share = a_weight(s.get("share", 1.0), f"{where}.shadow.share")
             if share > 1:
                 raise FleetConfigError(f"{where}.shadow.share: a fraction from 0 to 1")
-            shadow = ShadowSpec(_str(s.get("deployment"), f"{where}.shadow.deployment"), share)
+            shadow = ShadowSpec(a_string(s.get("deployment"), f"{where}.shadow.deployment"), share)
     for target in [t for t, _ in routes] + ([shadow.deployment] if shadow else []):
         if target not in deployments:
             raise FleetConfigError(f"{where}: '{target}' is not a deployment")
@@ -362,9 +369,9 @@ def _alias(name: str, value: Any, deployments: Mapping[str, DeploymentSpec]) -> 
 
 
 def _balancer(value: Any) -> BalancerSpec:
-    table = _table(value, "balancer")
+    table = a_table(value, "balancer")
     known = set(BalancerSpec.__dataclass_fields__)
-    _only(table, known, "balancer")
+    only_fields(table, known, "balancer")
     spec = BalancerSpec(**table)
     if spec.policy not in POLICIES:
         raise FleetConfigError(f"balancer.policy: one of {', '.join(sorted(POLICIES))}")
@@ -379,8 +386,8 @@ def _balancer(value: Any) -> BalancerSpec:
 
 
 def _prices(value: Any, where: str) -> PriceSpec:
-    table = _table(value, where)
-    _only(table, {"input", "cached_input", "output"}, where)
+    table = a_table(value, where)
+    only_fields(table, {"input", "cached_input", "output"}, where)
     out = {}
     for name, amount in table.items():
         try:
@@ -395,8 +402,8 @@ def _prices(value: Any, where: str) -> PriceSpec:
 
 
 def _moderation(value: Any, where: str) -> ModerationSpec:
-    table = _table(value, where)
-    _only(table, set(ModerationSpec.__dataclass_fields__), where)
+    table = a_table(value, where)
+    only_fields(table, set(ModerationSpec.__dataclass_fields__), where)
     for name in ("input", "output"):
         if table.get(name, "off") not in MODERATION_MODES:
             raise FleetConfigError(f"{where}.{name}: one of {', '.join(MODERATION_MODES)}")
@@ -404,9 +411,9 @@ def _moderation(value: Any, where: str) -> ModerationSpec:
     if classifier not in CLASSIFIERS:
         raise FleetConfigError(f"{where}.classifier: one of {', '.join(CLASSIFIERS)}")
     patterns = tuple(
-        (category, tuple(_str(p, f"{where}.patterns.{category}[]")
-                         for p in _list(items, f"{where}.patterns.{category}")))
-        for category, items in _table(table.get("patterns", {}), f"{where}.patterns").items())
+        (category, tuple(a_string(p, f"{where}.patterns.{category}[]")
+                         for p in an_array(items, f"{where}.patterns.{category}")))
+        for category, items in a_table(table.get("patterns", {}), f"{where}.patterns").items())
     for category, regexes in patterns:
         for regex in regexes:
             try:
@@ -418,49 +425,14 @@ def _moderation(value: Any, where: str) -> ModerationSpec:
         raise FleetConfigError(f"{where}.patterns: a blocklist needs patterns per category")
     if classifier == "upstream" and not table.get("url"):
         raise FleetConfigError(f"{where}.url: an upstream classifier needs its base URL")
-    threshold = _weight(table.get("threshold", 0.5), f"{where}.threshold")
+    threshold = a_weight(table.get("threshold", 0.5), f"{where}.threshold")
     window = table.get("window", 32)
     if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 4096:
         raise FleetConfigError(f"{where}.window: an integer from 1 to 4096")
     return ModerationSpec(
         input=table.get("input", "off"), output=table.get("output", "off"),
         classifier=classifier, threshold=threshold, patterns=patterns,
-        url=_opt_str(table.get("url"), f"{where}.url"),
-        model=_opt_str(table.get("model"), f"{where}.model"),
-        token_env=_opt_str(table.get("token_env"), f"{where}.token_env"), window=window,
+        url=opt_string(table.get("url"), f"{where}.url"),
+        model=opt_string(table.get("model"), f"{where}.model"),
+        token_env=opt_string(table.get("token_env"), f"{where}.token_env"), window=window,
     )
-
-
-def _weight(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-            math.isfinite(value) and value >= 0):
-        raise FleetConfigError(f"{where}: a non-negative number")
-    return float(value)
-
-
-def _table(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise FleetConfigError(f"{where}: a table")
-    return value
-
-
-def _list(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise FleetConfigError(f"{where}: an array")
-    return value
-
-
-def _str(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise FleetConfigError(f"{where}: a non-empty string")
-    return value
-
-
-def _opt_str(value: Any, where: str) -> str | None:
-    return None if value is None else _str(value, where)
-
-
-def _only(table: Mapping[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise FleetConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")

@@ -1,0 +1,47 @@
+"""Reading the fleet file's values (`deployments.py`): each reader returns the value in
+its expected type or raises `FleetConfigError` naming the field (`where`). A leaf module."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+class FleetConfigError(ValueError):
+    """The fleet file is malformed; the message names the field."""
+
+
+def a_weight(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value >= 0):
+        raise FleetConfigError(f"{where}: a non-negative number")
+    return float(value)
+
+
+def a_table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise FleetConfigError(f"{where}: a table")
+    return value
+
+
+def an_array(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise FleetConfigError(f"{where}: an array")
+    return value
+
+
+def a_string(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise FleetConfigError(f"{where}: a non-empty string")
+    return value
+
+
+def opt_string(value: Any, where: str) -> str | None:
+    return None if value is None else a_string(value, where)
+
+
+def only_fields(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise FleetConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
