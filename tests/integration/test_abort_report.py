@@ -16,7 +16,7 @@ import pytest
 
 from tokenyard.engine.async_llm import AsyncLLM
 from tokenyard.engine.frontend import make_request
-from tokenyard.wire.protocol import AbortReport
+from tokenyard.wire.abort import AbortReport
 from tokenyard.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

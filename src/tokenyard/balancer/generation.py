@@ -29,8 +29,9 @@ from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.output_processor import OutputProcessor, child_params
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.wire.abort import AbortReport
 from tokenyard.wire.outputs import Completion, EngineCoreOutput, RequestOutput
-from tokenyard.wire.protocol import AbortReport, CoreDelta, Pin, cache_writes
+from tokenyard.wire.protocol import CoreDelta, Pin, cache_writes
 from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.balancer")

@@ -46,8 +46,9 @@ from tokenyard.balancer.replica_client import (
 from tokenyard.balancer.wait_queue import WaitQueue
 from tokenyard.deployments import BalancerSpec
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.wire.abort import AbortReport
 from tokenyard.wire.outputs import EngineStats
-from tokenyard.wire.protocol import AbortReport, CoreDelta
+from tokenyard.wire.protocol import CoreDelta
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from tokenyard.wire.protocol import AbortReport, CoreDelta, Pin
+from tokenyard.wire.abort import AbortReport
+from tokenyard.wire.protocol import CoreDelta, Pin
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 

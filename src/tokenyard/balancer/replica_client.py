@@ -19,6 +19,7 @@ import aiohttp
 
 from tokenyard.balancer.http_client import PooledClient
 from tokenyard.telemetry.tracing import OUTGOING, TRACEPARENT
+from tokenyard.wire.abort import AbortReport, abort_body, stop_body
 from tokenyard.wire.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
@@ -26,14 +27,11 @@ from tokenyard.wire.protocol import (
     INFO_PATH,
     STATS_PATH,
     STOP_PATH,
-    AbortReport,
     CoreDelta,
     GenerateRequest,
     Pin,
     ProtocolError,
-    abort_body,
     dumps,
-    stop_body,
 )
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats, stats_from_json
 from tokenyard.wire.sampling_params import SamplingParams

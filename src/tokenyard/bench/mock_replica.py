@@ -40,6 +40,7 @@ from tokenyard.bench.mock_core import (
     _Run,
 )
 from tokenyard.bench.mock_openai import OpenAIRoutes
+from tokenyard.wire.abort import decode_abort, decode_stop
 from tokenyard.wire.outputs import EngineStats
 from tokenyard.wire.protocol import (
     ABORT_PATH,
@@ -55,8 +56,6 @@ from tokenyard.wire.protocol import (
     CoreDelta,
     GenerateRequest,
     ProtocolError,
-    decode_abort,
-    decode_stop,
     encode_delta,
     encode_stream_error,
     error_body,

@@ -28,7 +28,7 @@ from tokenyard.engine.frontend import build_core
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.request import Request
 from tokenyard.text.tokenizer import Tokenizer
-from tokenyard.wire.protocol import AbortReport
+from tokenyard.wire.abort import AbortReport
 
 log = logging.getLogger(__name__)
 

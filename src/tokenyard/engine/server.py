@@ -39,6 +39,7 @@ from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample.grammar import GrammarError, GuidedState
 from tokenyard.engine.scheduler import QueueFullError
+from tokenyard.wire.abort import abort_answer, decode_abort, decode_stop
 from tokenyard.wire.protocol import (
     ABORT_PATH,
     CONTEXT_LENGTH_EXCEEDED,
@@ -53,9 +54,6 @@ from tokenyard.wire.protocol import (
     STOP_PATH,
     GenerateRequest,
     ProtocolError,
-    abort_answer,
-    decode_abort,
-    decode_stop,
     dumps,
     encode_delta,
     encode_stream_error,

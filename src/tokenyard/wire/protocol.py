@@ -15,7 +15,8 @@ The replica API:
 - ``POST /v1/engine/abort`` ``{"request_id"}``, answered ``{"ok": true}`` plus, when the
   replica still held the request, its `AbortReport` (what it had computed: the prefill a
   client that left before its first token still used); ``POST /v1/engine/stop``
-  ``{"request_id", "stop"}`` (the HTTP side matched a stop string).
+  ``{"request_id", "stop"}`` (the HTTP side matched a stop string). Both bodies, and the
+  report, are in `wire/abort.py`.
 - ``GET /v1/engine/stats`` (`ReplicaStats`), ``GET /v1/engine/info`` (`ReplicaInfo`), both
   in `wire/replica_info.py`; ``GET /healthz``.
 """
@@ -397,62 +398,3 @@ def encode_delta(out: CoreOutputLike) -> bytes:
 def encode_stream_error(message: str, code: str = ENGINE_ERROR) -> bytes:
     """The last line of a stream that failed after it began."""
     return dumps({"error": {"message": message, "code": code}}) + b"\n"
-
-
-# -- abort, stop ----------------------------------------------------------------------------
-
-def abort_body(request_id: str) -> Json:
-    """The body of ``POST /v1/engine/abort``."""
-    return {"request_id": request_id}
-
-
-@dataclass(frozen=True)
-class AbortReport:
-    """What an aborted request had used on its replica when the abort reached it.
-
-    A request cut before its first output (the client left during its prefill) has no
-    delta that says so, yet the prompt tokens it prefilled ran through the model and stay
-    in the prefix cache: the HTTP side bills them from this report.
-    """
-
-    num_prompt_tokens: int  # prompt tokens computed (prefilled), cached ones included
-    num_cached_tokens: int  # of them, read from the prefix cache
-    num_output_tokens: int = 0  # tokens sampled before the abort
-
-    def to_json(self) -> Json:
-        return {"num_prompt_tokens": self.num_prompt_tokens,
-                "num_cached_tokens": self.num_cached_tokens,
-                "num_output_tokens": self.num_output_tokens}
-
-    @classmethod
-    def from_answer(cls, obj: Any) -> AbortReport | None:
-        """The report in an abort's answer (None: the replica no longer held the request,
-        or it does not report; ProtocolError on a malformed figure)."""
-        if not isinstance(obj, dict) or "num_prompt_tokens" not in obj:
-            return None
-        figures = [_int(obj.get(name, 0), name) for name in
-                   ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")]
-        if min(figures) < 0:
-            raise ProtocolError(None, f"negative token counts in an abort's answer: {figures}")
-        return cls(*figures)
-
-
-def abort_answer(report: AbortReport | None) -> Json:
-    """The answer of ``POST /v1/engine/abort``: ok, and the report if there is one."""
-    return {"ok": True, **(report.to_json() if report is not None else {})}
-
-
-def stop_body(request_id: str, stop: str) -> Json:
-    """The body of ``POST /v1/engine/stop``."""
-    return {"request_id": request_id, "stop": stop}
-
-
-def decode_abort(obj: Any) -> str:
-    """The request id of an abort body."""
-    return _str(_object(obj, None).get("request_id"), "request_id")
-
-
-def decode_stop(obj: Any) -> tuple[str, str]:
-    """(request id, stop string) of a stop body."""
-    obj = _object(obj, None)
-    return _str(obj.get("request_id"), "request_id"), _str(obj.get("stop"), "stop")
