@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from typing import Any
 
 from tokenyard.fleet_values import (
     FleetConfigError,
+    a_blocklist_pattern,
     a_string,
     a_table,
     a_weight,
@@ -310,7 +310,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         token_env=opt_string(item.get("token_env"), f"{where}.token_env"),
         capabilities=caps or _DEFAULT_CAPABILITIES[kind], max_context=max_context,
         prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
-        moderation=(_moderation(item["moderation"], f"{where}.moderation")
+        moderation=(_moderation(item["moderation"], f"{where} ({name}).moderation")
                     if "moderation" in item else None),
         server=server,
         **limits,
@@ -415,12 +415,8 @@ def _moderation(value: Any, where: str) -> ModerationSpec:
                          for p in an_array(items, f"{where}.patterns.{category}")))
         for category, items in a_table(table.get("patterns", {}), f"{where}.patterns").items())
     for category, regexes in patterns:
-        for regex in regexes:
-            try:
-                re.compile(regex)
-            except re.error as exc:
-                raise FleetConfigError(f"{where}.patterns.{category}: {regex!r}: "
-                                       f"{exc}") from None
+        for regex in regexes:  # compiled as the classifier will (an error names the name)
+            a_blocklist_pattern(regex, f"{where}.patterns.{category}")
     if classifier == "blocklist" and not patterns:
         raise FleetConfigError(f"{where}.patterns: a blocklist needs patterns per category")
     if classifier == "upstream" and not table.get("url"):

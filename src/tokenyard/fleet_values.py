@@ -4,6 +4,7 @@ its expected type or raises `FleetConfigError` naming the field (`where`). A lea
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,3 +46,14 @@ def only_fields(table: Mapping[str, Any], known: set[str], where: str) -> None:
     unknown = sorted(set(table) - known)
     if unknown:
         raise FleetConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+
+
+def a_blocklist_pattern(pattern: str, where: str) -> re.Pattern[str]:
+    """A moderation blocklist's regular expression, compiled as its classifier matches it:
+    on its own, so that its inline flags (a leading ``(?i)``, ``(?s)``…) apply to it alone,
+    and case-insensitively. One that cannot compile is a `FleetConfigError` naming it."""
+    try:
+        return re.compile(pattern, re.IGNORECASE)
+    except (re.error, OverflowError, RecursionError) as exc:
+        raise FleetConfigError(f"{where}: {pattern!r} is not a valid regular expression "
+                               f"({exc})") from None

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 from tokenyard.balancer.moderation_client import ModerationClient, ModerationUnavailable
 from tokenyard.deployments import MODERATION_MODES, ModerationSpec
 from tokenyard.errors import APIError, overloaded
+from tokenyard.fleet_values import a_blocklist_pattern
 from tokenyard.gateway.admin import AdminError
 from tokenyard.gateway.batch_writer import BatchWriter
 from tokenyard.store.moderation import (
@@ -150,17 +150,20 @@ class ProfanityClassifier:
 
 
 class BlocklistClassifier:
-    """Regular expressions per category (case-insensitive); a match scores 1."""
+    """Regular expressions per category (case-insensitive); a match scores 1. Each is
+    compiled on its own (not joined into one alternation, where an inline global flag
+    such as ``(?i)`` is an error), exactly as the fleet file's validation compiles it."""
 
     name = "blocklist"
 
     def __init__(self, patterns: Mapping[str, Sequence[str]]) -> None:
-        self._patterns = {category: re.compile("|".join(f"(?:{p})" for p in regexes),
-                                               re.IGNORECASE)
-                          for category, regexes in patterns.items() if regexes}
+        self._patterns = {
+            category: [a_blocklist_pattern(p, f"patterns.{category}") for p in regexes]
+            for category, regexes in patterns.items() if regexes}
 
     def verdict(self, text: str) -> Verdict:
-        hits = {category: bool(rx.search(text)) for category, rx in self._patterns.items()}
+        hits = {category: any(rx.search(text) for rx in regexes)
+                for category, regexes in self._patterns.items()}
         return Verdict(any(hits.values()), hits, {c: float(h) for c, h in hits.items()})
 
     async def classify(self, texts: Sequence[str]) -> list[Verdict]:

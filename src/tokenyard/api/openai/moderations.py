@@ -162,6 +162,12 @@ async def set_org_moderation(request: web.Request) -> web.Response:
         body = await request.json()
     except ValueError:
         raise invalid_request("The request body is not valid JSON.") from None
+    for name in sorted(set(body) - {"input", "output"} if isinstance(body, dict) else ()):
+        # Never dropped without a word (a blocklist sent here would seem to be in force).
+        raise invalid_request(
+            f"Unknown field {name!r}: an org's moderation policy sets 'input' and 'output'; "
+            "a classifier and its blocklist patterns belong to a deployment, in the fleet "
+            "file's moderation table.", param=name)
     try:
         result = await org_moderation(admin.store, request.match_info["org_id"], body,
                                       moderator_of(request))
