@@ -175,6 +175,17 @@ def overloaded(retry_after_s: float | None = 1.0, message: str | None = None) ->
     )
 
 
+#: The code of a request whose replica (or upstream) failed after its stream began.
+REPLICA_FAILED = "replica_failed"
+
+
+def replica_failed(message: str = "The replica serving this request failed after its "
+                                  "response began; retry the request.") -> APIError:
+    """502 server_error / api_error: the replica died or its stream broke off mid-response
+    (a failure, not overload: nothing says a retry must wait)."""
+    return APIError(502, message, code=REPLICA_FAILED)
+
+
 def authentication_failed(message: str = "Invalid API key.") -> APIError:
     """401 authentication_error."""
     return APIError(401, message, code="invalid_api_key")

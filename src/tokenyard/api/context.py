@@ -56,6 +56,8 @@ ROUTE: web.RequestKey[Route] = web.RequestKey("route", Route)
 GENERATIONS: web.RequestKey[list[Any]] = web.RequestKey("generations", list)
 #: The API error code of a request that failed (before or after its 200).
 ERROR_CODE: web.RequestKey[str] = web.RequestKey("error_code", str)
+#: The status of the error a stream ended in after its 200 (what its record says).
+STREAM_ERROR_STATUS: web.RequestKey[int] = web.RequestKey("stream_error_status", int)
 #: The response's own id (``chatcmpl-…``, ``msg_…``), for the trace's gen_ai.response.id.
 RESPONSE_ID: web.RequestKey[str] = web.RequestKey("response_id", str)
 #: The request's span ids, when traces are exported (telemetry/tracing.py).

@@ -19,12 +19,18 @@ from tokenyard.api.context import (
     KEY,
     REQUEST_ID,
     STATE,
+    STREAM_ERROR_STATUS,
     TICKET,
     TIMELINE,
     TRACE,
 )
 from tokenyard.api.edge import EDGE
-from tokenyard.api.errors import render_anthropic, render_openai
+from tokenyard.api.errors import (
+    anthropic_status,
+    openai_status,
+    render_anthropic,
+    render_openai,
+)
 from tokenyard.api.ratelimit_headers import ratelimit_headers
 from tokenyard.api.request_end import request_ended
 from tokenyard.api.sse import SSE_HEADERS
@@ -194,8 +200,11 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
 
 
 def stream_failed(request: web.Request, response: web.StreamResponse, err: APIError) -> None:
-    """Mark a stream that ended in an error event `err`, after its 200 went out."""
+    """Mark a stream that ended in an error event `err`, after its 200 went out: its
+    record keeps the error's status (as the dialect renders it), not the 200."""
     request[ERROR_CODE] = err.code or err.type
+    request[STREAM_ERROR_STATUS] = (anthropic_status(err) if is_anthropic(request)
+                                    else openai_status(err))
     if isinstance(response, RecordingStreamResponse):
         response.failed = True
 

@@ -25,6 +25,7 @@ from tokenyard.api.context import (
     KEY,
     REQUEST_ID,
     ROUTE,
+    STREAM_ERROR_STATUS,
     TICKET,
     TIMELINE,
     TRACE,
@@ -74,7 +75,8 @@ def summarize(
     usage: Usage | None = ticket.usage if ticket is not None else None
     if usage is None and gens:
         usage = outcome(gens)[0]
-    status = response.status if response is not None else CLIENT_CLOSED
+    status = (request.get(STREAM_ERROR_STATUS, response.status) if response is not None
+              else CLIENT_CLOSED)
     error_code = request.get(ERROR_CODE)
     if response is None and error_code is None:
         error_code = "client_closed_request"

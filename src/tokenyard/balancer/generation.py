@@ -24,7 +24,7 @@ from tokenyard.balancer.replica_client import (
     ReplicaRequestError,
     ReplicaStreamError,
 )
-from tokenyard.errors import APIError, internal_error, overloaded
+from tokenyard.errors import APIError, internal_error, overloaded, replica_failed
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.output_processor import OutputProcessor, child_params
@@ -60,6 +60,15 @@ def replica_error(exc: ReplicaError) -> APIError:
         logger.warning("replica unreachable: %s", exc)
         return overloaded(1.0, "The engine is unavailable; retry after a short wait.")
     return internal_error()
+
+
+def cut_error(exc: ReplicaError) -> APIError:
+    """A replica failure after the request's first output: a stream that broke off (the
+    replica died, its connection dropped) is a 502 replica failure, not overload."""
+    if isinstance(exc, ReplicaConnectionError):
+        logger.warning("replica failed mid-stream: %s", exc)
+        return replica_failed()
+    return replica_error(exc)
 
 
 # ---------------------------------------------------------------------------- generation
@@ -232,7 +241,7 @@ class Generation:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 self.failed = True
-                raise replica_error(item) if isinstance(item, ReplicaError) else item
+                raise cut_error(item) if isinstance(item, ReplicaError) else item
             if item is None:
                 continue
             began = time.perf_counter_ns()

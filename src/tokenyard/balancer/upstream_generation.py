@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, cast
 
-from tokenyard.balancer.generation import replica_error
+from tokenyard.balancer.generation import cut_error, replica_error
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
     ReplicaError,
@@ -307,7 +307,7 @@ class UpstreamGeneration:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 self.failed = True
-                raise replica_error(item) if isinstance(item, ReplicaError) else item
+                raise cut_error(item) if isinstance(item, ReplicaError) else item
             if item is None and held is None:
                 self.failed = True
                 raise replica_error(ReplicaStreamError(
