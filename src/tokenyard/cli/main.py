@@ -204,6 +204,9 @@ def _add_serve_parser(sub: Any) -> None:
                        "what a request that sets no max_tokens gets (default "
                        f"{DEFAULT_MAX_OUTPUT_TOKENS}; a fleet file sets max_output_tokens "
                        "per deployment)")
+    serve.add_argument("--embeddings", dest="embeddings", action="store_true", default=None,
+                       help="start the embeddings pool (/v1/embeddings) even with "
+                       "--replica-url (the default only with a local replica)")
     serve.add_argument("--no-embeddings", dest="embeddings", action="store_false",
                        help="do not start the embeddings pool (/v1/embeddings)")
     serve.add_argument("--workers", type=int,

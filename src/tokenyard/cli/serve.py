@@ -53,6 +53,12 @@ LISTEN_BACKLOG = 1024
 EMBEDDINGS_MODEL = "all-minilm-l6-v2"
 
 
+def with_embeddings(asked: bool | None, replica_url: str | None) -> bool:
+    """Whether `serve` without a fleet file starts the embeddings pool: as asked
+    (``--embeddings``, ``--no-embeddings``), else only when it starts its own replica."""
+    return asked if asked is not None else replica_url is None
+
+
 def make_limiter(redis_url: str | None) -> Limiter:
     """A limiter shared through Redis when a URL is given (scale-out), else in process."""
     if redis_url is None:
@@ -143,7 +149,7 @@ async def run(
     auth: bool = True,
     fleet_file: Path | None = None,
     replicas: int = 1,
-    embeddings: bool = True,
+    embeddings: bool | None = None,
     policy: str = "affinity",
     queue_timeout_s: float = 5.0,
     max_output_tokens: int | None = None,
@@ -152,8 +158,9 @@ async def run(
     billing and the ledger (the gateway); off, anyone may call. `fleet_file`: the
     deployments (reloaded on SIGHUP); without it, one engine deployment of `replicas`
     local replicas (or the running `replica_url`, called with `config.replica_token`),
-    plus the embeddings pool unless `embeddings` is False; `max_output_tokens` is that
-    deployment's output cap (None: the default)."""
+    plus the embeddings pool where `embeddings` says (None: only beside a local replica,
+    so a gateway in front of `replica_url` starts no model process); `max_output_tokens`
+    is that deployment's output cap (None: the default)."""
     gateway: Gateway | None = None
     api_key: str | None = None
     key_file: Path | None = None  # where the key shown masked is (None: shown whole)
@@ -162,7 +169,8 @@ async def run(
     else:
         spec = single_fleet(
             "", replicas=replicas, urls=[replica_url] if replica_url else [], model=model,
-            embeddings=EMBEDDINGS_MODEL if embeddings else None, policy=policy,
+            embeddings=EMBEDDINGS_MODEL if with_embeddings(embeddings, replica_url) else None,
+            policy=policy,
             queue_timeout_s=queue_timeout_s, max_output_tokens=max_output_tokens)
     fleet = Fleet(spec, make_starter(engine_args, config), config,
                   cache_dir or default_cache_dir(),
