@@ -19,6 +19,9 @@ import pytest
 from tests.conftest import require_service
 
 # The backend-neutral tests: collected here too, where `database_url` is PostgreSQL's.
+from tests.unit.test_batch_store import (  # noqa: F401
+    test_claims_leases_results_and_ending_once,
+)
 from tests.unit.test_idempotency_owner import (  # noqa: F401
     test_0008_makes_the_records_per_key_and_route_and_back,
     test_a_record_is_its_api_key_s_and_its_route_s,
@@ -60,6 +63,11 @@ from tests.unit.test_store import (  # noqa: F401
     test_secret_is_stored_only_as_its_sha256,
     test_twenty_concurrent_begins_with_one_key_give_exactly_one_new,
     test_usage_report_sums_equal_the_inserted_rows_for_every_grouping,
+)
+from tests.unit.test_users_store import (  # noqa: F401
+    test_0009_adds_users_budgets_and_attribution_and_goes_back,
+    test_a_subjects_spend_is_its_month_and_its_all_time,
+    test_users_their_keys_and_budgets_reach_find_key,
 )
 
 SERVER = os.environ.get("TOKENYARD_TEST_POSTGRES", "").strip() or "127.0.0.1:5432"

@@ -1,0 +1,213 @@
+"""Anthropic's Message Batches, in Anthropic's shapes, on the same lane as OpenAI's.
+
+    POST   /v1/messages/batches                        {requests: [{custom_id, params}]}
+    GET    /v1/messages/batches                        ?limit &after_id &before_id
+    GET    /v1/messages/batches/{id}
+    POST   /v1/messages/batches/{id}/cancel
+    DELETE /v1/messages/batches/{id}                   an ended batch
+    GET    /v1/messages/batches/{id}/results           JSONL, once ended
+
+Each request's `params` is checked as `POST /v1/messages` parses it, at creation (a 400
+naming `requests.{i}.params…`), and runs as that route runs it (`api/batch_lines.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from aiohttp import web
+
+from tokenyard.api.batch_http import batches_of, found_batch, json_body
+from tokenyard.api.batch_lines import check, estimate_tokens, guarded, run_line, sort_key
+from tokenyard.api.context import PIPELINE, STATE
+from tokenyard.api.errors import anthropic_error_body
+from tokenyard.api.schemas import page_limit
+from tokenyard.api.sse import to_json
+from tokenyard.errors import APIError, invalid_request
+from tokenyard.gateway.auth import KeyContext
+from tokenyard.gateway.batches import (
+    Batches,
+    BatchRecord,
+    Busy,
+    Claimed,
+    Dialect,
+    LineResult,
+    NewLine,
+    line_request_id,
+)
+
+MAX_REQUESTS = 100_000
+_CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+ENDPOINT = "/v1/messages"
+
+
+def _time(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat().replace("+00:00", "Z")
+
+
+def _status(record: BatchRecord) -> str:
+    return {"in_progress": "in_progress", "cancelling": "canceling"}.get(record.status,
+                                                                          "ended")
+
+
+async def batch_object(request: web.Request, batches: Batches,
+                       record: BatchRecord) -> dict[str, Any]:
+    counts = await batches.counts(record.id)
+    status = _status(record)
+    unrun = counts["queued"] + counts["running"]
+    ended = status == "ended"
+    return {
+        "id": record.id, "type": "message_batch", "processing_status": status,
+        "request_counts": {
+            "processing": 0 if ended else unrun, "succeeded": counts["succeeded"],
+            "errored": counts["failed"],
+            "canceled": unrun if ended and record.status == "cancelled" else 0,
+            "expired": unrun if ended and record.status == "expired" else 0},
+        "ended_at": _time(record.ended_at), "created_at": _time(record.created_at),
+        "expires_at": _time(record.expires_at), "archived_at": None,
+        "cancel_initiated_at": _time(record.cancelling_at),
+        "results_url": (f"{request.scheme}://{request.host}/v1/messages/batches/"
+                        f"{record.id}/results" if ended else None),
+    }
+
+
+def _requests(body: Any) -> tuple[list[NewLine], int]:
+    """The batch's lines and their estimated tokens; 400 naming the first bad request."""
+    if not isinstance(body, dict) or set(body) != {"requests"}:
+        raise invalid_request("The body must be an object with only 'requests'.",
+                              param="requests")
+    items = body["requests"]
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_REQUESTS:
+        raise invalid_request(f"'requests' must hold 1 to {MAX_REQUESTS} requests.",
+                              param="requests")
+    lines, tokens, seen = [], 0, set()
+    for i, item in enumerate(items):
+        where = f"requests.{i}"
+        if not isinstance(item, dict) or set(item) != {"custom_id", "params"}:
+            raise invalid_request(f"{where}: must be an object of 'custom_id' and "
+                                  "'params'.", param=where)
+        custom_id, params = item["custom_id"], item["params"]
+        if not isinstance(custom_id, str) or not _CUSTOM_ID.fullmatch(custom_id):
+            raise invalid_request(f"{where}.custom_id: must match ^[a-zA-Z0-9_-]{{1,64}}$.",
+                                  param=f"{where}.custom_id")
+        if custom_id in seen:
+            raise invalid_request(f"{where}.custom_id: duplicate custom_id {custom_id!r}.",
+                                  param=f"{where}.custom_id")
+        seen.add(custom_id)
+        if not isinstance(params, dict):
+            raise invalid_request(f"{where}.params: must be an object.",
+                                  param=f"{where}.params")
+        try:
+            check(ENDPOINT, params)
+        except APIError as err:
+            param = f"{where}.params" + (f".{err.param}" if err.param else "")
+            raise invalid_request(f"{param}: {err.message}", param=param) from None
+        raw = json.dumps(params, separators=(",", ":"))
+        lines.append(NewLine(custom_id, raw, sort_key(params)))
+        tokens += estimate_tokens(params, len(raw))
+    return lines, tokens
+
+
+def add_message_batch_routes(app: web.Application) -> None:
+    """Anthropic's Message Batches routes on `app`."""
+
+    async def _batch(request: web.Request) -> tuple[Batches, KeyContext, BatchRecord]:
+        return await found_batch(request, "anthropic", lambda batch_id: APIError(
+            404, f"No message batch with id '{batch_id}'.", type="invalid_request_error",
+            code="not_found"))
+
+    async def create(request: web.Request) -> web.Response:
+        batches, key = batches_of(request)
+        lines, tokens = _requests(await json_body(request))
+        record = await batches.create(key, dialect="anthropic", batch_id="msgbatch_" +
+                                      secrets.token_hex(12), endpoint=ENDPOINT,
+                                      lines=lines, tokens=tokens)
+        return _json(await batch_object(request, batches, record))
+
+    async def retrieve(request: web.Request) -> web.Response:
+        batches, _, record = await _batch(request)
+        return _json(await batch_object(request, batches, record))
+
+    async def listing(request: web.Request) -> web.Response:
+        batches, key = batches_of(request)
+        limit = page_limit(request.query, 20, 1000)
+        found = await batches.page(key, "anthropic", limit=limit + 1,
+                                   after=request.query.get("after_id"),
+                                   before=request.query.get("before_id"))
+        more = len(found) > limit
+        found = found[:limit] if "before_id" not in request.query else found[-limit:]
+        data = [await batch_object(request, batches, b) for b in found]
+        return _json({"data": data, "has_more": more,
+                      "first_id": data[0]["id"] if data else None,
+                      "last_id": data[-1]["id"] if data else None})
+
+    async def cancel(request: web.Request) -> web.Response:
+        batches, key, record = await _batch(request)
+        if record.status == "in_progress":
+            await batches.cancel(key, record.id, "anthropic")
+        fresh = await batches.get(key, record.id, "anthropic")
+        return _json(await batch_object(request, batches, fresh or record))
+
+    async def delete(request: web.Request) -> web.Response:
+        batches, key, record = await _batch(request)
+        if not await batches.delete(key, record.id, "anthropic"):
+            raise invalid_request(f"Message batch {record.id} is still being processed: "
+                                  "cancel it, or wait for it to end, before deleting it.")
+        return _json({"id": record.id, "type": "message_batch_deleted"})
+
+    async def results(request: web.Request) -> web.Response:
+        batches, _, record = await _batch(request)
+        if _status(record) != "ended":
+            raise invalid_request(f"Message batch {record.id} has not ended yet: its "
+                                  "results are available once processing_status is "
+                                  "\"ended\".")
+        unrun = "canceled" if record.status == "cancelled" else "expired"
+        out = []
+        for line in await batches.results(record.id):
+            out.append(line.result if line.state == "done" and line.result is not None
+                       else to_json({"custom_id": line.custom_id,
+                                     "result": {"type": unrun}}).decode())
+        return web.Response(body="".join(f"{text}\n" for text in out).encode(),
+                            content_type="application/x-jsonl")
+
+    app.router.add_post("/v1/messages/batches", create)
+    app.router.add_get("/v1/messages/batches", listing)
+    app.router.add_get("/v1/messages/batches/{batch_id}", retrieve)
+    app.router.add_post("/v1/messages/batches/{batch_id}/cancel", cancel)
+    app.router.add_delete("/v1/messages/batches/{batch_id}", delete)
+    app.router.add_get("/v1/messages/batches/{batch_id}/results", results)
+
+
+def _json(body: dict[str, Any]) -> web.Response:
+    return web.Response(body=to_json(body), content_type="application/json")
+
+
+def anthropic_dialect(app: web.Application,
+                      transient: Callable[[APIError], float | None]) -> Dialect:
+    """How a Message Batch's requests run; its results are read from the lines (no
+    files). `transient(err)`: the wait before a refusal that passes is tried again."""
+
+    async def run(line: Claimed, key: KeyContext | None) -> tuple[int, str]:
+        status, body, err = await guarded(run_line(app[PIPELINE], app[STATE], line, key,
+                                                   ENDPOINT), line)
+        request_id = line_request_id(line.batch_id, line.line)
+        if err is not None:
+            wait = transient(err)
+            if wait is not None:
+                raise Busy(wait)
+            result: dict[str, Any] = {"type": "errored",
+                                      "error": anthropic_error_body(err, request_id)}
+        else:
+            result = {"type": "succeeded", "message": body}
+        return status, to_json({"custom_id": line.custom_id, "result": result}).decode()
+
+    def result_files(record: BatchRecord, results: Sequence[LineResult],
+                     status: str) -> list[tuple[str, str, bytes]]:
+        return []
+
+    return Dialect(run, result_files)

@@ -1,0 +1,214 @@
+"""The Batch API through the official SDKs against `make serve`'s server: OpenAI's files
+and batches (chat, embeddings and Responses lines), Anthropic's Message Batches, their
+bodies validated against the specs, the upload's line checks, and another org that can
+neither see, read, cancel nor be billed for them."""
+
+from __future__ import annotations
+
+import io
+import json
+import sqlite3
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anthropic
+import openai
+import pytest
+
+from tests.conformance.keys import new_key
+from tests.conformance.spec import Spec
+from tests.conformance.test_anthropic import _cited
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+EMBEDDER = "all-minilm-l6-v2"
+
+
+def _client(server: Server, key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key or server.api_key,
+                         max_retries=0)
+
+
+def _wait(fn: Callable[[], T], done: Callable[[T], bool], timeout: float = 240) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _upload(client: openai.OpenAI, lines: list[dict[str, Any]]) -> str:
+    return client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))),
+                               purpose="batch").id
+
+
+def _ledger(server: Server, batch_id: str) -> list[tuple[str, str, int]]:
+    assert server.state_dir is not None
+    with sqlite3.connect(Path(server.state_dir) / "tokenyard.db") as db:
+        return list(db.execute("SELECT request_id, org_id, cost_micros FROM usage_ledger "
+                               "WHERE batch_id = ?", (batch_id,)))
+
+
+def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None:
+    client = _client(server)
+    spec = Spec.load("openai")
+    chat = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": server.model, "max_tokens": 4, "temperature": 0,
+                      "messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": f"Count to {i}."}]}}
+            for i in range(3)]
+    embeds = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+               "body": {"model": EMBEDDER, "input": f"text {i}"}} for i in range(2)]
+    responses = [{"custom_id": "r0", "method": "POST", "url": "/v1/responses",
+                  "body": {"model": server.model, "input": "Say hi.",
+                           "max_output_tokens": 4}}]
+    started = {}
+    for endpoint, lines in (("/v1/chat/completions", chat), ("/v1/embeddings", embeds),
+                            ("/v1/responses", responses)):
+        file_id = _upload(client, lines)
+        spec.validate(client.files.retrieve(file_id).model_dump(exclude_none=True),
+                      "OpenAIFile", "file")
+        batch = client.batches.create(input_file_id=file_id, endpoint=endpoint,  # type: ignore[arg-type]
+                                      completion_window="24h", metadata={"run": "e2e"})
+        assert batch.status == "in_progress" and batch.request_counts is not None
+        assert batch.request_counts.total == len(lines)
+        started[batch.id] = (endpoint, lines)
+    listed = {b.id for b in client.batches.list(limit=100)}
+    assert set(started) <= listed
+
+    live = client.chat.completions.create(model=server.model, max_tokens=4, temperature=0,
+                                          messages=chat[0]["body"]["messages"])
+    for batch_id, (endpoint, lines) in started.items():
+        batch = _wait(lambda b=batch_id: client.batches.retrieve(b),
+                      lambda b: b.status == "completed")
+        spec.validate(batch.model_dump(exclude_none=True), "Batch", "batch")
+        assert batch.status == "completed", batch
+        assert batch.request_counts is not None
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (len(lines), 0)
+        assert batch.output_file_id and not batch.error_file_id
+        out = [json.loads(line) for line in
+               client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)
+        for line in out:
+            spec.validate(line, "BatchRequestOutput", "output line")
+            assert line["response"]["status_code"] == 200
+            body = line["response"]["body"]
+            if endpoint == "/v1/chat/completions":
+                spec.validate(body, spec.response_schema("/chat/completions", 200), "chat")
+                # The route's own renderer: the same fields as the live answer's.
+                assert set(live.model_dump(exclude_unset=True)) <= set(body)
+                assert body["id"].startswith("chatcmpl-") and "cost" in body
+            elif endpoint == "/v1/embeddings":
+                assert len(body["data"][0]["embedding"]) == 384
+            else:
+                assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+        # Every line that produced tokens is one ledger row of this org, at batch prices.
+        rows = _ledger(server, batch_id)
+        assert sorted(r[0] for r in rows) == sorted(
+            line["response"]["request_id"] for line in out)
+
+
+def test_the_upload_names_the_first_bad_line(server: Server) -> None:
+    client = _client(server)
+    good = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": server.model, "messages": [{"role": "user", "content": "x"}]}}
+    cases = [
+        (_jsonl([good]) + b"{not json\n", "Line 2", "not valid JSON"),
+        (_jsonl([good, {**good, "custom_id": "b", "url": "/v1/images"}]), "Line 2", "'url'"),
+        (_jsonl([good, good]), "Line 2", "duplicate custom_id"),
+        (_jsonl([good, {**good, "custom_id": "b", "body": {"model": server.model}}]),
+         "Line 2", "messages"),
+        (_jsonl([{**good, "body": {**good["body"], "stream": True}}]), "Line 1", "stream"),
+    ]
+    for content, line, why in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.files.create(file=("bad.jsonl", io.BytesIO(content)), purpose="batch")
+        message = refused.value.body["message"]  # type: ignore[index]
+        assert line in message and why in message, message
+
+
+def test_another_org_cannot_see_read_cancel_or_be_billed(server: Server) -> None:
+    owner, other = _client(server), _client(server, new_key(server))
+    lines = [{"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": server.model, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "Hello there."}]}}]
+    file_id = _upload(owner, lines)
+    batch = owner.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+    for attempt in (lambda: other.files.retrieve(file_id),
+                    lambda: other.files.content(file_id),
+                    lambda: other.files.delete(file_id),
+                    lambda: other.batches.retrieve(batch.id),
+                    lambda: other.batches.cancel(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    with pytest.raises(openai.BadRequestError):  # its file is not theirs to batch
+        other.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+    assert batch.id not in {b.id for b in other.batches.list()}
+    assert file_id not in {f.id for f in other.files.list()}
+    done = _wait(lambda: owner.batches.retrieve(batch.id), lambda b: b.status == "completed")
+    assert done.status == "completed"
+    owner_org = {r[1] for r in _ledger(server, batch.id)}
+    assert len(owner_org) == 1 and "org_default" in owner_org
+
+
+def test_anthropic_message_batches(server: Server) -> None:
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key,
+                                 max_retries=0)
+    spec = Spec.load("anthropic")
+    requests: Any = [{"custom_id": f"m{i}", "params": {
+        "model": server.model, "max_tokens": 4,
+        "messages": [{"role": "user", "content": f"Name a color, {i}."}]}}
+        for i in range(2)]
+    batch = client.messages.batches.create(requests=requests)
+    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 2
+    spec.validate(batch.model_dump(mode="json"), "MessageBatch", "batch")
+    assert batch.id in {b.id for b in client.messages.batches.list(limit=100)}
+    ended = _wait(lambda: client.messages.batches.retrieve(batch.id),
+                  lambda b: b.processing_status == "ended")
+    assert ended.processing_status == "ended" and ended.request_counts.succeeded == 2
+    spec.validate(ended.model_dump(mode="json"), "MessageBatch", "ended batch")
+    results = list(client.messages.batches.results(batch.id))
+    assert sorted(r.custom_id for r in results) == ["m0", "m1"]
+    assert {r.result.type for r in results} == {"succeeded"}
+    assert ended.results_url is not None
+    raw = urllib.request.Request(ended.results_url, headers={"x-api-key": server.api_key or ""})
+    with urllib.request.urlopen(raw, timeout=30) as response:
+        for text in response.read().decode().splitlines():  # as sent, but for citations
+            line = json.loads(text)
+            line["result"]["message"] = _cited(line["result"]["message"])
+            spec.validate(line, "MessageBatchIndividualResponse", "result")
+    assert len(_ledger(server, batch.id)) == 2
+
+    # A cancelled batch ends with what ran and the rest canceled; then it can be deleted.
+    many: Any = [{"custom_id": f"k{i}", "params": {
+        "model": server.model, "max_tokens": 16,
+        "messages": [{"role": "user", "content": f"Write about {i}."}]}} for i in range(30)]
+    doomed = client.messages.batches.create(requests=many)
+    cancelling = client.messages.batches.cancel(doomed.id)
+    assert cancelling.processing_status in ("canceling", "ended")
+    over = _wait(lambda: client.messages.batches.retrieve(doomed.id),
+                 lambda b: b.processing_status == "ended")
+    counts = over.request_counts
+    assert counts.canceled > 0 and counts.succeeded + counts.canceled == 30
+    kinds = [r.result.type for r in client.messages.batches.results(doomed.id)]
+    assert len(kinds) == 30 and set(kinds) <= {"succeeded", "canceled"}
+    assert len(_ledger(server, doomed.id)) == counts.succeeded
+    deleted = client.messages.batches.delete(doomed.id)
+    assert deleted.type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.batches.retrieve(doomed.id)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.batches.create(requests=[{"custom_id": "bad id", "params": {}}])  # type: ignore[typeddict-item]
+    assert "custom_id" in str(refused.value)
