@@ -5,6 +5,7 @@ neither see, read, cancel nor be billed for them."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sqlite3
@@ -62,14 +63,17 @@ def _ledger(server: Server, batch_id: str) -> list[tuple[str, str, int]]:
 def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None:
     client = _client(server)
     spec = Spec.load("openai")
-    chat = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+    chat: list[dict[str, Any]] = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": server.model, "max_tokens": 4, "temperature": 0,
                       "messages": [{"role": "system", "content": "Be brief."},
                                    {"role": "user", "content": f"Count to {i}."}]}}
             for i in range(3)]
-    embeds = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+    embeds: list[dict[str, Any]] = [
+        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
                "body": {"model": EMBEDDER, "input": f"text {i}"}} for i in range(2)]
-    responses = [{"custom_id": "r0", "method": "POST", "url": "/v1/responses",
+    responses: list[dict[str, Any]] = [
+        {"custom_id": "r0", "method": "POST", "url": "/v1/responses",
                   "body": {"model": server.model, "input": "Say hi.",
                            "max_output_tokens": 4}}]
     started = {}
@@ -89,7 +93,7 @@ def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None
     live = client.chat.completions.create(model=server.model, max_tokens=4, temperature=0,
                                           messages=chat[0]["body"]["messages"])
     for batch_id, (endpoint, lines) in started.items():
-        batch = _wait(lambda b=batch_id: client.batches.retrieve(b),
+        batch = _wait(functools.partial(client.batches.retrieve, batch_id),
                       lambda b: b.status == "completed")
         spec.validate(batch.model_dump(exclude_none=True), "Batch", "batch")
         assert batch.status == "completed", batch
@@ -111,7 +115,8 @@ def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None
             elif endpoint == "/v1/embeddings":
                 assert len(body["data"][0]["embedding"]) == 384
             else:
-                assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+                assert body["object"] == "response"
+                assert body["status"] in ("completed", "incomplete")
         # Every line that produced tokens is one ledger row of this org, at batch prices.
         rows = _ledger(server, batch_id)
         assert sorted(r[0] for r in rows) == sorted(
@@ -120,7 +125,7 @@ def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None
 
 def test_the_upload_names_the_first_bad_line(server: Server) -> None:
     client = _client(server)
-    good = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+    good: dict[str, Any] = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": server.model, "messages": [{"role": "user", "content": "x"}]}}
     cases = [
         (_jsonl([good]) + b"{not json\n", "Line 2", "not valid JSON"),
