@@ -507,6 +507,7 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
         orgs = [await store.create_org(f"org{i}") for i in range(3)]
         projects = {o.id: await store.create_project(o.id, "p") for o in orgs}
         keys = {o.id: (await store.create_api_key(o.id, name="k"))[1] for o in orgs}
+        users = {o.id: await store.create_user(o.id, "u@acme.test") for o in orgs}
         start = datetime(2025, 5, 1, tzinfo=UTC)
         records = []
         for i in range(300):
@@ -519,6 +520,7 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
                     rng.randrange(10_000),
                     project_id=projects[org.id].id if rng.random() < 0.7 else None,
                     key_id=keys[org.id].id,
+                    user_id=users[org.id].id if rng.random() < 0.5 else None,
                     model=rng.choice(["a", "b", "c"]),
                     prompt_tokens=rng.randrange(5000),
                     cached_tokens=rng.randrange(100),
@@ -527,8 +529,9 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
             )
         await insert_usage(store, records)
 
-        attribute = {"key": "key_id", "project": "project_id", "org": "org_id", "model": "model"}
-        for group_by in ("key", "project", "org", "model", "day"):
+        attribute = {"key": "key_id", "user": "user_id", "project": "project_id",
+                     "org": "org_id", "model": "model"}
+        for group_by in ("key", "user", "project", "org", "model", "day"):
             expected: dict[Any, list[int]] = defaultdict(lambda: [0] * 5)
             for r in records:
                 assert r.created_at is not None
@@ -573,7 +576,7 @@ def test_usage_report_sums_equal_the_inserted_rows_for_every_grouping(database_u
             (orgs[0].id, len(window), sum(r.cost_micros for r in window))
         ]
         with pytest.raises(ValueError):
-            await store.usage_report("user")  # type: ignore[arg-type]
+            await store.usage_report("nope")  # type: ignore[arg-type]
 
     run(database_url, scenario)
 

@@ -12,17 +12,25 @@
     POST /admin/v1/orgs/{org_id}/capture     {enabled?: bool (default true),
                                               retention_days? (default 7)}
     GET  /admin/v1/orgs/{org_id}/capture
-    POST /admin/v1/keys                      {org_id, name?, project_id?, models?,
+    POST /admin/v1/users                     {org_id, email, name?, project_id?,
+                                              monthly_budget?, total_budget?}
+    GET  /admin/v1/users?org_id=
+    POST /admin/v1/users/{user_id}/budget    {monthly_budget?, total_budget?} (replaces
+                                              both; absent or null: none)
+    POST /admin/v1/keys                      {org_id, name?, project_id?, user_id?, models?,
                                               max_context_tokens?, admin?: bool, rpm?, tpm?,
-                                              max_concurrency?, expires_at?, priority?}
+                                              max_concurrency?, expires_at?, priority?,
+                                              monthly_budget?, total_budget?}
                                               → the secret, once
     GET  /admin/v1/keys?org_id=
     POST /admin/v1/keys/{key_id}/revoke
     POST /admin/v1/keys/{key_id}/limits      {rpm?, tpm?, max_concurrency?}
     POST /admin/v1/keys/{key_id}/priority    {priority: high|normal|low|org (null: org)}
+    POST /admin/v1/keys/{key_id}/budget      {monthly_budget?, total_budget?} (as a user's)
+    GET  /admin/v1/budgets?org_id=           every key's and user's budget, with its spend
     PUT  /admin/v1/prices/{model}            {input, cached_input, output}
     GET  /admin/v1/prices
-    GET  /admin/v1/usage?group_by=key|project|org|model|day&since=&until=&org_id=
+    GET  /admin/v1/usage?group_by=key|user|project|org|model|day&since=&until=&org_id=
                         &format=json|csv
     GET  /admin/v1/shadow/report?alias=&since=   per (alias, primary, shadow): count,
                         text match rate, p50 latencies and their ratio, mean output tokens
@@ -43,6 +51,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenyard.errors import APIError, invalid_request
+from tokenyard.gateway import admin_users as users
 from tokenyard.gateway.admin import Admin, AdminError, to_csv
 
 #: Resolves a request to the Admin over its gateway's store, or raises (401/403/404).
@@ -126,6 +135,16 @@ def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
          200),
         ("POST", "/admin/v1/keys/{key_id}/priority",
          lambda a, r: _with_args(r, lambda x: a.set_key_priority(r.match_info["key_id"], x)),
+         200),
+        ("POST", "/admin/v1/keys/{key_id}/budget", lambda a, r: _with_args(
+            r, lambda x: users.set_budget(a, "key", r.match_info["key_id"], x)), 200),
+        ("POST", "/admin/v1/users", lambda a, r: _with_args(
+            r, lambda x: users.create_user(a, x)), 201),
+        ("GET", "/admin/v1/users", lambda a, r: users.list_users(a, r.query.get("org_id")),
+         200),
+        ("POST", "/admin/v1/users/{user_id}/budget", lambda a, r: _with_args(
+            r, lambda x: users.set_budget(a, "user", r.match_info["user_id"], x)), 200),
+        ("GET", "/admin/v1/budgets", lambda a, r: users.budgets(a, r.query.get("org_id")),
          200),
         ("PUT", "/admin/v1/prices/{model}",
          lambda a, r: _with_args(r, lambda x: a.set_price(r.match_info["model"], x)), 200),

@@ -11,7 +11,9 @@ One JSON object the page at ``/dashboard`` polls every second:
   cache use and prefix hit rate — from the replica stats the pool's health loop keeps
   (at most a health interval old: no replica is called on a poll);
 - ``admissions_open``: rate-limit admissions this worker took and has not settled yet,
-  each holding concurrency slots (None without a gateway); 0 once traffic stops.
+  each holding concurrency slots (None without a gateway); 0 once traffic stops;
+- ``budgets``: each key's and user's spend budget this worker checked, with its spend
+  (this month, in all) and what its requests in flight hold (`gateway/budgets.py`).
 
 No database read feeds it. With several HTTP workers each worker keeps its own ring, so
 the request figures are those of the worker that answered (``worker_pid``). Admin scope
@@ -82,6 +84,7 @@ async def dashboard(request: web.Request) -> web.Response:
         "latency": window,
         "deployments": [_deployment(s) for s in state.deployments.values()],
         "admissions_open": None if state.gateway is None else state.gateway.admissions_open,
+        "budgets": [] if state.gateway is None else state.gateway.billing.budgets.to_json(),
     })
 
 

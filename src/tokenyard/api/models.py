@@ -12,6 +12,7 @@ Anthropic list's `limit`, `before_id` and `after_id` cut it the way that API doe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -20,10 +21,10 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tokenyard.api.context import STATE
-from tokenyard.api.openai.convert import build_model_list
-from tokenyard.api.openai.schemas import ModelCard
+from tokenyard.api.openai.schemas import ModelCard, ModelList
 from tokenyard.api.respond import json_response
 from tokenyard.api.schemas import page_limit
+from tokenyard.deployments import DeploymentSpec
 from tokenyard.errors import INVALID_VALUE, invalid_request, model_not_found
 from tokenyard.gateway.auth import X_API_KEY
 
@@ -45,6 +46,9 @@ class Listed:
     created: int
     max_input_tokens: int | None = None
     max_tokens: int | None = None
+    #: What it can be asked for ("chat", "completions", "embeddings", …; an alias: what
+    #: every one of its targets can do).
+    capabilities: tuple[str, ...] = ()
 
 
 class ModelInfo(BaseModel):
@@ -72,9 +76,18 @@ class ModelInfoList(BaseModel):
 def _listed(request: web.Request) -> list[Listed]:
     """Every deployment (with its context window and output cap), then every alias."""
     state = request.app[STATE]
-    return ([Listed(s.name, s.created, s.window, s.spec.max_output_tokens)
+    fleet = state.router.fleet
+    return ([Listed(s.name, s.created, s.window, s.spec.max_output_tokens,
+                    capabilities=_capabilities([s.spec]))
              for s in state.deployments.values()]
-            + [Listed(alias, state.created) for alias in state.router.fleet.aliases])
+            + [Listed(name, state.created, capabilities=_capabilities(
+                fleet.deployments[target] for target, _ in alias.routes))
+               for name, alias in fleet.aliases.items()])
+
+
+def _capabilities(specs: Iterable[DeploymentSpec]) -> tuple[str, ...]:
+    """What every one of `specs` can do, sorted."""
+    return tuple(sorted(frozenset.intersection(*(spec.capabilities for spec in specs))))
 
 
 def _info(model: Listed) -> ModelInfo:
@@ -85,7 +98,8 @@ def _info(model: Listed) -> ModelInfo:
 
 def _card(model: Listed) -> ModelCard:
     return ModelCard(id=model.id, created=model.created, owned_by="tokenyard",
-                     max_model_len=model.max_input_tokens, max_output_tokens=model.max_tokens)
+                     max_model_len=model.max_input_tokens, max_output_tokens=model.max_tokens,
+                     capabilities=list(model.capabilities))
 
 
 
@@ -120,7 +134,7 @@ async def list_models(request: web.Request) -> web.Response:
     models = _listed(request)
     if speaks_anthropic(request):
         return json_response(_page(request, models))
-    return json_response(build_model_list([(m.id, m.created, "tokenyard") for m in models]))
+    return json_response(ModelList(data=[_card(m) for m in models]))
 
 
 async def get_model(request: web.Request) -> web.Response:

@@ -94,6 +94,7 @@ def summarize(
         key_prefix=key.prefix if key is not None else None,
         org_id=key.org_id if key is not None else None,
         project_id=key.project_id if key is not None else None,
+        user_id=key.user_id if key is not None else None,
         model=(chosen.alias or chosen.deployment) if chosen is not None else None,
         deployment=chosen.deployment if chosen is not None else None,
         replica=timeline.replica,

@@ -51,6 +51,7 @@ def attributes(request: web.Request, summary: RequestSummary) -> dict[str, Any]:
         "tokenyard.request_id": summary.request_id,
         "tokenyard.org_id": summary.org_id,
         "tokenyard.project_id": summary.project_id,
+        "tokenyard.user_id": summary.user_id,
         "tokenyard.key_prefix": summary.key_prefix,
         "tokenyard.deployment": summary.deployment,
         "tokenyard.replica": summary.replica,

@@ -47,6 +47,7 @@ class RequestRecordObject(BaseModel):
     created_at: str
     org_id: str | None
     project_id: str | None
+    user_id: str | None  # the user the key belongs to
     key_prefix: str | None
     endpoint: str
     model: str | None

@@ -4,6 +4,8 @@
     tokenyard admin orgs create acme --balance 50 --rpm 600
     tokenyard admin keys create --org org_… --name ci --models 'SmolLM2*' --tpm 100000
     tokenyard admin keys revoke key_…
+    tokenyard admin users create --org org_… --email ada@acme.test   (cli/admin_users.py)
+    tokenyard admin budgets set --user user_… --monthly 20 --total 100
     tokenyard admin priority set --key key_… high      (high | normal | low | org)
     tokenyard admin prices set SmolLM2-135M-Instruct.Q4_1 --input 0.10 --output 0.40
     tokenyard admin credit add org_… 25.00
@@ -24,6 +26,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tokenyard.cli.admin_users import add_budget_args, add_user_parsers, user_operations
 from tokenyard.cli.fleet_admin import FLEET_NOUNS, add_fleet_parsers, run_fleet_admin
 from tokenyard.gateway.admin import GROUPS, Admin, AdminError, Json, to_csv, to_table
 from tokenyard.gateway.moderation import org_moderation
@@ -88,6 +91,8 @@ def add_admin_parser(sub: Any) -> None:
     create.add_argument("--org", dest="org_id", required=True)
     create.add_argument("--name", default="key")
     create.add_argument("--project", dest="project_id")
+    create.add_argument("--user", dest="user_id", help="the user (of the org) it belongs to")
+    add_budget_args(create)
     create.add_argument("--models", help="comma-separated model globs (default: all)")
     create.add_argument("--max-context", type=int, dest="max_context_tokens")
     create.add_argument("--admin", action="store_true", help="may use /admin/v1")
@@ -146,6 +151,7 @@ def add_admin_parser(sub: Any) -> None:
                                help="shadow traffic: each (alias, primary, shadow) pair")
     report.add_argument("--alias")
     report.add_argument("--since", help="ISO 8601 date or time (inclusive)")
+    add_user_parsers(nouns, fmt)
     add_fleet_parsers(nouns, fmt)
 
 
@@ -172,6 +178,7 @@ def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | l
         ("spend-cap", "set"): lambda ad: ad.set_spend_cap(
             args.org_id, {**a, "cap": None if args.cap.lower() == "none" else args.cap}),
         ("usage", None): lambda ad: ad.usage(a),
+        **user_operations(args, a),
         ("shadow", "report"): lambda ad: ad.shadow_report(a),
     }
     return table[(noun, verb)]

@@ -25,6 +25,7 @@ from tokenyard.store.money import format_money, parse_money
 from tokenyard.store.records import (
     PRIORITY_CLASSES,
     ApiKeyRecord,
+    Budget,
     GroupBy,
     OrgRecord,
     Scopes,
@@ -122,6 +123,17 @@ def _models(args: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def budget_arg(args: Mapping[str, Any]) -> Budget:
+    """`monthly_budget` and `total_budget` (decimal strings; absent or null: none)."""
+    return Budget(_money(args, "monthly_budget"), _money(args, "total_budget"))
+
+
+def budget_json(budget: Budget) -> Json:
+    return {name: None if micros is None else format_money(micros)
+            for name, micros in (("monthly_budget", budget.monthly_micros),
+                                 ("total_budget", budget.total_micros))}
+
+
 def _limits(args: Mapping[str, Any]) -> dict[str, int | None]:
     return {name: _opt_int(args, name) for name in ("rpm", "tpm", "max_concurrency")}
 
@@ -160,9 +172,10 @@ def org_json(org: OrgRecord, balance: int | None = None) -> Json:
 
 def key_json(key: ApiKeyRecord) -> Json:
     return {
-        "id": key.id, "org_id": key.org_id, "project_id": key.project_id, "name": key.name,
+        "id": key.id, "org_id": key.org_id, "project_id": key.project_id,
+        "user_id": key.user_id, "name": key.name,
         "prefix": key.prefix, "scopes": key.scopes.to_json(), **asdict(key.limits),
-        "priority": priority_name(key.priority) or "org",
+        "priority": priority_name(key.priority) or "org", **budget_json(key.budget),
         "expires_at": _time_text(key.expires_at), "revoked_at": _time_text(key.revoked_at),
         "created_at": _time_text(key.created_at),
     }
@@ -217,11 +230,14 @@ class Admin:
         project_id = _str(args, "project_id", required=False)
         expires_at, priority, limits = (_time(args, "expires_at"),
                                         _priority(args, follow_org=True), _limits(args))
+        budget, user_id = budget_arg(args), _str(args, "user_id", required=False)
+        if user_id is not None:
+            project_id = await self._user_project(org_id, user_id, project_id)
         try:
             secret, key = await self.store.create_api_key(
-                org_id, name=name, project_id=project_id, scopes=scopes,
+                org_id, name=name, project_id=project_id, user_id=user_id, scopes=scopes,
                 expires_at=expires_at, rpm=limits["rpm"], tpm=limits["tpm"],
-                max_concurrency=limits["max_concurrency"], priority=priority,
+                max_concurrency=limits["max_concurrency"], priority=priority, budget=budget,
             )
         except LookupError as exc:  # a project of another org, or none
             raise AdminError("project_id", str(exc)) from None
@@ -321,6 +337,18 @@ class Admin:
         await self._org(org_id)
         days = (await capture_settings(self.store.db)).get(org_id)
         return {"org_id": org_id, "capture": days is not None, "retention_days": days}
+
+    async def _user_project(self, org_id: str, user_id: str, project_id: str | None
+                            ) -> str | None:
+        """The project of a key of `user_id`: the user's own when it has one (a key of
+        it may name no other), else `project_id`. A user of another org is refused."""
+        user = await self.store.get_user(user_id)
+        if user is None or user.org_id != org_id:
+            raise AdminError("user_id", f"no user {user_id} in org {org_id}")
+        if user.project_id is None or project_id in (None, user.project_id):
+            return user.project_id or project_id
+        raise AdminError("project_id", f"user {user_id} works in project "
+                                       f"{user.project_id}, not {project_id}")
 
     async def _org(self, org_id: str) -> None:
         if await self.store.get_org(org_id) is None:

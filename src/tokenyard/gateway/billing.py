@@ -24,9 +24,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenyard.errors import APIError, insufficient_quota
+from tokenyard.gateway.budgets import BudgetHold, Budgets
 from tokenyard.store.ledger import LedgerWriter, UsageRecord
 from tokenyard.store.money import (
     Prices,
@@ -68,6 +69,8 @@ class Hold:
     org_id: str
     micros: int
     released: bool = False
+    #: The hold on the budgets of the request's key and user (`gateway/budgets.py`).
+    budget: BudgetHold | None = None
 
 
 @dataclass
@@ -120,6 +123,8 @@ class Billing:
         self._prices_version = -1  # the store's `prices_version` the list was read at
         self._prices_task: asyncio.Task[None] | None = None
         self._seq = 0
+        #: The spend budgets of keys and users (held and settled with the org's figures).
+        self.budgets = Budgets(store, ledger, refresh_s=refresh_s, clock=clock)
 
     # -- pre-check --------------------------------------------------------------------------
 
@@ -130,15 +135,26 @@ class Billing:
         held. Release the hold once the request is metered (or never ran)."""
         view = await self._view(key.org_id)
         micros = self.cost(prices, max_usage)
-        self._check(key, view, micros)
+        budget = None
+        if key.key_budget or key.user_budget:
+            # A budget is never overspent: it holds the most the request may cost, its
+            # prompt written to the prompt cache for an hour (the dearest way) included.
+            budget = await self.budgets.reserve(key, self.cost(prices, replace(
+                max_usage, cache_write_1h_tokens=max_usage.prompt_tokens)))
+        try:
+            self._check(key, view, micros)
+        except APIError:
+            self.budgets.release(budget)
+            raise
         view.held += micros
-        return Hold(key.org_id, micros)
+        return Hold(key.org_id, micros, budget=budget)
 
     def release(self, hold: Hold | None) -> None:
         """Give a hold back (its request was metered, or never ran). Idempotent."""
         if hold is None or hold.released:
             return
         hold.released = True
+        self.budgets.release(hold.budget)
         view = self._views.get(hold.org_id)
         if view is not None:
             view.held -= hold.micros
@@ -270,6 +286,7 @@ class Billing:
             org_id=key.org_id,
             project_id=key.project_id,
             key_id=key.key_id,
+            user_id=key.user_id,
             model=model,
             endpoint=endpoint,
             status=status,
@@ -281,6 +298,7 @@ class Billing:
             cost_micros=self.cost(prices, usage),
         )
         self.ledger.append(record)
+        self.budgets.settled(key, record.cost_micros)
         self._seq += 1
         view = self._views.get(key.org_id)
         if view is not None:

@@ -52,7 +52,7 @@ def record_of(summary: RequestSummary) -> RequestRecord:
     return RequestRecord(
         request_id=summary.request_id,
         created_at=datetime.fromtimestamp(summary.started_at, UTC),
-        org_id=summary.org_id, project_id=summary.project_id,
+        org_id=summary.org_id, project_id=summary.project_id, user_id=summary.user_id,
         key_prefix=summary.key_prefix, endpoint=summary.path, model=summary.model,
         deployment=summary.deployment, replica=summary.replica, status=summary.status,
         error_code=summary.error_code, finish_reason=summary.finish_reason,
@@ -71,7 +71,7 @@ def record_json(record: RequestRecord, capture: Capture | None, *,
     return {
         "id": record.request_id, "object": "request",
         "created_at": record.created_at.isoformat(),
-        "org_id": record.org_id, "project_id": record.project_id,
+        "org_id": record.org_id, "project_id": record.project_id, "user_id": record.user_id,
         "key_prefix": record.key_prefix, "endpoint": record.endpoint,
         "model": record.model, "deployment": record.deployment,
         "replica": record.replica if internal else None,

@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 IdemOutcome = Literal["new", "running", "mismatch", "replay"]
-GroupBy = Literal["key", "project", "org", "model", "day"]
+GroupBy = Literal["key", "user", "project", "org", "model", "day"]
 
 #: Priority classes by name: the engine's scheduler runs lower values first (by class,
 #: then arrival). An org has one (default normal); a key may override its org's.
@@ -82,11 +82,31 @@ class ProjectRecord:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A key's or a user's spend budget in micros, each None when unset: a cap per UTC
+    calendar month and a cap on all its spend."""
+
+    monthly_micros: int | None = None
+    total_micros: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.monthly_micros is not None or self.total_micros is not None
+
+
+NO_BUDGET = Budget()
+
+
+@dataclass(frozen=True)
 class UserRecord:
+    """A user of an org; `project_id`, the project its keys default to (None: none)."""
+
     id: str
     org_id: str
     email: str
     created_at: datetime
+    name: str | None = None
+    project_id: str | None = None
+    budget: Budget = NO_BUDGET
 
 
 @dataclass(frozen=True)
@@ -105,6 +125,7 @@ class ApiKeyRecord:
     revoked_at: datetime | None
     created_at: datetime
     priority: int | None = None  # the scheduler's class; None: the org's
+    budget: Budget = NO_BUDGET
 
 
 @dataclass(frozen=True)
@@ -126,6 +147,9 @@ class KeyContext:
     #: The scheduler's class for this key's requests (lower runs first; 0 is normal): the
     #: key's own, else its org's.
     priority: int = 0
+    #: The spend budgets of the key and of its user, checked at admission (`Budgets`).
+    key_budget: Budget = NO_BUDGET
+    user_budget: Budget = NO_BUDGET
 
     @property
     def cache_salt(self) -> str:

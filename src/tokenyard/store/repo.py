@@ -22,7 +22,9 @@ from tokenyard.store.db import Database
 from tokenyard.store.ids import new_id
 from tokenyard.store.keys import hash_secret, new_secret, visible_prefix
 from tokenyard.store.records import (
+    NO_BUDGET,
     ApiKeyRecord,
+    Budget,
     IdemOutcome,
     IdempotencyRecord,
     KeyContext,
@@ -30,7 +32,6 @@ from tokenyard.store.records import (
     OrgRecord,
     ProjectRecord,
     Scopes,
-    UserRecord,
 )
 from tokenyard.store.sql import utcnow
 from tokenyard.store.tables import (
@@ -40,6 +41,7 @@ from tokenyard.store.tables import (
     projects,
     users,
 )
+from tokenyard.store.users import Users, budget_of
 
 DEFAULT_ORG_ID = "org_default"  # fixed, so two gateways starting at once create it only once
 DEFAULT_PROJECT_ID = "proj_default"
@@ -49,9 +51,10 @@ DEFAULT_PROJECT_ID = "proj_default"
 DEFAULT_ORG_LIMITS = Limits(rpm=10_000, tpm=10_000_000, max_concurrency=1_024)
 
 
-class Store(Accounts):
+class Store(Accounts, Users):
     """Async access to the gateway's state over one open `Database`; the money side
-    (prices, balances, spend caps, spend) comes from `Accounts`."""
+    (prices, balances, spend caps, spend) comes from `Accounts`, users and budgets from
+    `Users`."""
 
     def __init__(self, db: Database, clock: Callable[[], datetime] = utcnow) -> None:
         self.db = db
@@ -146,12 +149,6 @@ class Store(Accounts):
         async with self.db.engine.connect() as conn:
             return [ProjectRecord(**row) for row in (await conn.execute(query)).mappings()]
 
-    async def create_user(self, org_id: str, email: str) -> UserRecord:
-        """A new user in `org_id`; LookupError if the org does not exist."""
-        user = UserRecord(new_id("user"), org_id, email, self.clock())
-        await self._insert_owned(users, asdict(user), f"org {org_id}")
-        return user
-
     # -- API keys ----------------------------------------------------------------------
 
     async def create_api_key(
@@ -167,6 +164,7 @@ class Store(Accounts):
         max_concurrency: int | None = None,
         expires_at: datetime | None = None,
         priority: int | None = None,
+        budget: Budget = NO_BUDGET,
     ) -> tuple[str, ApiKeyRecord]:
         """A new key: returns (secret, record). The secret exists only in this return value.
         `priority`: the scheduler's class of its requests; None follows the org's.
@@ -190,6 +188,8 @@ class Store(Accounts):
             "tpm": tpm,
             "max_concurrency": max_concurrency,
             "priority": priority,
+            "monthly_budget_micros": budget.monthly_micros,
+            "total_budget_micros": budget.total_micros,
             "expires_at": expires_at,
             "revoked_at": None,
             "created_at": self.clock(),
@@ -212,8 +212,11 @@ class Store(Accounts):
                 orgs.c.max_concurrency.label("org_max_concurrency"),
                 orgs.c.free_tier_daily_requests,
                 orgs.c.priority.label("org_priority"),
+                users.c.monthly_budget_micros.label("user_monthly_budget_micros"),
+                users.c.total_budget_micros.label("user_total_budget_micros"),
             )
             .join(orgs, orgs.c.id == api_keys.c.org_id)
+            .outerjoin(users, users.c.id == api_keys.c.user_id)
             .where(api_keys.c.secret_hash == hash_secret(secret))
         )
         async with self.db.engine.connect() as conn:
@@ -234,6 +237,8 @@ class Store(Accounts):
             revoked_at=row["revoked_at"],
             free_tier_daily_requests=row["free_tier_daily_requests"],
             priority=row["org_priority"] if row["priority"] is None else row["priority"],
+            key_budget=budget_of(row),
+            user_budget=budget_of(row, "user_"),
         )
 
     async def list_keys(self, org_id: str | None = None) -> list[ApiKeyRecord]:
@@ -396,4 +401,5 @@ def _api_key(row: Any) -> ApiKeyRecord:
         revoked_at=row["revoked_at"],
         created_at=row["created_at"],
         priority=row["priority"],
+        budget=budget_of(row),
     )

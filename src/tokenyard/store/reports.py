@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import date, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, case, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tokenyard.store.records import GroupBy, UsageRow
@@ -17,6 +17,7 @@ from tokenyard.store.tables import usage_ledger
 
 GROUP_COLUMNS: dict[str, Any] = {
     "key": usage_ledger.c.key_id,
+    "user": usage_ledger.c.user_id,
     "project": usage_ledger.c.project_id,
     "org": usage_ledger.c.org_id,
     "model": usage_ledger.c.model,
@@ -44,6 +45,23 @@ async def month_spend(
     async with engine.connect() as conn:
         # int(): PostgreSQL sums BIGINT as NUMERIC, which arrives as a Decimal.
         return int((await conn.execute(query)).scalar_one())
+
+
+async def subject_spend(
+    engine: AsyncEngine, now: datetime, subject: str, subject_id: str
+) -> tuple[int, int]:
+    """Micros a key or a user (`subject`) spent: (in `now`'s UTC calendar month, in all),
+    by one query over the ledger's (key_id, day) or (user_id, day) index."""
+    start, end = month_bounds(now)
+    column = GROUP_COLUMNS[subject]
+    cost, day = usage_ledger.c.cost_micros, usage_ledger.c.day
+    query = select(
+        func.coalesce(func.sum(case((and_(day >= start, day < end), cost), else_=0)), 0),
+        func.coalesce(func.sum(cost), 0),
+    ).where(column == subject_id)
+    async with engine.connect() as conn:
+        month, total = (await conn.execute(query)).one()
+    return int(month), int(total)
 
 
 async def requests_today(engine: AsyncEngine, now: datetime, org_id: str) -> int:

@@ -79,6 +79,14 @@ def _limits() -> list[Column[Any]]:
     ]
 
 
+def _budgets() -> list[Column[Any]]:
+    """Spend budgets of keys and users (0009), in micros; NULL means none."""
+    return [
+        Column("monthly_budget_micros", BigInteger, nullable=True),  # per UTC calendar month
+        Column("total_budget_micros", BigInteger, nullable=True),  # all time
+    ]
+
+
 orgs = Table(
     "orgs",
     metadata,
@@ -107,6 +115,12 @@ users = Table(
     Column("org_id", String(ID), ForeignKey("orgs.id"), nullable=False, index=True),
     Column("email", String(320), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
+    Column("name", String(200), nullable=True),
+    # The project the user works in (NULL: none): its keys default to it. No foreign key
+    # (0009 adds the column; the store checks that the project is the org's).
+    Column("project_id", String(ID), nullable=True),
+    *_budgets(),
+    Index(None, "org_id", "email", unique=True),  # an email names one user of an org
 )
 
 api_keys = Table(
@@ -126,6 +140,7 @@ api_keys = Table(
     Column("expires_at", UTCDateTime, nullable=True),
     Column("revoked_at", UTCDateTime, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
+    *_budgets(),
 )
 
 model_prices = Table(
@@ -178,6 +193,9 @@ usage_ledger = Table(
     Column("cache_write_1h_tokens", Integer, nullable=False, server_default="0"),
     Column("output_tokens", Integer, nullable=False),
     Column("cost_micros", BigInteger, nullable=False),
+    Column("user_id", String(ID), nullable=True),  # the key's user (NULL: none; 0009)
+    Index(None, "key_id", "day"),  # a key's budget reads its spend by these two
+    Index(None, "user_id", "day"),
     Index(None, "org_id", "day"),
 )
 
@@ -301,6 +319,7 @@ request_records = Table(
     Column("cost_micros", BigInteger, nullable=True),  # NULL: not billed
     Column("timings", JSON, nullable=False),  # stage → ms
     Column("duration_ms", Float, nullable=False),
+    Column("user_id", String(ID), nullable=True),  # the key's user (NULL: none; 0009)
 )
 
 org_capture = Table(

@@ -38,6 +38,8 @@ class RequestSummary:
     key_prefix: str | None = None
     org_id: str | None = None
     project_id: str | None = None
+    #: The user the key belongs to (None: a key of no user).
+    user_id: str | None = None
     #: The model name the client asked for, and the deployment that served it.
     model: str | None = None
     deployment: str | None = None

@@ -406,6 +406,9 @@ class ModelCard(BaseModel):
     # None for an alias: its deployments' figures are theirs.
     max_model_len: int | None = None
     max_output_tokens: int | None = None
+    # What the model can be asked for ("chat", "completions", "embeddings", "vision",
+    # "tools"), as Ollama's `capabilities` lists them: a chat client lists only "chat" ones.
+    capabilities: list[str] | None = None
 
 
 class ModelList(BaseModel):

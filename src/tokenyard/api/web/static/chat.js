@@ -30,9 +30,12 @@ function showError(node, text) {
 async function loadModels() {
   try {
     const list = await getJSON("/v1/models", ui.key.value.trim());
+    // Only what can chat (an embeddings model would answer 400); a server that does not
+    // say what its models can do gets every model listed.
+    const chat = list.data.filter((m) => !Array.isArray(m.capabilities) || m.capabilities.includes("chat"));
     const previous = ui.model.value || localStorage.getItem(MODEL_STORE);
-    ui.model.replaceChildren(...list.data.map((m) => el("option", { value: m.id }, m.id)));
-    if (list.data.some((m) => m.id === previous)) ui.model.value = previous;
+    ui.model.replaceChildren(...chat.map((m) => el("option", { value: m.id }, m.id)));
+    if (chat.some((m) => m.id === previous)) ui.model.value = previous;
     showError(ui.modelsError, "");
   } catch (err) {
     const noKey = err.status === 401 && !ui.key.value.trim();

@@ -83,6 +83,20 @@ function usage(id, rows, name) {
     ["cached", 1], ["output", 1], ["spend", 1]], body));
 }
 
+// Each key's and user's spend budget this worker checked: spent against each cap (a bar
+// when capped) and what requests in flight hold.
+function budgets(data) {
+  const spent = (used, cap) => cap === null
+    ? el("td", { class: "num" }, `$${used}`)
+    : el("td", { class: "num" }, `$${used} of $${cap} `, meter(Number(used) / Number(cap)));
+  const rows = (data.budgets || []).map((b) => el("tr", {}, el("td", {}, b.subject),
+    el("td", { class: "mono" }, b.id), el("td", { class: "mono" }, b.org_id),
+    spent(b.month_spent, b.monthly_budget), spent(b.total_spent, b.total_budget),
+    el("td", { class: "num" }, `$${b.held}`)));
+  $("budgets").replaceChildren(table([["of", 0], ["id", 0], ["org", 0], ["this month", 1],
+    ["in all", 1], ["held", 1]], rows, "No budget checked yet."));
+}
+
 function recent(data) {
   const rows = [];
   for (const s of data.requests.recent) {
@@ -124,6 +138,7 @@ async function poll() {
     replicas(data);
     usage("by-org", data.requests.by_org, "org_id");
     usage("by-model", data.requests.by_model, "model");
+    budgets(data);
     recent(data);
   } catch (err) {
     if (run !== polls) return;
