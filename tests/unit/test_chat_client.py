@@ -17,7 +17,7 @@ from aiohttp import web
 
 from tokenyard.cli.chat import ChatError, ChatSession, RetryPolicy, run_repl
 
-Action = str  # "stream", "stall", "429", "503", "400", "drop"
+Action = str  # "stream", "stall", "429", "503", "400", "400-retry", "drop"
 
 
 class FakeServer:
@@ -27,6 +27,7 @@ class FakeServer:
         self.actions = list(actions)
         self.reply = reply
         self.bodies: list[dict[str, Any]] = []
+        self.idempotency_keys: list[str | None] = []
         self.client_ports: list[int] = []
 
     async def models(self, request: web.Request) -> web.Response:
@@ -34,6 +35,7 @@ class FakeServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        self.idempotency_keys.append(request.headers.get("Idempotency-Key"))
         peer = request.transport.get_extra_info("peername") if request.transport else None
         self.client_ports.append(peer[1] if peer else -1)
         action = self.actions.pop(0) if self.actions else "stream"
@@ -48,11 +50,12 @@ class FakeServer:
                 status=429, headers={"retry-after": "2"})
         if action == "503":
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
-        if action == "400":
+        if action in ("400", "400-retry"):  # the second: the server asks for a retry
             return web.json_response(
                 {"error": {"message": "'temperature' must be at most 2",
                            "type": "invalid_request_error", "param": "temperature",
-                           "code": "invalid_value"}}, status=400)
+                           "code": "invalid_value"}}, status=400,
+                headers={"x-should-retry": "true"} if action == "400-retry" else None)
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,

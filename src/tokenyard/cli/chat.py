@@ -2,8 +2,12 @@
 
 `ChatSession` is the testable core: it keeps the conversation, sends it with ``stream=true``
 over one pooled aiohttp session, calls `on_delta` with each piece of text as it arrives, and
-retries what is worth retrying (connection errors, 429, 5xx) with exponential backoff and
-full jitter, honouring ``retry-after``. `run_repl` is a thin terminal layer over it.
+retries what is worth retrying (connection errors, 408, 409, 429, 5xx) with exponential
+backoff and full jitter, honouring ``retry-after`` and, as the official SDKs do, the
+server's ``x-should-retry`` (``true``: retry whatever the status; ``false``: never, e.g. an
+out-of-credit 429). Every attempt of one message carries the same ``Idempotency-Key``, so
+a gateway that ran an attempt whose answer was lost replays it instead of running (and
+billing) it again. `run_repl` is a thin terminal layer over it.
 
 Input is naturally locked while a reply streams: the REPL reads the next line only after
 `send` returns. Ctrl-C during a reply cancels the task that streams it (closing the
@@ -18,6 +22,7 @@ import json
 import random
 import signal
 import sys
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TextIO, TypeVar
@@ -26,8 +31,13 @@ import aiohttp
 
 from tokenyard.api.sse import SSEParser
 
-#: Statuses retried besides 429 (server-side failures a later attempt may not see).
+#: Statuses retried from 500 up (server-side failures a later attempt may not see), and
+#: below it (timeout, conflict: an attempt still running, rate limited), as the SDKs do.
 _RETRY_STATUS_MIN = 500
+_RETRY_STATUSES = frozenset({408, 409, 429})
+#: The server's word on retrying, which overrides the status (OpenAI's and Anthropic's).
+SHOULD_RETRY = "x-should-retry"
+IDEMPOTENCY_KEY = "Idempotency-Key"
 
 
 @dataclass(frozen=True)
@@ -195,11 +205,15 @@ class ChatSession:
                 retries += 1
 
     async def _check(self, response: aiohttp.ClientResponse) -> None:
-        """Raise for a non-2xx response: `_Retryable` for 429 and 5xx, else `ChatError`."""
+        """Raise for a non-2xx response: `_Retryable` when the server's `x-should-retry`
+        says "true" or, without it, for 408, 409, 429 and 5xx; else `ChatError`."""
         if response.status < 400:
             return
         message = _error_message(await response.read(), response.status)
-        if response.status == 429 or response.status >= _RETRY_STATUS_MIN:
+        should = response.headers.get(SHOULD_RETRY, "").strip().lower()
+        retry = should == "true" or (should != "false" and (
+            response.status in _RETRY_STATUSES or response.status >= _RETRY_STATUS_MIN))
+        if retry:
             retry_after = _parse_retry_after(response.headers.get("retry-after"))
             raise _Retryable(f"HTTP {response.status}: {message}", response.status, retry_after)
         raise ChatError(message, response.status)
@@ -244,8 +258,10 @@ class ChatSession:
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
         parts: list[str] = []
+        key = f"tokenyard-chat-{uuid.uuid4().hex}"  # one per message, sent on every attempt
         try:
-            finish = await self._with_retries(lambda: self._stream_once(body, parts, on_delta))
+            finish = await self._with_retries(
+                lambda: self._stream_once(body, parts, on_delta, key))
         except asyncio.CancelledError:
             if parts:  # what the user saw stays in the conversation
                 self.turns += [user, {"role": "assistant", "content": "".join(parts)}]
@@ -256,13 +272,15 @@ class ChatSession:
         return reply
 
     async def _stream_once(
-        self, body: dict[str, Any], parts: list[str], on_delta: OnDelta
+        self, body: dict[str, Any], parts: list[str], on_delta: OnDelta, key: str
     ) -> str | None:
-        """One attempt: POST, parse the SSE stream, feed deltas. Returns the finish reason."""
+        """One attempt: POST (with the message's Idempotency-Key `key`), parse the SSE
+        stream, feed deltas. Returns the finish reason."""
         finish: str | None = None
         try:
             async with self.http.post(
-                f"{self.base_url}/chat/completions", json=body, headers=self._headers()
+                f"{self.base_url}/chat/completions", json=body,
+                headers={**self._headers(), IDEMPOTENCY_KEY: key},
             ) as response:
                 await self._check(response)
                 parser = SSEParser()
