@@ -15,23 +15,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import Server, running_server
+from tests.integration.test_workers import mock_url
 from tests.unit.test_chat_client import FakeServer, serve
 from tokenyard.store import Database, Store
 
 pytestmark = pytest.mark.slow
+__all__ = ["mock_url"]  # the module fixture, shared
 
 
 def chat_cli(base_url: str, key: str, lines: str, model: str) -> subprocess.CompletedProcess[str]:
@@ -40,21 +39,6 @@ def chat_cli(base_url: str, key: str, lines: str, model: str) -> subprocess.Comp
          "--api-key", key, "--model", model, "--max-tokens", "4"],
         input=lines, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-@pytest.fixture(scope="module")
-def mock_url() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenyard.bench.mock_replica", "--port", "0",
-         "--itl-ms", "1", "--output-len", "4"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    match = re.search(r"serving at (http://\S+)", proc.stdout.readline())
-    assert match
-    try:
-        yield match.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
 
 
 def broke_key(state: Path) -> tuple[str, str]:
