@@ -18,6 +18,7 @@ are compared and thrown away. A leaf module: plain values, no I/O beyond reading
     engine_args = ["--threads", "1"]
     capabilities = ["chat", "completions"]
     prices = { input = "0.10", cached_input = "0.05", output = "0.40" }  # per 1M tokens
+    defaults = { temperature = 0.3 }  # sampling a request leaves out (over the model's)
 
     [[deployments]]
     name = "qwen-2026-11-01"
@@ -55,6 +56,7 @@ from tokenyard.fleet_values import (
     only_fields,
     opt_string,
 )
+from tokenyard.sampling_defaults import NONE, SamplingDefaults, fleet_defaults
 
 KINDS = ("engine", "upstream", "embeddings")
 #: Capabilities a deployment may declare; a request needing one goes only where declared.
@@ -152,6 +154,9 @@ class DeploymentSpec:
     max_tool_calls: int | None = None
     #: upstream: which server it is (one of UPSTREAM_SERVERS); None for other kinds.
     server: str | None = None
+    #: The fleet file's `defaults`: sampling a request that sets none gets (over the
+    #: model's own recommendation; `sampling_defaults.py`).
+    defaults: SamplingDefaults = NONE
 
     @property
     def salts_cache(self) -> bool:
@@ -264,7 +269,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item = a_table(item, where)
     item, limits = _output_limits(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
-                 "capabilities", "max_context", "prices", "moderation", "server"}, where)
+                 "capabilities", "max_context", "prices", "moderation", "server",
+                 "defaults"}, where)
     name = a_string(item.get("name"), f"{where}.name")
     kind = item.get("kind", "engine")
     if kind not in KINDS:
@@ -282,6 +288,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
                                "list its base URLs in 'urls'")
     if not replicas and not urls:
         raise FleetConfigError(f"{where}: needs 'replicas' (local) or 'urls' (running)")
+    if kind == "embeddings" and "defaults" in item:
+        raise FleetConfigError(f"{where}.defaults: an embeddings deployment samples nothing")
     if kind == "upstream" and not item.get("model"):
         raise FleetConfigError(f"{where}.model: an upstream needs the model name to ask for")
     server = item.get("server", "openai" if kind == "upstream" else None)
@@ -313,6 +321,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         moderation=(_moderation(item["moderation"], f"{where} ({name}).moderation")
                     if "moderation" in item else None),
         server=server,
+        defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
+                  if "defaults" in item else NONE),
         **limits,
     )
 

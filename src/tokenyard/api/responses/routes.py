@@ -48,7 +48,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         prepare, _ = prepared(served)
         # Images weigh nothing in the prompt's token count: loaded once it is fitted.
         messages, prompt, params = fitted_conversation(
-            prepare, conversation, prepare.constrained(request_params(req), tools),
+            prepare, conversation, prepare.constrained(request_params(req, served.sampling), tools),
             instructions=req.instructions, use=tools, native=native, truncate=truncate,
             first_index=-len(earlier),
             param="max_output_tokens" if req.max_output_tokens is not None else "input",
@@ -61,8 +61,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                           param="input", bounded=not truncate,
                           first_user_text=first_user_text(conversation))
     run = await start(request, call)
-    fmt = ResponsesFormat(response_shell(req, run.served.name), run.ready.tools,
-                          run.token_bytes)
+    fmt = ResponsesFormat(response_shell(req, run.served.name, run.served.sampling),
+                          run.ready.tools, run.token_bytes)
     request[RESPONSE_ID] = fmt.response.id  # the resp_… id the request's trace names
 
     async def remember() -> None:
