@@ -11,7 +11,6 @@ of tokens, so the file stays quick.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -223,23 +222,3 @@ def test_401_403_404_and_429_are_in_anthropic_s_shape(server: Server) -> None:
     count = {k: v for k, v in body(server).items() if k not in ("max_tokens", "temperature")}
     assert valid_error(post(server, count, path="/v1/messages/count_tokens",
                             key="sk-not-a-key"), 401, "count 401")
-
-
-def test_529_and_the_stream_error_event_validate() -> None:
-    """The overloaded answer (529 on this API) and the `error` event a stream ends with
-    when it fails after its 200, rendered by the code the routes use (a full queue is
-    not cheap to cause through HTTP here)."""
-    from tokenyard.api.errors import render_anthropic
-    from tokenyard.api.sse import anthropic_stream_error
-    from tokenyard.errors import overloaded
-
-    status, raw, _ = render_anthropic(overloaded(1.0), "req_1")
-    assert status == 529
-    body = json.loads(raw)
-    _spec().validate(body, _spec().response_schema("/v1/messages", "4XX"), "529")
-    assert body["error"]["type"] == "overloaded_error"
-    lines = anthropic_stream_error(overloaded(1.0), None).decode().splitlines()
-    assert lines[0] == "event: error", lines
-    event = json.loads(lines[1][len("data: "):])
-    validate_event(event)
-    assert event["request_id"] is None
