@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from tokenyard.fleet_values import valid_region
+
 
 def default_cache_dir() -> Path:
     """`$TOKENYARD_CACHE` if set, else `~/.cache/tokenyard`: converted models, kernels."""
@@ -185,6 +187,9 @@ class ServeConfig(Settings):
     capture_max_bytes: int = 64 * 1024
     #: Extra regular expressions redacted from captured bodies (`--redact-pattern`).
     redact_patterns: tuple[str, ...] = ()
+    #: A regional endpoint (`--region`): only this region's deployments are served, and
+    #: an org bound to other regions reads its stored data elsewhere. None: every region.
+    region: str | None = None
 
     _ENV: ClassVar[dict[str, str]] = {
         "state_dir": "TOKENYARD_STATE_DIR",
@@ -212,6 +217,7 @@ class ServeConfig(Settings):
         "request_records_retention_hours": "TOKENYARD_REQUEST_RECORDS_RETENTION_HOURS",
         "request_records_purge_interval_s": "TOKENYARD_REQUEST_RECORDS_PURGE_INTERVAL_S",
         "capture_max_bytes": "TOKENYARD_CAPTURE_MAX_BYTES",
+        "region": "TOKENYARD_REGION",
     }
 
     def validate(self) -> None:
@@ -233,6 +239,9 @@ class ServeConfig(Settings):
                 raise ValueError(f"--redact-pattern {pattern!r}: {exc}") from None
         if self.workers < 1:
             raise ValueError("workers must be positive")
+        if self.region is not None and not valid_region(self.region):
+            raise ValueError(f"region {self.region!r}: lowercase letters, digits and "
+                             "dashes (e.g. eu, us-east-1)")
         if not self.responses_retention_days > 0:
             raise ValueError("responses_retention_days must be positive")
         if min(self.edge_connections_per_address, self.edge_requests_per_s) < 0:

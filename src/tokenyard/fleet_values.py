@@ -8,6 +8,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+#: What a region's name may be (a deployment's `region`, an org's allowed regions, `serve
+#: --region`): lowercase letters, digits and dashes, as providers name theirs ("eu",
+#: "us-east-1", "europe-west4").
+REGION_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?")
+
 
 class FleetConfigError(ValueError):
     """The fleet file is malformed; the message names the field."""
@@ -46,6 +51,21 @@ def only_fields(table: Mapping[str, Any], known: set[str], where: str) -> None:
     unknown = sorted(set(table) - known)
     if unknown:
         raise FleetConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+
+
+def valid_region(name: object) -> bool:
+    """Whether `name` is a region name (`REGION_NAME`)."""
+    return isinstance(name, str) and REGION_NAME.fullmatch(name) is not None
+
+
+def opt_region(value: Any, where: str) -> str | None:
+    """A region name, or None where the field is left out."""
+    if value is None:
+        return None
+    if not valid_region(value):
+        raise FleetConfigError(f"{where}: a region name (lowercase letters, digits and "
+                               f"dashes, e.g. \"eu\" or \"us-east-1\"), not {value!r}")
+    return str(value)
 
 
 def a_blocklist_pattern(pattern: str, where: str) -> re.Pattern[str]:

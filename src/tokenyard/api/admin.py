@@ -12,6 +12,9 @@
     POST /admin/v1/orgs/{org_id}/capture     {enabled?: bool (default true),
                                               retention_days? (default 7)}
     GET  /admin/v1/orgs/{org_id}/capture
+    POST /admin/v1/orgs/{org_id}/regions     {allowed_regions: [names] | null (any)}
+    POST /admin/v1/projects/{project_id}/regions  {allowed_regions: [names] | null (the
+                                              org's); within the org's (gateway/region_admin)
     POST /admin/v1/users                     {org_id, email, name?, project_id?,
                                               monthly_budget?, total_budget?}
     GET  /admin/v1/users?org_id=
@@ -30,7 +33,7 @@
     GET  /admin/v1/budgets?org_id=           every key's and user's budget, with its spend
     PUT  /admin/v1/prices/{model}            {input, cached_input, output}
     GET  /admin/v1/prices
-    GET  /admin/v1/usage?group_by=key|user|project|org|model|day&since=&until=&org_id=
+    GET  /admin/v1/usage?group_by=key|user|project|org|model|day|batch&since=&until=&org_id=
                         &format=json|csv
     GET  /admin/v1/shadow/report?alias=&since=   per (alias, primary, shadow): count,
                         text match rate, p50 latencies and their ratio, mean output tokens
@@ -53,6 +56,7 @@ from aiohttp import web
 from tokenyard.errors import APIError, invalid_request
 from tokenyard.gateway import admin_users as users
 from tokenyard.gateway.admin import Admin, AdminError, to_csv
+from tokenyard.gateway.region_admin import set_org_regions, set_project_regions
 
 #: Resolves a request to the Admin over its gateway's store, or raises (401/403/404).
 AdminOf = Callable[[web.Request], Admin]
@@ -126,6 +130,10 @@ def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
          lambda a, r: _with_args(r, lambda x: a.set_capture(r.match_info[m], x)), 200),
         ("GET", "/admin/v1/orgs/{org_id}/capture", lambda a, r: a.capture(r.match_info[m]),
          200),
+        ("POST", "/admin/v1/orgs/{org_id}/regions", lambda a, r: _with_args(
+            r, lambda x: set_org_regions(a.store, r.match_info[m], x)), 200),
+        ("POST", "/admin/v1/projects/{project_id}/regions", lambda a, r: _with_args(
+            r, lambda x: set_project_regions(a.store, r.match_info["project_id"], x)), 200),
         ("POST", "/admin/v1/keys", lambda a, r: _with_args(r, a.create_key), 201),
         ("GET", "/admin/v1/keys", lambda a, r: a.list_keys(r.query.get("org_id")), 200),
         ("POST", "/admin/v1/keys/{key_id}/revoke",

@@ -98,6 +98,7 @@ def summarize(
         model=(chosen.alias or chosen.deployment) if chosen is not None else None,
         deployment=chosen.deployment if chosen is not None else None,
         replica=timeline.replica,
+        region=chosen.region if chosen is not None else None,
         error_code=error_code,
         finish_reason=",".join(reasons) or None,
         prompt_tokens=usage.prompt_tokens if usage is not None else 0,

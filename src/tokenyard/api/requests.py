@@ -52,6 +52,7 @@ class RequestRecordObject(BaseModel):
     endpoint: str
     model: str | None
     deployment: str | None
+    region: str | None = None  # the deployment's; None: it declares none
     replica: str | None
     status: int  # HTTP; 499: the client went away
     error_code: str | None

@@ -11,6 +11,7 @@
     tokenyard admin credit add org_… 25.00
     tokenyard admin orgs set-moderation org_… --input block --output flag
     tokenyard admin orgs capture org_… --on --retention-days 3     (--off; no flag: show)
+    tokenyard admin regions set --org org_… eu          (--project proj_…; "any": unbind)
     tokenyard admin usage --group-by day --format csv
     tokenyard admin shadow report --alias smollm2 --since 2026-11-22
     tokenyard admin deployments                         (these two ask the running server:
@@ -30,6 +31,7 @@ from tokenyard.cli.admin_users import add_budget_args, add_user_parsers, user_op
 from tokenyard.cli.fleet_admin import FLEET_NOUNS, add_fleet_parsers, run_fleet_admin
 from tokenyard.gateway.admin import GROUPS, Admin, AdminError, Json, to_csv, to_table
 from tokenyard.gateway.moderation import org_moderation
+from tokenyard.gateway.region_admin import set_org_regions, set_project_regions
 from tokenyard.store.records import PRIORITY_CLASSES
 
 #: A key's priority class may also be "org": it follows its org's.
@@ -146,6 +148,16 @@ def add_admin_parser(sub: Any) -> None:
     usage.add_argument("--until", help="ISO 8601 date or time (exclusive)")
     usage.add_argument("--org", dest="org_id")
 
+    regions = nouns.add_parser("regions", parents=[fmt]).add_subparsers(
+        dest="verb", required=True)
+    set_regions = regions.add_parser(
+        "set", parents=[fmt], help="the regions an org's (or a project's) requests may be "
+                                   "served in; 'any' lifts the binding")
+    who = set_regions.add_mutually_exclusive_group(required=True)
+    who.add_argument("--org", dest="org_id")
+    who.add_argument("--project", dest="project_id")
+    set_regions.add_argument("allowed_regions", nargs="+", metavar="REGION")
+
     shadow = nouns.add_parser("shadow", parents=[fmt]).add_subparsers(dest="verb", required=True)
     report = shadow.add_parser("report", parents=[fmt],
                                help="shadow traffic: each (alias, primary, shadow) pair")
@@ -180,6 +192,9 @@ def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | l
         ("usage", None): lambda ad: ad.usage(a),
         **user_operations(args, a),
         ("shadow", "report"): lambda ad: ad.shadow_report(a),
+        ("regions", "set"): lambda ad: (
+            set_org_regions(ad.store, args.org_id, a) if args.org_id
+            else set_project_regions(ad.store, args.project_id, a)),
     }
     return table[(noun, verb)]
 

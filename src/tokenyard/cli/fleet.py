@@ -24,6 +24,7 @@ from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec, load_fleet
+from tokenyard.gateway.regions import regional_fleet
 from tokenyard.gateway.served import Served, build_served
 from tokenyard.text.tokenizer import Tokenizer
 
@@ -64,6 +65,10 @@ class Fleet:
     stopping: bool = False
     _watch: list[asyncio.Task[None]] = field(default_factory=list)
     background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        # A regional endpoint (`serve --region R`) builds, serves and lists only R's.
+        self.spec = regional_fleet(self.spec, self.config.region)
 
     async def start_children(self, spec: DeploymentSpec) -> list[LocalReplica]:
         """Start `spec.replicas` local processes of a deployment, all at once."""
@@ -181,7 +186,7 @@ async def reload(fleet: Fleet, state: AppState) -> str:
     local replica count is fixed at start: a change to it is refused in the log."""
     if fleet.spec.path is None:
         return "no fleet file to reload (serve was started without --config)"
-    new = load_fleet(fleet.spec.path)
+    new = regional_fleet(load_fleet(fleet.spec.path), fleet.config.region)
     deployments: dict[str, Served] = {}
     for name, spec in new.deployments.items():
         old = state.deployments.get(name)

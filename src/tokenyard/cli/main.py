@@ -76,7 +76,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 header_timeout_s=args.header_timeout,
                                 max_header_bytes=args.max_header_bytes,
                                 stream_write_timeout_s=args.stream_write_timeout,
-                                redact_patterns=tuple(args.redact_pattern or ()) or None)
+                                redact_patterns=tuple(args.redact_pattern or ()) or None,
+                                region=args.region)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -236,8 +237,13 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--stream-write-timeout", type=float,
                        help="seconds a stream's client may take to accept one write before "
                        "it is cut (default 60, $TOKENYARD_STREAM_WRITE_TIMEOUT_S)")
-    serve.add_argument("--log-format", choices=["json", "text"], default="json",
-                       help="stderr log lines: one JSON object each (default), or text")
+    serve.add_argument("--log-format", choices=["auto", "json", "text"], default="auto",
+                       help="stderr log lines: auto (the default) is text on a terminal "
+                       "and one JSON object per line anywhere else")
+    serve.add_argument("--region",
+                       help="a regional endpoint: serve only the deployments of this region "
+                       "(a fleet file's `region`; without --config, the one deployment is "
+                       "in it), $TOKENYARD_REGION")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                        default="info", help="the least severe level logged (default info; "
                        "each request's line is info)")

@@ -99,11 +99,12 @@ def masked(key: str) -> str:
 
 
 def banner(base_url: str, model: str, replica_url: str, api_key: str | None = None,
-           key_file: Path | None = None) -> str:
-    """What a person needs to start using the server, ready to paste. The development key
+           key_file: Path | None = None, region: str | None = None) -> str:
+    """What a person needs to start using the server, ready to paste: first the pages a
+    person opens (the chat page, the dashboard), then the API. The development key
     appears whole only when it was just created (`key_file` None); on later starts the
     banner masks it and the snippets read it from `key_file`, so that the key is not
-    written to every log the server's output lands in."""
+    written to every log the server's output lands in. `region`: a regional endpoint."""
     curl_body = json.dumps({"model": model,
                             "messages": [{"role": "user", "content": "Say hello."}]})
     key_lines, auth_header, python_key = [], "", '"unused"'
@@ -115,11 +116,16 @@ def banner(base_url: str, model: str, replica_url: str, api_key: str | None = No
         key_lines = [f"  API key: {masked(api_key)} (the whole key is in {where})"]
         auth_header = f' -H "Authorization: Bearer $(cat {shlex.quote(where)})"'
         python_key = f"open({where!r}).read().strip()"
+    sign_in = " (paste the API key)" if api_key else ""
     return "\n".join([
         f"tokenyard serving {model} at {base_url}",
-        f"  OpenAI base URL:    {base_url}/v1",
-        f"  Anthropic base URL: {base_url}",
+        f"  Chat in the browser: {base_url}/{sign_in}",
+        f"  Dashboard:           {base_url}/dashboard{sign_in}",
         *key_lines,
+        f"  OpenAI base URL:     {base_url}/v1",
+        f"  Anthropic base URL:  {base_url}",
+        *([f"  region: {region} (this endpoint serves only its deployments)"]
+          if region else []),
         f"  replica: {replica_url}",
         "",
         "curl:",
@@ -191,6 +197,7 @@ async def run(
                                       if s.spec.prices is not None})
         state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
+        state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
         state.embeddings = {n: s.pool for n, s in deployments.items()
@@ -218,12 +225,12 @@ async def run(
         replica_urls = ", ".join(m.id for m in state.default.pool.members)
         scheme = "https" if config.tls_cert is not None else "http"
         print(banner(f"{scheme}://{shown}:{bound}", state.model, replica_urls, api_key,
-                     key_file), flush=True)
+                     key_file, config.region), flush=True)
         logger.info("serving %s on port %d", state.model, bound, extra={
             "event": "started", "model": state.model, "host": host, "port": bound,
             "deployments": {n: [m.id for m in s.pool.members]
                             for n, s in state.deployments.items()},
-            "workers": config.workers, "auth": auth})
+            "workers": config.workers, "auth": auth, "region": config.region})
 
         await stop.wait()
         # Stop admitting new requests; in-flight ones go on while the replicas drain.
@@ -312,10 +319,12 @@ def private_dir(path: Path) -> None:
                            path, extra={"event": "state_dir_shared", "path": str(path)})
 
 
-def serve(host: str, port: int, engine_args: Sequence[str], *, log_format: str = "json",
+def serve(host: str, port: int, engine_args: Sequence[str], *, log_format: str = "auto",
           log_level: str = "info", **kwargs: Any) -> int:
     """Blocking entry point of `tokenyard serve` (other keyword arguments: `run`'s).
-    The log settings reach the worker processes through the environment."""
+    The log settings reach the worker processes through the environment (`auto` decided
+    here, on this process's stderr)."""
+    log_format = logs.resolve_format(log_format)
     os.environ[logs.FORMAT_ENV], os.environ[logs.LEVEL_ENV] = log_format, log_level
     logs.configure(log_format, log_level)
     return asyncio.run(run(host, port, engine_args, **kwargs))

@@ -74,6 +74,7 @@ async def run_worker(spec: WorkerSpec) -> int:
         deployments = await fleet.build()
         state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
+        state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
         state.embeddings = {n: s.pool for n, s in deployments.items()

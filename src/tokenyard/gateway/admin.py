@@ -165,6 +165,7 @@ def org_json(org: OrgRecord, balance: int | None = None) -> Json:
         "id": org.id, "name": org.name, **asdict(org.limits),
         "free_tier_daily_requests": org.free_tier_daily_requests,
         "priority": priority_name(org.priority),
+        "allowed_regions": None if org.allowed_regions is None else list(org.allowed_regions),
         "balance": format_money(balance) if balance is not None else None,
         "created_at": _time_text(org.created_at),
     }

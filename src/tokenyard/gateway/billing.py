@@ -279,8 +279,10 @@ class Billing:
         status: str,
         usage: Usage,
         prices: Prices,
+        region: str | None = None,
     ) -> UsageRecord:
-        """Append the request's ledger row (off the request path) and count it locally."""
+        """Append the request's ledger row (off the request path) and count it locally;
+        `region`: the serving deployment's."""
         record = UsageRecord(
             request_id=request_id,
             org_id=key.org_id,
@@ -296,6 +298,7 @@ class Billing:
             cache_write_5m_tokens=usage.cache_write_5m_tokens,
             cache_write_1h_tokens=usage.cache_write_1h_tokens,
             cost_micros=self.cost(prices, usage),
+            region=region,
         )
         self.ledger.append(record)
         self.budgets.settled(key, record.cost_micros)

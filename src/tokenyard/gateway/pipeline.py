@@ -63,6 +63,8 @@ class Ticket:
     cost: Cost | None = None
     #: The request's maximum cost held against a prepaid balance until `finish`.
     hold: Hold | None = None
+    #: The region of the deployment that serves it (its ledger row's).
+    region: str | None = None
 
     @property
     def cost_micros(self) -> int | None:
@@ -142,7 +144,8 @@ class Gateway:
         self.requests = requests if requests is not None else RequestLog(store)
         self.auth = Authenticator(store.find_key, ttl_s=key_ttl_s)
         #: The Responses API's stored responses (their purge runs once `open` starts it).
-        self.responses = StoredResponses(store, retention_days=responses_retention_days)
+        self.responses = StoredResponses(store, retention_days=responses_retention_days,
+                                         region=self.requests.region)
         self.auth_throttle = FailedAuthThrottle(auth_failures_per_minute)
         self._settling: set[asyncio.Task[None]] = set()
         #: Limiter admissions taken and not yet settled back (each holds its subjects'
@@ -229,6 +232,7 @@ class Gateway:
         timeline: Timeline,
         context_tokens: int | None = None,
         alias: str | None = None,
+        region: str | None = None,
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
@@ -236,7 +240,8 @@ class Gateway:
         cost against a prepaid balance until `finish`). `context_tokens`: the longest
         single sequence (prompt + its max_tokens), which the key's context scope caps;
         default prompt + max_tokens. `model` is the deployment; `alias`, the name the
-        client asked for, which a key's model scope may name instead."""
+        client asked for, which a key's model scope may name instead; `region`, the
+        deployment's, which its ledger row records."""
         authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
                   else context_tokens, alias=alias)
         timeline.mark("authorized")
@@ -248,7 +253,7 @@ class Gateway:
             raise _unavailable("rate limiter", exc) from None
         self.admissions_open += 1
         timeline.mark("limited")
-        ticket = Ticket(key, admission, model, endpoint, request_id, Prices())
+        ticket = Ticket(key, admission, model, endpoint, request_id, Prices(), region=region)
         try:
             ticket.prices = await self.billing.prices(model)
             ticket.hold = await self.billing.reserve(
@@ -270,6 +275,7 @@ class Gateway:
         params: Sequence[SamplingParams],
         timeline: Timeline,
         alias: str | None = None,
+        region: str | None = None,
     ) -> Ticket:
         """`admit` for a request of `prompts`, each with its fitted `params`: it reserves
         every prompt token and every token the n completions of each may generate, and
@@ -280,7 +286,7 @@ class Gateway:
             max_tokens=sum((p.max_tokens or 0) * p.n for p in params),
             context_tokens=max(len(p) + (fp.max_tokens or 0)
                                for p, fp in zip(prompts, params, strict=True)),
-            timeline=timeline, alias=alias,
+            timeline=timeline, alias=alias, region=region,
         )
 
     def settle(self, ticket: Ticket, gens: Sequence[Generation]) -> None:
@@ -299,6 +305,7 @@ class Gateway:
             record = self.billing.meter(
                 ticket.key, request_id=ticket.request_id, model=ticket.model,
                 endpoint=ticket.endpoint, status=status, usage=usage, prices=ticket.prices,
+                region=ticket.region,
             )
             ticket.cost = Cost.of(ticket.prices, usage, record.cost_micros)
         self.billing.release(ticket.hold)  # the real cost, if any, is counted by now

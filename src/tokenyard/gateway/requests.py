@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenyard.config import ServeConfig
 from tokenyard.gateway.redaction import Redactor
+from tokenyard.gateway.regions import require_data_region
 from tokenyard.store.money import format_money
 from tokenyard.store.records import KeyContext
 from tokenyard.store.repo import Store
@@ -60,6 +61,7 @@ def record_of(summary: RequestSummary) -> RequestRecord:
         cached_tokens=summary.cached_tokens, output_tokens=summary.output_tokens,
         cost_micros=None if summary.cost is None else int(summary.cost.scaleb(6)),
         timings=dict(summary.timings_ms), duration_ms=summary.duration_ms,
+        region=summary.region,
     )
 
 
@@ -74,7 +76,7 @@ def record_json(record: RequestRecord, capture: Capture | None, *,
         "org_id": record.org_id, "project_id": record.project_id, "user_id": record.user_id,
         "key_prefix": record.key_prefix, "endpoint": record.endpoint,
         "model": record.model, "deployment": record.deployment,
-        "replica": record.replica if internal else None,
+        "region": record.region, "replica": record.replica if internal else None,
         "status": record.status, "error_code": record.error_code,
         "finish_reason": record.finish_reason, "stream": record.stream,
         "tokens": {"prompt": record.prompt_tokens, "cached": record.cached_tokens,
@@ -128,6 +130,9 @@ class RequestLog:
         self.flush_s, self.refresh_s, self.max_pending = flush_s, refresh_s, max_pending
         self.max_captures = max_captures  # bodies of up to capture_max_bytes each
         self.captures: dict[str, int] = {}  # capturing org → retention days
+        #: This gateway's region (`serve --region`): an org bound to others reads its
+        #: request records and captures elsewhere (403).
+        self.region = config.region
         self.dropped = 0
         self._records: dict[str, RequestRecord] = {}
         self._bodies: dict[str, _Bodies] = {}
@@ -174,7 +179,8 @@ class RequestLog:
     async def find(self, request_id: str, key: KeyContext) -> dict[str, Any] | None:
         """The request's record (and capture) if `key` may see it: a key of its org, or
         an admin key (which alone sees the replica). None otherwise, or when it is unknown
-        or purged."""
+        or purged. 403 on a gateway outside the key's regions."""
+        require_data_region(self.region, key.allowed_regions, "request records and captures")
         record = self._records.get(request_id) or self._writing[0].get(request_id)
         body = None
         if record is None:

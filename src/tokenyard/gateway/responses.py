@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from tokenyard.errors import overloaded
+from tokenyard.gateway.regions import require_data_region
 from tokenyard.store.records import KeyContext
 from tokenyard.store.repo import Store
 from tokenyard.store.responses import (
@@ -130,8 +131,11 @@ class StoredResponses:
     """Save, read, delete and chain stored responses; purge the expired ones."""
 
     def __init__(self, store: Store, *, retention_days: float,
-                 purge_every_s: float = PURGE_EVERY_S) -> None:
+                 purge_every_s: float = PURGE_EVERY_S, region: str | None = None) -> None:
         self.store = store
+        #: This gateway's region (`serve --region`): an org bound to others reads its
+        #: stored responses elsewhere (403).
+        self.region = region
         self.retention = timedelta(days=retention_days)
         self.purge_every_s = purge_every_s
         self._task: asyncio.Task[None] | None = None
@@ -153,12 +157,14 @@ class StoredResponses:
 
     async def get(self, key: KeyContext, response_id: str) -> StoredResponse | None:
         """The response if `key` may see it."""
+        require_data_region(self.region, key.allowed_regions, "stored responses")
         with _store_failures():
             return await get_response(self.store.db, response_id, now=self.store.clock(),
                                       org_id=_org_scope(key))
 
     async def delete(self, key: KeyContext, response_id: str) -> bool:
         """Delete the response; False if `key` could not see it."""
+        require_data_region(self.region, key.allowed_regions, "stored responses")
         with _store_failures():
             return await delete_response(self.store.db, response_id, now=self.store.clock(),
                                          org_id=_org_scope(key))
@@ -168,6 +174,7 @@ class StoredResponses:
         """The conversation up to and including `response_id`, oldest turn first: each
         turn's input items, then its response's output items. Raises `ResponseNotFound`
         naming the first missing link, `ChainTooLong` past `max_turns` turns."""
+        require_data_region(self.region, key.allowed_regions, "stored responses")
         with _store_failures():
             chain = await response_chain(self.store.db, response_id, now=self.store.clock(),
                                          org_id=_org_scope(key), limit=max_turns + 1)

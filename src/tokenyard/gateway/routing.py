@@ -9,16 +9,20 @@
   not declare is refused (400 naming the parameter) rather than sent where it cannot be
   served; an upstream's declared `max_context` is its prepare stage's window, so a longer
   request gets the usual context_length_exceeded.
+- Regions (`gateway/regions.py`): a key bound to regions reaches only deployments in them;
+  an alias draws among its targets there, and copies to a shadow only there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenyard.deployments import AliasSpec, DeploymentSpec, FleetSpec
 from tokenyard.errors import APIError, model_not_found
+from tokenyard.gateway.regions import outside_regions
 
 _CAPABILITY_WORDS = {
     "chat": "chat completions",
@@ -37,6 +41,8 @@ class Route:
     #: The alias the client named (None: it named the deployment itself).
     alias: str | None = None
     shadow: str | None = None
+    #: The region of the deployment (None: it declares none).
+    region: str | None = None
 
 
 def conversation_key(first_user_text: str | None) -> float:
@@ -49,14 +55,14 @@ def conversation_key(first_user_text: str | None) -> float:
     return (int.from_bytes(digest, "little") >> 11) / (1 << 53)
 
 
-def _pick(alias: AliasSpec, point: float) -> str:
-    total = sum(weight for _, weight in alias.routes)
+def _pick(routes: Sequence[tuple[str, float]], point: float) -> str:
+    total = sum(weight for _, weight in routes)
     edge = 0.0
-    for target, weight in alias.routes:
+    for target, weight in routes:
         edge += weight / total
         if point < edge:
             return target
-    return alias.routes[-1][0]
+    return routes[-1][0]
 
 
 class Router:
@@ -64,25 +70,55 @@ class Router:
 
     def __init__(self, fleet: FleetSpec) -> None:
         self.fleet = fleet
+        #: (alias, allowed regions) → the alias's targets in them and whether its shadow
+        #: is there too: computed once per pair (the router is replaced on reload).
+        self._within: dict[tuple[str, frozenset[str]],
+                           tuple[tuple[tuple[str, float], ...], bool]] = {}
 
-    def resolve(self, model: str, key: float) -> Route:
-        """The route of a request for `model`; `key` from `conversation_key`. 404 for a
-        name that is neither a deployment nor an alias."""
+    def resolve(self, model: str, key: float,
+                allowed: frozenset[str] | None = None) -> Route:
+        """The route of a request for `model`; `key` from `conversation_key`; `allowed`:
+        the regions the key may be served in (None: any). 404 for a name that is neither
+        a deployment nor an alias; 403 naming the region when none of its deployments is
+        in an allowed region."""
         fleet = self.fleet
-        if model in fleet.deployments:
-            return Route(model)
+        spec = fleet.deployments.get(model)
+        if spec is not None:
+            if allowed is not None and spec.region not in allowed:
+                raise outside_regions(model, {spec.region}, allowed)
+            return Route(model, region=spec.region)
         alias = fleet.aliases.get(model)
         if alias is None:
             raise model_not_found(model)
-        target = _pick(alias, key)
+        routes, shadowed = (alias.routes, True) if allowed is None else self._allowed(
+            alias, allowed)
+        target = _pick(routes, key)
         shadow = None
-        if alias.shadow is not None and alias.shadow.deployment != target:
+        if shadowed and alias.shadow is not None and alias.shadow.deployment != target:
             # A second, independent point of the same conversation: the shadow share is
             # not correlated with the canary's split.
             point = (key * 7919.0) % 1.0
             if point < alias.shadow.share:
                 shadow = alias.shadow.deployment
-        return Route(target, model, shadow)
+        return Route(target, model, shadow, fleet.deployments[target].region)
+
+    def _allowed(self, alias: AliasSpec, allowed: frozenset[str]
+                 ) -> tuple[tuple[tuple[str, float], ...], bool]:
+        """The alias's weighted targets in `allowed` (403 if none) and whether its shadow
+        deployment is there too."""
+        found = self._within.get((alias.name, allowed))
+        if found is None:
+            specs = self.fleet.deployments
+            routes = tuple((t, w) for t, w in alias.routes
+                           if w > 0 and specs[t].region in allowed)
+            shadow = alias.shadow
+            found = (routes, shadow is not None and specs[shadow.deployment].region in allowed)
+            if len(self._within) < 4096:
+                self._within[alias.name, allowed] = found
+        if not found[0]:
+            raise outside_regions(alias.name, {self.fleet.deployments[t].region
+                                               for t, _ in alias.routes}, allowed)
+        return found
 
     def spec(self, name: str) -> DeploymentSpec:
         return self.fleet.deployments[name]

@@ -210,10 +210,13 @@ class Pipeline:
 
     def route(self, call: Call) -> Served:
         """Stage 9 and the model half of stage 4: the deployment that serves `call` (404
-        for an unknown name; 400 if it lacks the capability), which the key must be
-        allowed to use (403) before any work is done for it."""
+        for an unknown name; 400 if it lacks the capability; 403 outside the key's
+        regions), which the key must be allowed to use (403) before any work is done
+        for it."""
         fleet = self.fleet
-        chosen = fleet.router.resolve(call.model, conversation_key(call.first_user_text))
+        key = call.key
+        chosen = fleet.router.resolve(call.model, conversation_key(call.first_user_text),
+                                      key.allowed_regions if key is not None else None)
         served = fleet.deployments[chosen.deployment]
         require(served.spec, call.capability)
         call.route, call.served = chosen, served
@@ -248,7 +251,7 @@ class Pipeline:
         call.ticket = await gateway.admit_prompts(
             call.key, model=served.name, endpoint=call.endpoint, request_id=call.request_id,
             prompts=ready.prompts, params=ready.params, timeline=call.timeline,
-            alias=call.route.alias,
+            alias=call.route.alias, region=call.route.region,
         )
         return call.ticket
 
@@ -286,7 +289,8 @@ class Pipeline:
             ticket = await gateway.admit(
                 call.key, model=served.name, endpoint=call.endpoint,
                 request_id=call.request_id, prompt_tokens=0, max_tokens=0,
-                timeline=call.timeline, alias=call.route.alias if call.route else None)
+                timeline=call.timeline, alias=call.route.alias if call.route else None,
+                region=call.route.region if call.route else None)
             gateway.finish(ticket, None, "completed")
         return len(ready.prompts[0])
 

@@ -56,6 +56,7 @@ class UsageRecord:
     project_id: str | None = None
     key_id: str | None = None
     created_at: datetime | None = None
+    region: str | None = None  # the serving deployment's (None: it declares none)
     user_id: str | None = None  # the key's user (None: a key of no user)
 
     def __post_init__(self) -> None:

@@ -1,11 +1,17 @@
-"""Alembic, configured in code: no alembic.ini is needed where the package is installed."""
+"""Alembic, configured in code: no alembic.ini is needed where the package is installed.
+
+Alembic logs two lines of its own and one per migration at info; a first start ran a
+dozen of them before the banner. They are kept at warning here, and one line says what
+changed (`event: migrated`, from and to which revision)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -34,7 +40,22 @@ async def downgrade(engine: AsyncEngine, revision: str = "base") -> None:
         await connection.run_sync(_run, "downgrade", revision)
 
 
+logger = logging.getLogger("tokenyard.store")
+
+
 def _run(connection: Connection, command_name: str, revision: str) -> None:
     config = alembic_config()
     config.attributes["connection"] = connection  # env.py migrates on this connection
-    getattr(command, command_name)(config, revision)
+    before = MigrationContext.configure(connection).get_current_revision()
+    quiet = logging.getLogger("alembic")
+    level = quiet.level
+    quiet.setLevel(max(level, logging.WARNING))
+    try:
+        getattr(command, command_name)(config, revision)
+    finally:
+        quiet.setLevel(level)
+    after = MigrationContext.configure(connection).get_current_revision()
+    if after != before:
+        logger.info("database migrated from %s to %s", before or "an empty database",
+                    after or "an empty database",
+                    extra={"event": "migrated", "from": before, "to": after})

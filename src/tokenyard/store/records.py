@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 IdemOutcome = Literal["new", "running", "mismatch", "replay"]
-GroupBy = Literal["key", "user", "project", "org", "model", "day"]
+GroupBy = Literal["key", "user", "project", "org", "model", "day", "region"]
 
 #: Priority classes by name: the engine's scheduler runs lower values first (by class,
 #: then arrival). An org has one (default normal); a key may override its org's.
@@ -71,6 +71,8 @@ class OrgRecord:
     free_tier_daily_requests: int | None
     created_at: datetime
     priority: int = 0  # the scheduler's class of the org's requests (PRIORITY_CLASSES)
+    #: The regions whose deployments may serve its requests (None: any).
+    allowed_regions: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class ProjectRecord:
     org_id: str
     name: str
     created_at: datetime
+    #: Narrows its org's allowed regions (None: the org's).
+    allowed_regions: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,9 @@ class KeyContext:
     #: The scheduler's class for this key's requests (lower runs first; 0 is normal): the
     #: key's own, else its org's.
     priority: int = 0
+    #: The regions whose deployments may serve this key's requests: its org's, narrowed by
+    #: its project's (None: any region).
+    allowed_regions: frozenset[str] | None = None
     #: The spend budgets of the key and of its user, checked at admission (`Budgets`).
     key_budget: Budget = NO_BUDGET
     user_budget: Budget = NO_BUDGET

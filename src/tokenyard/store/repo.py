@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from tokenyard.store import idempotency
+from tokenyard.store import idempotency, regions
 from tokenyard.store.accounts import Accounts
 from tokenyard.store.db import Database
 from tokenyard.store.ids import new_id
@@ -147,7 +147,8 @@ class Store(Accounts, Users):
         """The org's projects, oldest first."""
         query = select(projects).where(projects.c.org_id == org_id).order_by(projects.c.created_at)
         async with self.db.engine.connect() as conn:
-            return [ProjectRecord(**row) for row in (await conn.execute(query)).mappings()]
+            return [ProjectRecord(**{**row, "allowed_regions": regions.region_list(
+                row["allowed_regions"])}) for row in (await conn.execute(query)).mappings()]
 
     # -- API keys ----------------------------------------------------------------------
 
@@ -198,8 +199,9 @@ class Store(Accounts, Users):
         return secret, _api_key(row)
 
     async def find_key(self, secret: str) -> KeyContext | None:
-        """The key whose secret is `secret` with its org's limits and its priority (its
-        own, else its org's), by one indexed query.
+        """The key whose secret is `secret` with its org's limits, its priority (its
+        own, else its org's) and its allowed regions (`regions.allowed`), by one indexed
+        query.
 
         Revoked and expired keys are returned too (see `KeyContext.is_active`), so that
         the gateway can say why a key is refused.
@@ -214,9 +216,12 @@ class Store(Accounts, Users):
                 orgs.c.priority.label("org_priority"),
                 users.c.monthly_budget_micros.label("user_monthly_budget_micros"),
                 users.c.total_budget_micros.label("user_total_budget_micros"),
+                orgs.c.allowed_regions.label("org_regions"),
+                projects.c.allowed_regions.label("project_regions"),
             )
             .join(orgs, orgs.c.id == api_keys.c.org_id)
             .outerjoin(users, users.c.id == api_keys.c.user_id)
+            .outerjoin(projects, projects.c.id == api_keys.c.project_id)
             .where(api_keys.c.secret_hash == hash_secret(secret))
         )
         async with self.db.engine.connect() as conn:
@@ -239,6 +244,7 @@ class Store(Accounts, Users):
             priority=row["org_priority"] if row["priority"] is None else row["priority"],
             key_budget=budget_of(row),
             user_budget=budget_of(row, "user_"),
+            allowed_regions=regions.allowed(row["org_regions"], row["project_regions"]),
         )
 
     async def list_keys(self, org_id: str | None = None) -> list[ApiKeyRecord]:
@@ -384,6 +390,7 @@ def _org(row: Any) -> OrgRecord:
         free_tier_daily_requests=row["free_tier_daily_requests"],
         created_at=row["created_at"],
         priority=row["priority"],
+        allowed_regions=regions.region_list(row.get("allowed_regions")),
     )
 
 

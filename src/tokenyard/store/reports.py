@@ -22,6 +22,7 @@ GROUP_COLUMNS: dict[str, Any] = {
     "org": usage_ledger.c.org_id,
     "model": usage_ledger.c.model,
     "day": usage_ledger.c.day,
+    "region": usage_ledger.c.region,
 }
 
 

@@ -44,6 +44,7 @@ class RequestRecord:
     cost_micros: int | None  # None: not billed
     timings: dict[str, float]  # stage → ms
     duration_ms: float
+    region: str | None = None  # the serving deployment's (None: it declares none)
     user_id: str | None = None  # the key's user (None: a key of no user)
 
 

@@ -97,6 +97,8 @@ orgs = Table(
     # The scheduler's class of the org's requests: lower runs first, 0 is normal.
     Column("priority", Integer, nullable=False, server_default="0"),
     Column("created_at", UTCDateTime, nullable=False),
+    # The regions whose deployments may serve the org's requests (NULL: any).
+    Column("allowed_regions", JSON, nullable=True),
 )
 
 projects = Table(
@@ -106,6 +108,8 @@ projects = Table(
     Column("org_id", String(ID), ForeignKey("orgs.id"), nullable=False, index=True),
     Column("name", String(200), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
+    # Narrows its org's allowed regions (NULL: the org's).
+    Column("allowed_regions", JSON, nullable=True),
 )
 
 users = Table(
@@ -196,6 +200,7 @@ usage_ledger = Table(
     Column("user_id", String(ID), nullable=True),  # the key's user (NULL: none; 0009)
     Index(None, "key_id", "day"),  # a key's budget reads its spend by these two
     Index(None, "user_id", "day"),
+    Column("region", String(64), nullable=True),  # the serving deployment's (NULL: none)
     Index(None, "org_id", "day"),
 )
 
@@ -320,6 +325,7 @@ request_records = Table(
     Column("timings", JSON, nullable=False),  # stage → ms
     Column("duration_ms", Float, nullable=False),
     Column("user_id", String(ID), nullable=True),  # the key's user (NULL: none; 0009)
+    Column("region", String(64), nullable=True),  # the serving deployment's (NULL: none)
 )
 
 org_capture = Table(

@@ -29,6 +29,9 @@ from typing import Any
 from tokenyard.telemetry.request_log import RequestSummary, add_observer
 
 FORMATS = ("json", "text")
+#: `auto` (serve's default): text on a terminal, JSON anywhere else (a pipe, a file, a
+#: log collector).
+AUTO = "auto"
 LEVELS = ("debug", "info", "warning", "error")
 #: How `tokenyard serve` tells its HTTP worker processes the log settings it was given.
 FORMAT_ENV = "TOKENYARD_LOG_FORMAT"
@@ -91,13 +94,21 @@ class _Enqueue(QueueHandler):
         return record
 
 
+def resolve_format(fmt: str | None) -> str:
+    """`fmt`, with `auto` (and None) made text when stderr is a terminal, else json."""
+    if fmt in (None, AUTO):
+        isatty = getattr(sys.stderr, "isatty", None)
+        return "text" if isatty is not None and isatty() else "json"
+    return fmt
+
+
 def configure(fmt: str | None = None, level: str | None = None) -> None:
-    """Log to stderr in `fmt` (json or text) at `level`; unset: the environment's
-    (`FORMAT_ENV`, `LEVEL_ENV`), else json and info. Requests get their line when the
-    level lets info through. The lines are written by a thread of their own until `stop`,
-    which runs at exit."""
+    """Log to stderr in `fmt` (json, text or auto: `resolve_format`) at `level`; unset:
+    the environment's (`FORMAT_ENV`, `LEVEL_ENV`), else auto and info. Requests get their
+    line when the level lets info through. The lines are written by a thread of their
+    own until `stop`, which runs at exit."""
     global _listener
-    fmt = fmt or os.environ.get(FORMAT_ENV) or "json"
+    fmt = resolve_format(fmt or os.environ.get(FORMAT_ENV))
     level = level or os.environ.get(LEVEL_ENV) or "info"
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")

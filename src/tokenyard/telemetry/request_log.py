@@ -45,6 +45,8 @@ class RequestSummary:
     deployment: str | None = None
     #: The replica (pool member id) that generated the output.
     replica: str | None = None
+    #: The region of that deployment (None: it declares none).
+    region: str | None = None
     #: The API error code of a refused or failed request (e.g. ``rate_limit_exceeded``).
     error_code: str | None = None
     #: How the completions ended, comma-joined in order (``stop``, ``length``, ``abort``).
