@@ -24,6 +24,7 @@ are compared and thrown away. A leaf module: plain values, no I/O beyond reading
     name = "qwen-2026-11-01"
     kind = "upstream"              # an OpenAI-compatible server we do not run
     urls = ["http://10.0.0.9:8000/v1"]
+    region = "eu"                  # where it runs (default: none declared)
     model = "Qwen/Qwen2.5-7B-Instruct"
     server = "vllm"                # vllm | sglang | openai (any other; the default)
     token_env = "QWEN_API_KEY"     # its own key; none sent without it
@@ -54,6 +55,7 @@ from tokenyard.fleet_values import (
     a_weight,
     an_array,
     only_fields,
+    opt_region,
     opt_string,
 )
 from tokenyard.sampling_defaults import NONE, SamplingDefaults, fleet_defaults
@@ -157,6 +159,10 @@ class DeploymentSpec:
     #: The fleet file's `defaults`: sampling a request that sets none gets (over the
     #: model's own recommendation; `sampling_defaults.py`).
     defaults: SamplingDefaults = NONE
+    #: Where it runs (an upstream: the region of the endpoint it calls): only orgs allowed
+    #: that region reach it, and `serve --region R` serves only R's. None: declared
+    #: nowhere, so it serves only orgs that are not bound to regions.
+    region: str | None = None
 
     @property
     def salts_cache(self) -> bool:
@@ -270,7 +276,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item, limits = _output_limits(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "moderation", "server",
-                 "defaults"}, where)
+                 "defaults", "region"}, where)
     name = a_string(item.get("name"), f"{where}.name")
     kind = item.get("kind", "engine")
     if kind not in KINDS:
@@ -320,7 +326,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
         moderation=(_moderation(item["moderation"], f"{where} ({name}).moderation")
                     if "moderation" in item else None),
-        server=server,
+        server=server, region=opt_region(item.get("region"), f"{where}.region"),
         defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
                   if "defaults" in item else NONE),
         **limits,

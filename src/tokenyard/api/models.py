@@ -7,7 +7,9 @@ OpenAI and Anthropic publish the same two routes with different bodies: OpenAI's
 limits). The request says which it speaks: the official Anthropic SDK sends
 `anthropic-version` on every request and authenticates with `x-api-key`; OpenAI's sends
 neither. Every deployment is listed, then every alias; all fit in one page (the
-Anthropic list's `limit`, `before_id` and `after_id` cut it the way that API does).
+Anthropic list's `limit`, `before_id` and `after_id` cut it the way that API does). Each
+OpenAI card says its `region`; a regional endpoint (`serve --region`) lists only its
+region's, and its list says which (`region`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class Listed:
     capabilities: tuple[str, ...] = ()
     #: A deployment's sampling defaults (None: an alias, whose deployments' are theirs).
     sampling: SamplingDefaults | None = None
+    #: Where it is served (an alias: its targets' region when they share one).
+    region: str | None = None
 
 
 class ModelInfo(BaseModel):
@@ -82,11 +86,18 @@ def _listed(request: web.Request) -> list[Listed]:
     fleet = state.router.fleet
     return ([Listed(s.name, s.created, s.window, s.spec.max_output_tokens,
                     capabilities=_capabilities([s.spec]),
-                    sampling=s.sampling if s.kind != "embeddings" else None)
+                    sampling=s.sampling if s.kind != "embeddings" else None,
+                    region=s.spec.region)
              for s in state.deployments.values()]
             + [Listed(name, state.created, capabilities=_capabilities(
-                fleet.deployments[target] for target, _ in alias.routes))
+                fleet.deployments[target] for target, _ in alias.routes),
+                region=_one_region({fleet.deployments[t].region for t, _ in alias.routes}))
                for name, alias in fleet.aliases.items()])
+
+
+def _one_region(regions: set[str | None]) -> str | None:
+    """The one region of an alias's targets (None: several, or none declared)."""
+    return next(iter(regions)) if len(regions) == 1 else None
 
 
 def _capabilities(specs: Iterable[DeploymentSpec]) -> tuple[str, ...]:
@@ -107,7 +118,7 @@ def _card(model: Listed) -> ModelCard:
                      sampling_defaults=None if model.sampling is None
                      else dict(model.sampling.values),
                      sampling_defaults_source=None if model.sampling is None
-                     else dict(model.sampling.sources))
+                     else dict(model.sampling.sources), region=model.region)
 
 
 
@@ -142,7 +153,8 @@ async def list_models(request: web.Request) -> web.Response:
     models = _listed(request)
     if speaks_anthropic(request):
         return json_response(_page(request, models))
-    return json_response(ModelList(data=[_card(m) for m in models]))
+    return json_response(ModelList(data=[_card(m) for m in models],
+                                   region=request.app[STATE].region))
 
 
 async def get_model(request: web.Request) -> web.Response:

@@ -102,6 +102,9 @@ class Fleet:
     gateway: Gateway | None = None
     #: Pools of removed deployments still finishing their requests.
     retired: list[Pool] = field(default_factory=list)
+    #: A regional endpoint's region (`serve --region`; its fleet holds only that
+    #: region's deployments); None: every region.
+    region: str | None = None
 
     @property
     def default(self) -> Served:

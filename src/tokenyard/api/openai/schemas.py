@@ -413,6 +413,9 @@ class ModelCard(BaseModel):
     # default, and where each value comes from ("fleet", "model", "model card").
     sampling_defaults: dict[str, float] | None = None
     sampling_defaults_source: dict[str, str] | None = None
+    # Where it is served (a deployment's declared region; an alias's, when all its targets
+    # share one): what an org bound to regions may reach.
+    region: str | None = None
 
 
 class ModelList(BaseModel):
@@ -420,3 +423,5 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    # A regional endpoint's region (`serve --region`): it lists and serves only its own.
+    region: str | None = None
