@@ -48,7 +48,8 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     # Slow enough (100 ms to the first token) that requests sent at once overlap.
-    mock = MockReplica(MockConfig(output_len=3, ttft_ms=100.0, itl_ms=0.0))
+    # Replies as long as max_tokens asks, up to 60 tokens (the other tests ask for 3).
+    mock = MockReplica(MockConfig(output_len=60, ttft_ms=100.0, itl_ms=0.0))
     with _serving({MODEL: mock.make_app()}) as urls, tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "tokenyard.toml"
         config.write_text(f"""
@@ -221,8 +222,10 @@ def test_a_key_budget_and_a_user_budget_refuse_naming_themselves(fleet: Fleet) -
 
 
 def test_requests_at_once_never_spend_past_a_budget(fleet: Fleet) -> None:
+    """12 requests at once of ~62 micros each would spend 744 of a 300 budget if the
+    budget were only checked against what was spent (each sees nothing spent yet)."""
     org = new_org(fleet, "at-once")
-    budget = Decimal("0.000100")
+    budget = Decimal("0.000300")
     key = admin(fleet, "POST", "/admin/v1/keys",
                 {"org_id": org, "name": "burst", "monthly_budget": str(budget)}, 201)
     chat(fleet, key["secret"])  # the gateway reads the key's spend once, then holds
@@ -232,8 +235,9 @@ def test_requests_at_once_never_spend_past_a_budget(fleet: Fleet) -> None:
                                      api_key=key["secret"], max_retries=0)
 
         async def one() -> None:
-            await aclient.chat.completions.create(
-                model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+            reply = await aclient.chat.completions.create(
+                model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Hi"}])
+            assert reply.usage is not None and reply.usage.completion_tokens == 60
 
         results = await asyncio.gather(*(one() for _ in range(12)), return_exceptions=True)
         await aclient.close()
@@ -243,7 +247,7 @@ def test_requests_at_once_never_spend_past_a_budget(fleet: Fleet) -> None:
     served = sum(result is None for result in results)
     refused = [r for r in results if isinstance(r, openai.RateLimitError)]
     assert served + len(refused) == len(results), results
-    assert served >= 1 and refused, results  # 12 at once would cost well past the budget
-    assert any("held by requests in flight" in err.message for err in refused), refused
     spent = Decimal(ledger_cost(fleet, "key", org, served + 1)[key["id"]]["cost"])
-    assert spent <= budget, f"{spent} spent of a {budget} budget"
+    assert spent <= budget, f"{spent} spent of a {budget} budget by {served + 1} requests"
+    assert served >= 1 and refused, results
+    assert any("held by requests in flight" in err.message for err in refused), refused
