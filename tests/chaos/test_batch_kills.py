@@ -28,11 +28,13 @@ import pytest
 
 from tests.chaos.conftest import Recorder, Scale
 from tests.e2e.conftest import Server, running_server
+from tests.e2e.test_admin_http import call
 from tests.integration.test_store_postgres import (  # noqa: F401
     postgres_admin_dsn,
     postgres_database,
 )
 from tests.integration.test_workers import poll
+from tokenyard.store.money import Prices, cost_micros
 
 pytestmark = pytest.mark.slow
 
@@ -105,6 +107,9 @@ def test_kill_9_mid_batch_then_restart_sqlite(slow_mock: str, tmp_path: Path, sc
     db = tmp_path / "tokenyard.db"
     with running_server("--replica-url", slow_mock, state_dir=str(tmp_path), env=env,
                         check_exit=False) as (server, proc):
+        status, _ = call(server, "PUT", f"/admin/v1/prices/{server.model}",
+                         body={"input": "2", "cached_input": "1", "output": "4"})
+        assert status == 200
         batch_id = _start(server, n)
         poll(lambda: _completed(server, batch_id), lambda c: c >= n // 4, 300,
              "a quarter of the lines")
@@ -121,8 +126,17 @@ def test_kill_9_mid_batch_then_restart_sqlite(slow_mock: str, tmp_path: Path, sc
             after = dict(conn.execute("SELECT line, result FROM batch_lines "
                                       "WHERE batch_id = ?", (batch_id,)).fetchall())
             rows = poll(lambda: conn.execute(
-                "SELECT request_id FROM usage_ledger WHERE batch_id = ?",
-                (batch_id,)).fetchall(), lambda r: len(r) >= n, 30, "every line's row")
+                "SELECT request_id, prompt_tokens, cached_tokens, output_tokens, cost_micros "
+                "FROM usage_ledger WHERE batch_id = ?", (batch_id,)).fetchall(),
+                lambda r: len(r) >= n, 30, "every line's row")
+        status, usage = call(server, "GET", "/admin/v1/usage?group_by=batch")
+        assert status == 200
+        by_batch = {row["group"]: row for row in usage["data"]}
+        assert by_batch[batch_id]["requests"] == n
+    # Priced at the batch price: half the live one (2, 1 and 4 per million tokens).
+    half = Prices(input=1_000_000, cached_input=500_000, output=2_000_000)
+    for _, prompt, cached, output, cost in rows:
+        assert cost == cost_micros(half, prompt - cached, cached, output) > 0
     # A line done before the kill was never run again; every line has one ledger row.
     assert all(after[line] == result for line, result in before.items())
     assert sorted(r[0] for r in rows) == sorted(o["response"]["request_id"] for o in out)

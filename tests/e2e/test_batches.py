@@ -142,6 +142,17 @@ def test_the_upload_names_the_first_bad_line(server: Server) -> None:
         assert line in message and why in message, message
 
 
+def test_a_batch_over_the_enqueued_token_quota_is_refused_naming_it(server: Server) -> None:
+    client = _client(server)
+    huge = [{"custom_id": "h", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": server.model, "max_tokens": 30_000_000,
+                      "messages": [{"role": "user", "content": "x"}]}}]
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.batches.create(input_file_id=_upload(client, huge),
+                              endpoint="/v1/chat/completions", completion_window="24h")
+    assert "batch_enqueued_tokens" in str(refused.value)
+
+
 def test_another_org_cannot_see_read_cancel_or_be_billed(server: Server) -> None:
     owner, other = _client(server), _client(server, new_key(server))
     lines = [{"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",

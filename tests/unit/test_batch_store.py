@@ -98,6 +98,13 @@ def test_claims_leases_results_and_ending_once(database_url: str) -> None:
                                    result="done", now=later)
             assert [s for _, s in await rows.due(db, later)] == ["cancelled"]
             assert await rows.enqueued_tokens(db, "org_a") == 30  # batch_2 still counts
+
+            # Past its window: nothing is claimed from it, and it ends expired.
+            old = _batch("batch_3", 2)
+            old = BatchRecord(**{**old.__dict__, "expires_at": later - timedelta(seconds=1)})
+            await rows.create_batch(db, old, lines[:2])
+            assert await rows.claim(db, "A", now=later, lease_s=60, limit=5) == []
+            assert ("batch_3", "expired") in [(r.id, s) for r, s in await rows.due(db, later)]
         finally:
             await db.close()
 
