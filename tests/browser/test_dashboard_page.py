@@ -38,11 +38,11 @@ def test_a_finished_request_appears_on_the_dashboard_within_two_seconds(
     row.locator("button").click()  # its stages
     stages = page.locator("#recent .waterfall .bar-row span:first-child").all_inner_texts()
     assert {"queue", "prefill", "decode"} <= set(stages), stages
-    # The refused request is counted by its status and code; the finished one's tokens
-    # are in the org's and the model's rows, and its latencies in the percentiles.
-    refusals = page.locator("#errors tbody tr", has_text="invalid_value")
+    # The refused request is counted by its stage, status and code; the finished one's
+    # tokens are in the org's and the model's rows, and its latencies in the percentiles.
+    refusals = page.locator("#refusals tbody tr", has_text="invalid_value")
     refusals.wait_for()
-    assert refusals.locator("td").first.inner_text() == "400"
+    assert refusals.locator("td").all_inner_texts()[:2] == ["validation", "400"]
     assert page.locator("#by-model tbody tr", has_text=server.model).count() == 1
     assert page.locator("#by-org tbody tr").count() >= 1
     ttft = page.locator("#latency tbody tr", has_text="Time to first token")

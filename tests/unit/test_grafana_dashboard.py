@@ -20,6 +20,7 @@ def _page() -> str:
     metrics = TokenyardMetrics(CollectorRegistry())
     metrics.observe_finished(0.1, 1.0, 0.01, 10, 5, "stop")
     metrics.observe_inter_token(20_000_000)
+    metrics.observe_refused("limit", 429, "rate_limit_exceeded", "/v1/chat/completions")
     metrics.update_from_stats(EngineStats(
         num_running=1, num_waiting=0, kv_cache_usage=0.5, num_kv_blocks=10,
         num_free_kv_blocks=5, prefix_cache_queries=10, prefix_cache_hits=4,

@@ -2,9 +2,12 @@
 
 One JSON object the page at ``/dashboard`` polls every second:
 
-- ``requests``: rates now and over the last minute, errors by status and code, tokens and
-  spend by org and by model since start, and the last requests with their stage timings
-  — all from this worker's `RecentRequests`, a request observer;
+- ``requests``: rates now and over the last minute, tokens and spend by org and by model
+  since start, and the last requests with their stage timings — all from this worker's
+  `RecentRequests`, a request observer;
+- ``refusals``: refused requests by stage, status, code and route, in the last minute
+  (``count``) and since start (``total``), from the metrics' refusals counter (every
+  worker's, in multiprocess mode) through a `RefusalWindow`;
 - ``latency``: TTFT, inter-token and end-to-end percentiles of the last minute, from the
   metrics' histograms (every worker's, in multiprocess mode) through a `LatencyWindow`;
 - ``deployments``: each pool's queue and its replicas — health, drain state, load, KV
@@ -16,7 +19,8 @@ One JSON object the page at ``/dashboard`` polls every second:
   (this month, in all) and what its requests in flight hold (`gateway/budgets.py`).
 
 No database read feeds it. With several HTTP workers each worker keeps its own ring, so
-the request figures are those of the worker that answered (``worker_pid``). Admin scope
+the ``requests`` figures are those of the worker that answered (``worker_pid``); the
+latencies and the refusals are every worker's. Admin scope
 required (open when the server runs without authentication).
 """
 
@@ -36,6 +40,7 @@ from tokenyard.gateway.served import Served
 from tokenyard.telemetry import request_log
 from tokenyard.telemetry.latency_window import LatencyWindow
 from tokenyard.telemetry.recent_requests import RecentRequests
+from tokenyard.telemetry.refusal_window import RefusalWindow
 
 PATH = "/admin/v1/dashboard"
 #: The requests the dashboard accounts for.
@@ -49,6 +54,7 @@ LATENCIES = {
 }
 _RECENT: web.AppKey[RecentRequests] = web.AppKey("recent_requests", RecentRequests)
 _WINDOW: web.AppKey[LatencyWindow] = web.AppKey("latency_window", LatencyWindow)
+_REFUSALS: web.AppKey[RefusalWindow] = web.AppKey("refusal_window", RefusalWindow)
 _STARTED: web.AppKey[float] = web.AppKey("dashboard_started", float)
 
 
@@ -82,6 +88,7 @@ async def dashboard(request: web.Request) -> web.Response:
         "admitting": state.admitting,
         "requests": app[_RECENT].to_json(limit=_recent_limit(request)),
         "latency": window,
+        "refusals": app[_REFUSALS].rows(state.metrics.refusals()),
         "deployments": [_deployment(s) for s in state.deployments.values()],
         "admissions_open": None if state.gateway is None else state.gateway.admissions_open,
         "budgets": [] if state.gateway is None else state.gateway.billing.budgets.to_json(),
@@ -92,6 +99,7 @@ def add_dashboard_routes(app: web.Application) -> None:
     """Register the endpoint and keep this application's ring of finished requests."""
     recent = app[_RECENT] = RecentRequests()
     app[_WINDOW] = LatencyWindow()
+    app[_REFUSALS] = RefusalWindow()
     app[_STARTED] = time.monotonic()
 
     def api_request(summary: request_log.RequestSummary) -> None:

@@ -32,6 +32,7 @@ from tokenyard.api.errors import (
     render_openai,
 )
 from tokenyard.api.ratelimit_headers import ratelimit_headers
+from tokenyard.api.refusals import count_refusal
 from tokenyard.api.request_end import request_ended
 from tokenyard.api.sse import SSE_HEADERS
 from tokenyard.api.web import is_public
@@ -125,14 +126,18 @@ def new_request_id(client_id: str | None) -> str:
 async def _respond(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The handler's response, or the error it raised in the route's error shape."""
     request_id = request[REQUEST_ID]
+    stage: str | None = "edge"  # the stage running here, for the refusals counter
     try:
         request.app[EDGE].admit(request)
+        stage = None
         gateway = request.app[STATE].gateway
         if gateway is None or request.path in PUBLIC_PATHS or is_public(request.path):
             response = await handler(request)
         else:
+            stage = "auth"
             request[KEY] = await gateway.authenticate(request.headers, request[TIMELINE],
                                                          request.remote)
+            stage = None
             idem_key = request.headers.get(idempotency.HEADER)
             if idem_key is not None and request.method == "POST" and (
                 request.path in IDEMPOTENT_PATHS
@@ -142,14 +147,18 @@ async def _respond(request: web.Request, handler: Handler) -> web.StreamResponse
                 response = await handler(request)
     except APIError as err:
         response = _error_response(request, err)
+        count_refusal(request, err, stage)
     except web.HTTPRequestEntityTooLarge:
-        response = _error_response(request, body_too_large(request.app[STATE].max_body_bytes))
+        too_large = body_too_large(request.app[STATE].max_body_bytes)
+        response = _error_response(request, too_large)
+        count_refusal(request, too_large, "edge")
     except web.HTTPException as exc:
         http_err = (
             not_found(f"Unknown route {request.method} {request.path}.")
             if exc.status == 404 else APIError(exc.status, exc.reason or "error")
         )
         response = _error_response(request, http_err)
+        count_refusal(request, http_err)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

@@ -14,8 +14,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import Generic, TypeVar
 
 from tokenyard.telemetry.metrics import Buckets
+
+T = TypeVar("T")
 
 #: The percentiles reported, as fractions.
 QUANTILES = (0.5, 0.9, 0.99)
@@ -46,13 +49,33 @@ def _minus(now: Buckets, then: Buckets | None) -> Buckets:
     return tuple((bound, count - old) for (bound, count), (_, old) in zip(now, then, strict=True))
 
 
-class LatencyWindow:
-    """Percentiles over the last `window_s` seconds of each histogram it is given."""
+class Snapshots(Generic[T]):
+    """Snapshots of cumulative figures (one per `step_s` at most, as they are read), to
+    subtract the one of a window ago from the figures now."""
 
     def __init__(self, window_s: float = 60.0, step_s: float = 1.0) -> None:
         self.window_s = window_s
         self.step_s = step_s
-        self._snapshots: deque[tuple[float, Mapping[str, Buckets]]] = deque()
+        self._snapshots: deque[tuple[float, T]] = deque()
+
+    def base(self, current: T, now: float | None = None) -> T | None:
+        """The newest snapshot at least a window old (None until one is that old: then
+        everything since start counts), and `current` kept as a snapshot."""
+        now = time.monotonic() if now is None else now
+        while len(self._snapshots) > 1 and now - self._snapshots[1][0] >= self.window_s:
+            self._snapshots.popleft()  # the oldest still at least a window back stays
+        old = self._snapshots and now - self._snapshots[0][0] >= self.window_s
+        base = self._snapshots[0][1] if old else None
+        if not self._snapshots or now - self._snapshots[-1][0] >= self.step_s:
+            self._snapshots.append((now, current))
+        return base
+
+
+class LatencyWindow:
+    """Percentiles over the last `window_s` seconds of each histogram it is given."""
+
+    def __init__(self, window_s: float = 60.0, step_s: float = 1.0) -> None:
+        self._snapshots: Snapshots[Mapping[str, Buckets]] = Snapshots(window_s, step_s)
 
     def percentiles(
         self, histograms: Mapping[str, Buckets], now: float | None = None,
@@ -60,14 +83,7 @@ class LatencyWindow:
     ) -> dict[str, dict[str, float | int | None]]:
         """name → {"p50": seconds, …, "count": observations in the window}, from the
         histograms' cumulative counts now (`TokenyardMetrics.histogram_buckets`)."""
-        now = time.monotonic() if now is None else now
-        while len(self._snapshots) > 1 and now - self._snapshots[1][0] >= self.window_s:
-            self._snapshots.popleft()  # the oldest still at least a window back stays
-        # Until a snapshot is a window old, everything since start counts.
-        old = self._snapshots and now - self._snapshots[0][0] >= self.window_s
-        base = self._snapshots[0][1] if old else {}
-        if not self._snapshots or now - self._snapshots[-1][0] >= self.step_s:
-            self._snapshots.append((now, histograms))
+        base = self._snapshots.base(histograms, now) or {}
         out: dict[str, dict[str, float | int | None]] = {}
         for name, buckets in histograms.items():
             recent = _minus(buckets, base.get(name))

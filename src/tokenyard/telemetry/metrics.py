@@ -66,6 +66,14 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
                    300.0, 600.0, 1800.0)
 
+#: What refused a request (`requests_refused_total`'s `stage`): the key (auth), its
+#: scopes and regions (authorize), its rate limits (limit), its credit, spend cap or free
+#: tier (billing), the content policy (moderation), the per-address limits and the body
+#: cap (edge), and the request itself (validation: a malformed or unservable body).
+REFUSAL_STAGES = ("auth", "authorize", "limit", "billing", "moderation", "edge",
+                  "validation")
+REFUSAL_LABELS = ("stage", "status", "code", "route")
+
 #: The engine-wide figures: (name after the prefix, type, help, EngineStats field).
 ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("num_requests_running", "gauge", "Requests in the engine's running batch.",
@@ -151,6 +159,12 @@ class TokenyardMetrics:
         self.request_success = Counter(
             f"{p}request_success_total", "Finished requests by finish reason.",
             labelnames=("finished_reason",), registry=r)
+        # Not vLLM's: the gateway's refusals (4xx), by the stage that refused them
+        # (REFUSAL_STAGES), the HTTP status, the error code and the route.
+        self.requests_refused = Counter(
+            f"{p}requests_refused_total", "Requests the gateway refused, by stage, status, "
+            "error code and route.", labelnames=REFUSAL_LABELS, registry=r)
+        self._refused: dict[tuple[str, str, str, str], Counter] = {}
         # livesum: the workers alive now (a dead worker's file is removed by its parent).
         self.http_workers = Gauge(
             f"{p}http_workers", "HTTP worker processes serving.", registry=r,
@@ -193,6 +207,27 @@ class TokenyardMetrics:
             if child is None:
                 child = self._success_by_reason[reason] = self.request_success.labels(reason)
             child.inc()
+
+    def observe_refused(self, stage: str, status: int, code: str, route: str) -> None:
+        """Count one refused request (`stage`: one of REFUSAL_STAGES)."""
+        labels = (stage, str(status), code, route)
+        child = self._refused.get(labels)
+        if child is None:
+            child = self._refused[labels] = self.requests_refused.labels(*labels)
+        child.inc()
+
+    def refusals(self) -> dict[tuple[str, str, str, str], float]:
+        """Every worker's refusals so far: (stage, status, code, route) → count."""
+        out: dict[tuple[str, str, str, str], float] = {}
+        for family in self._source().collect():
+            if family.name != PREFIX + "requests_refused":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    got = sample.labels
+                    labels = (got["stage"], got["status"], got["code"], got["route"])
+                    out[labels] = out.get(labels, 0.0) + sample.value
+        return out
 
     def observe_request(
         self,

@@ -2,8 +2,9 @@
 
 `RecentRequests` is fed by a request observer (`telemetry/request_log.py`): it keeps the last
 `capacity` summaries (a bounded ring), the arrivals of the last minute for the request
-and error rates, errors by status and code, and tokens and spend by org and by model
-since this process started. Everything is updated in O(1) per request on the event loop
+and error rates, and tokens and spend by org and by model since this process started
+(refusals by reason come from the metrics' counter instead, summed across workers:
+`refusal_window.py`). Everything is updated in O(1) per request on the event loop
 and read by the dashboard's endpoint; nothing is written anywhere, so a restart starts
 from zero. With several HTTP workers each worker has its own (the endpoint answers
 with the figures of the worker that served the poll).
@@ -12,7 +13,7 @@ with the figures of the worker that served the poll).
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -56,7 +57,6 @@ class RecentRequests:
         self.recent: deque[RequestSummary] = deque(maxlen=capacity)
         #: (second, requests, errors), oldest first, one entry per second with arrivals.
         self._seconds: deque[list[int]] = deque()
-        self.errors: Counter[tuple[int, str | None]] = Counter()
         self.by_org: dict[str, Usage] = {}
         self.by_model: dict[str, Usage] = {}
         self.total = 0
@@ -73,8 +73,6 @@ class RecentRequests:
             self._seconds.append([second, 1, int(failed)])
             while self._seconds[0][0] <= second - RATE_WINDOW_S:
                 self._seconds.popleft()
-        if failed:
-            self.errors[summary.status, summary.error_code] += 1
         if summary.org_id is not None:
             self.by_org.setdefault(summary.org_id, Usage()).add(summary)
         model = summary.deployment or summary.model
@@ -96,13 +94,10 @@ class RecentRequests:
         }
 
     def to_json(self, limit: int = 50, now: float | None = None) -> dict[str, Any]:
-        """The dashboard's view: rates, errors by status and code, usage by org and by
-        model (most requests first), and the last `limit` requests, newest first."""
-        errors = [{"status": status, "code": code, "count": count}
-                  for (status, code), count in self.errors.most_common()]
+        """The dashboard's view: rates, usage by org and by model (most requests first),
+        and the last `limit` requests, newest first."""
         return {
             "rates": self.rates(now),
-            "errors": errors,
             "by_org": _usage_rows("org_id", self.by_org),
             "by_model": _usage_rows("model", self.by_model),
             "recent": [s.to_json() for s in list(self.recent)[::-1][:limit]],

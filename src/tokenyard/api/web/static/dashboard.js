@@ -54,10 +54,13 @@ function latency(data) {
   $("latency").replaceChildren(table([["", 0], ["p50", 1], ["p90", 1], ["p99", 1], ["samples", 1]], rows));
 }
 
-function errors(data) {
-  const rows = data.requests.errors.map((e) => el("tr", {}, el("td", {}, String(e.status)),
-    el("td", { class: "mono" }, e.code || "–"), el("td", { class: "num" }, num(e.count))));
-  $("errors").replaceChildren(table([["status", 0], ["code", 0], ["count", 1]], rows, "No errors."));
+function refusals(data) {
+  // Every reason refused since start; those of the last minute first.
+  const rows = data.refusals.map((r) => el("tr", {}, el("td", {}, r.stage), el("td", {}, String(r.status)),
+    el("td", { class: "mono" }, r.code || "–"), el("td", { class: "mono" }, r.route),
+    el("td", { class: "num" }, num(r.count)), el("td", { class: "num" }, num(r.total))));
+  $("refusals").replaceChildren(table([["stage", 0], ["status", 0], ["code", 0], ["route", 0],
+    ["last minute", 1], ["since start", 1]], rows, "Nothing refused."));
 }
 
 function replicas(data) {
@@ -134,7 +137,7 @@ async function poll() {
     $("status").textContent = `Updated ${new Date().toLocaleTimeString([], { hour12: false })} · worker ${data.worker_pid} · up ${Math.round(data.uptime_s)} s`;
     cards(data);
     latency(data);
-    errors(data);
+    refusals(data);
     replicas(data);
     usage("by-org", data.requests.by_org, "org_id");
     usage("by-model", data.requests.by_model, "model");
