@@ -9,36 +9,22 @@ from __future__ import annotations
 import json
 import os
 import pty
-import re
 import select
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.integration.test_workers import mock_url
 from tokenyard.cli.serve import banner
 from tokenyard.telemetry import logs
 
+__all__ = ["mock_url"]  # the module fixture, shared
+
 START_TIMEOUT_S = 120.0
-
-
-@pytest.fixture(scope="module")
-def mock_url() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenyard.bench.mock_replica", "--port", "0"],
-        stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    match = re.search(r"serving at (http://\S+)", proc.stdout.readline())
-    assert match
-    try:
-        yield match.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
 
 
 def first_start(mock_url: str, state: Path, *, tty: bool) -> list[str]:

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
-import subprocess
-import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
 from tests.e2e.conftest import Server, running_server
+from tests.integration.test_workers import mock_url
 from tokenyard.cli.workers import WORKER_HEADER
+
+__all__ = ["mock_url"]  # the module fixture, shared
 
 CHAT = "/v1/chat/completions"
 REFUSED = re.compile(r'^tokenyard:requests_refused_total\{(.*)\} (\S+)$', re.MULTILINE)
@@ -29,21 +27,6 @@ LABEL = re.compile(r'(\w+)="([^"]*)"')
 #: The edge's requests per second per address and worker, and the spacing that keeps the
 #: test's own sequential requests under it.
 EDGE_RATE, SPACING_S = 8, 0.2
-
-
-@pytest.fixture(scope="module")
-def mock_url() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenyard.bench.mock_replica", "--port", "0",
-         "--itl-ms", "1", "--output-len", "4"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    match = re.search(r"serving at (http://\S+)", proc.stdout.readline())
-    assert match
-    try:
-        yield match.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
 
 
 def refusals(text: str) -> Counter[tuple[str, str, str, str]]:
