@@ -446,6 +446,75 @@ def test_waiters_are_served_in_priority_order() -> None:
     run(scenario)
 
 
+def test_waiters_of_one_class_keep_their_arrival_order() -> None:
+    """Issue 29: room that comes without a release (the replica's own queue moved on)
+    goes to the first in line, not to whichever waiter's half-second look fell first;
+    before, each look put the waiter back with a new place (three finished 2, 3, 1)."""
+    async def scenario() -> None:
+        a = FakeReplica("a", capacity=1)
+        a.gate = asyncio.Event()
+        pool = make_pool(a, queue_timeout_s=10.0)
+        holder = open_stream(pool, "holder")
+        await holder.__anext__()
+        started: list[str] = []
+
+        async def request(rid: str) -> None:
+            stream = open_stream(pool, rid, priority=5)
+            await stream.__anext__()
+            started.append(rid)
+            async for _ in stream:
+                pass
+
+        t0 = time.monotonic()
+        tasks = []
+        for rid in ("first", "second", "third"):  # a phase apart
+            tasks.append(asyncio.create_task(request(rid)))
+            await asyncio.sleep(0.15)
+        # Just after the first one's third look: the others' looks come sooner.
+        await asyncio.sleep(t0 + 1.55 - time.monotonic())
+        assert not started and len(pool._waiting) == 3
+        a.capacity = 4  # room, and no lease released
+        a.gate.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        assert started == ["first", "second", "third"]
+        await holder.aclose()
+        assert_no_leases(pool)
+
+    run(scenario)
+
+
+def test_a_newcomer_queues_behind_waiters_of_its_class() -> None:
+    async def scenario() -> None:
+        a = FakeReplica("a", capacity=1)
+        a.gate = asyncio.Event()
+        pool = make_pool(a, queue_timeout_s=10.0)
+        holder = open_stream(pool, "holder")
+        await holder.__anext__()
+        started: list[str] = []
+
+        async def request(rid: str, priority: int = 5) -> None:
+            stream = open_stream(pool, rid, priority=priority)
+            await stream.__anext__()
+            started.append(rid)
+            async for _ in stream:
+                pass
+
+        waiter = asyncio.create_task(request("waiter"))
+        await asyncio.sleep(0.05)
+        a.capacity = 2  # room for one, no release: the waiter looks within 0.5 s
+        late = asyncio.create_task(request("late"))
+        urgent = asyncio.create_task(request("urgent", priority=1))
+        await asyncio.sleep(0.05)
+        assert started == ["urgent"]  # a more urgent class may pass; its own class not
+        a.gate.set()
+        await asyncio.wait_for(asyncio.gather(waiter, late, urgent), 5.0)
+        assert started == ["urgent", "waiter", "late"]
+        await holder.aclose()
+        assert_no_leases(pool)
+
+    run(scenario)
+
+
 def test_a_full_queue_refuses_at_once() -> None:
     async def scenario() -> None:
         a = FakeReplica("a", capacity=1)

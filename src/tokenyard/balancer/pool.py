@@ -9,8 +9,9 @@
   replica (each at most once); one that has, ends with the error (the caller's stream
   gets a clean error event). A replica that answers "draining" is skipped the same way.
 - **Queue**: when every available replica answered "full", the request waits here, in
-  priority order (lower first), for up to `queue_timeout_s`, woken whenever a request
-  of this pool ends; then, or when `queue_max` already wait, 503 with retry-after.
+  priority order (lower first), then arrival order (`balancer/wait_queue.py`), for up to
+  `queue_timeout_s`, woken whenever a request of this pool ends; then, or when
+  `queue_max` already wait, 503 with retry-after.
 
 The pool serves three kinds of members with one mechanism (`_stream`): engine replicas
 (`ReplicaClient`: the pool is itself a `Replica`), external upstreams (`open_chat`,
@@ -177,8 +178,18 @@ class Pool:
 
     # ------------------------------------------------------------------ selection
 
+    @property
+    def tracks_prefixes(self) -> bool:
+        """Whether prefix placements can matter: the pool has several members, or its
+        table is shared (Redis: other gateways route by it). One member behind a table
+        of this process's own has nothing to choose between: no hashing, no records."""
+        return len(self.members) > 1 or not isinstance(self.affinity, LocalAffinity)
+
     def hashes(self, prompt: Sequence[int], salt: str | None) -> list[int]:
-        """The prompt's block hashes (memoised for the n children of one prompt)."""
+        """The prompt's block hashes (memoised for the n children of one prompt); none
+        where they cannot matter (`tracks_prefixes`)."""
+        if not self.tracks_prefixes:
+            return []
         key = (id(prompt), len(prompt), salt)
         if self._memo[:3] != key:
             self._memo = (*key, prefix_hashes(prompt, self.block_size, salt))
@@ -214,7 +225,16 @@ class Pool:
         deadline = time.monotonic() + self.spec.queue_timeout_s
         facts = RequestFacts(hashes, cost, priority)
         tried: set[str] = set()
+        arrival = self._waiting.arrival()  # kept through every wait: FIFO in a class
+        waited = False
         while True:
+            if self._waiting.ahead(priority, arrival):
+                if waited:  # woken, but an earlier or more urgent request waits: its turn
+                    self._waiting.wake()
+                await self._waiting.wait(priority, arrival, deadline, 1.0,
+                                         self.spec.queue_max, self.name)
+                waited = True
+                continue
             self.decisions += 1
             began = time.perf_counter_ns()
             order = await self._order(facts, tried)
@@ -244,12 +264,15 @@ class Pool:
                 record_success(member)
                 if hashes:
                     await self.policy.placed(hashes, member)
+                if waited:  # there may be room for the next in line too
+                    self._waiting.wake()
                 return lease, result
             if full is None:
                 raise last or ReplicaConnectionError(
                     f"no replica of {self.name} is available")
-            await self._waiting.wait(priority, deadline, full, self.spec.queue_max,
-                                     self.name)
+            await self._waiting.wait(priority, arrival, deadline, full.retry_after or 1.0,
+                                     self.spec.queue_max, self.name)
+            waited = True
             tried.clear()  # everyone may have room now
 
     def _lease(self, member: Member, cost: int) -> Lease:
@@ -333,7 +356,7 @@ class Pool:
             cost=len(prompt_token_ids) + (params.max_tokens or 0),
             priority=priority, request_id=request_id, timeline=timeline,
         )
-        if not self.policy.follows_output:
+        if not self.policy.follows_output or not self.tracks_prefixes:
             return stream
         return self._remember_output(stream, request_id, prompt_token_ids, cache_salt)
 
