@@ -43,7 +43,7 @@ def test_claims_leases_results_and_ending_once(database_url: str) -> None:
                 rows.claim(db, "B", now=now, lease_s=60, limit=4))
             got_a, got_b = {c.line for c in a}, {c.line for c in b}
             assert len(got_a) == len(got_b) == 4 and not got_a & got_b
-            first = a if [c.custom_id for c in a][0] == "c0" else b
+            first = a if a[0].custom_id == "c0" else b
             assert [c.custom_id for c in first] == ["c0", "c3", "c6", "c9"]  # k0..k3
 
             line = a[0].line

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.anthropic.routes import add_anthropic_routes
+from tokenyard.api.batches import install as install_batches
 from tokenyard.api.context import KEY, PIPELINE, STATE, AppState
 from tokenyard.api.convert import now
 from tokenyard.api.dashboard import add_dashboard_routes
@@ -99,6 +100,7 @@ def make_app(state: AppState) -> web.Application:
     add_moderation_routes(app)  # /v1/moderations, the orgs' moderation policies
     install_moderation(app)
     add_stored_response_routes(app)  # GET/DELETE /v1/responses/{id}, its input_items
+    install_batches(app)  # /v1/files, /v1/batches, /v1/messages/batches; the batch lane
     add_web_routes(app)  # the chat page at /, the dashboard at /dashboard
     add_dashboard_routes(app)  # /admin/v1/dashboard: what the dashboard polls
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -41,7 +42,9 @@ from tokenyard.api.edge import EDGE
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, internal_error
+from tokenyard.gateway.pipeline import Ticket
 from tokenyard.gateway.run import Build, Call, Generated, Run
+from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import Completion, RequestOutput
 
 logger = logging.getLogger("tokenyard.api")
@@ -87,17 +90,49 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 def with_timings(event: BaseModel, request: web.Request) -> dict[str, Any]:
+    """`stamped` with this request's timeline and ticket."""
+    return stamped(event, request[TIMELINE], request.get(TICKET))
+
+
+def stamped(event: BaseModel, timeline: Timeline, ticket: Ticket | None) -> dict[str, Any]:
     """A response's last event (or its whole body) with the request's stage durations (ms)
     as `timings` — the Server-Timing figures the header could not hold, since a stream's
     went out before decoding — and, behind the gateway, its `cost`: the ledger row's
     charge with its line items, as decimal strings. (llama.cpp's server puts a `timings`
     object in its last chunk too; SDKs ignore both.)"""
     body = event.model_dump(mode="json")
-    body["timings"] = request[TIMELINE].timings_ms()
-    ticket = request.get(TICKET)
+    body["timings"] = timeline.timings_ms()
     if ticket is not None and ticket.cost is not None:
         body["cost"] = ticket.cost.to_json()
     return body
+
+
+@dataclass
+class Plan:
+    """A generating route's request, parsed and converted: the model it names, its `build`
+    hook, the rest of its `Call` (`options`: capability, text_size, param, bounded,
+    first_user_text), and the `Format` its started run is rendered in. An HTTP route and
+    a batch line (`api/batch_lines.py`) answer the same plan the same way."""
+
+    model: str
+    build: Build
+    format: Callable[[Run], Format]
+    stream: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    #: Run with the format once the response is settled (see `generate`'s `finish`).
+    finish: Callable[[Any], Awaitable[None]] | None = None
+
+    def finisher(self, fmt: Format) -> Callable[[], Awaitable[None]] | None:
+        """`finish` bound to the run's format (None: nothing to run)."""
+        finish = self.finish
+        return None if finish is None else (lambda: finish(fmt))
+
+
+async def answer(request: web.Request, plan: Plan) -> web.StreamResponse:
+    """Run `plan` for this HTTP request and answer it."""
+    run = await start(request, await new_call(request, plan.model, plan.build, **plan.options))
+    fmt = plan.format(run)
+    return await generate(request, run, fmt, stream=plan.stream, finish=plan.finisher(fmt))
 
 
 async def new_call(
@@ -148,21 +183,28 @@ async def generate(
     gone, engine failure). `finish`: run once the response is settled, before its body or
     its stream's last bytes go out (the Responses dialect stores the response there, for
     the client's next turn)."""
-    response_id = getattr(getattr(fmt, "stream", None), "id", None)  # chatcmpl-…, msg_…
+    response_id = (getattr(getattr(fmt, "stream", None), "id", None)  # chatcmpl-…, msg_…
+                   or getattr(getattr(fmt, "response", None), "id", None))  # resp_…
     if isinstance(response_id, str):
         request.setdefault(RESPONSE_ID, response_id)
     try:
         if not stream:
-            completions = await run.completions()
-            run.settle()  # the body carries the cost the ledger row charges
-            body = with_timings(fmt.body(run.generated, completions), request)
-            if finish is not None:
-                await finish()
-            run.captured(body)
-            return json_response(body)
+            return json_response(await complete(run, fmt, finish))
         return await _stream(request, fmt, run, finish)
     finally:
         await run.close()
+
+
+async def complete(run: Run, fmt: Format,
+                   finish: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
+    """A started run's non-streamed body in `fmt`'s shape (the caller closes the run)."""
+    completions = await run.completions()
+    run.settle()  # the body carries the cost the ledger row charges
+    body = stamped(fmt.body(run.generated, completions), run.call.timeline, run.call.ticket)
+    if finish is not None:
+        await finish()
+    run.captured(body)
+    return body
 
 
 async def _stream(

@@ -252,6 +252,10 @@ class Billing:
             self._prices_task = asyncio.create_task(self._read_prices())
         return self._prices.get(model, Prices())
 
+    async def batch_prices(self, model: str) -> Prices:
+        """The model's batch prices: half its live prices (rounded half up)."""
+        return batch_prices(await self.prices(model))
+
     async def _read_prices(self) -> None:
         version = self.store.prices_version
         try:
@@ -280,6 +284,7 @@ class Billing:
         usage: Usage,
         prices: Prices,
         region: str | None = None,
+        batch_id: str | None = None,
     ) -> UsageRecord:
         """Append the request's ledger row (off the request path) and count it locally;
         `region`: the serving deployment's."""
@@ -299,6 +304,7 @@ class Billing:
             cache_write_1h_tokens=usage.cache_write_1h_tokens,
             cost_micros=self.cost(prices, usage),
             region=region,
+            batch_id=batch_id,
         )
         self.ledger.append(record)
         self.budgets.settled(key, record.cost_micros)
@@ -344,3 +350,10 @@ def _quota(message: str) -> APIError:
     err = insufficient_quota(message)
     err.headers["x-should-retry"] = "false"
     return err
+
+
+def batch_prices(prices: Prices) -> Prices:
+    """A batch line's prices: half the live ones, each rounded half up (OpenAI's and
+    Anthropic's batch discount)."""
+    return Prices(input=(prices.input + 1) // 2, cached_input=(prices.cached_input + 1) // 2,
+                  output=(prices.output + 1) // 2)

@@ -50,7 +50,7 @@ async def embed(
             call.key, model=served.name, endpoint=call.endpoint, request_id=call.request_id,
             prompt_tokens=sum(len(t) for t in ids), max_tokens=0,
             context_tokens=max(len(t) for t in ids), timeline=timeline,
-            alias=call.route.alias, region=call.route.region)
+            alias=call.route.alias, region=call.route.region, batch=call.batch)
     result: EmbedResult | None = None
     failed = False
     try:

@@ -41,6 +41,11 @@ from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.gateway")
 
+#: The scheduler's class of a batch's lines: below every live class (high, normal, low)
+#: and shadow copies, so the engine and the balancer's queue serve them last and preempt
+#: them first.
+BATCH_PRIORITY = 2
+
 #: How a request ended, as the ledger records it.
 COMPLETED, STOPPED, ABORTED, FAILED = "completed", "stopped", "aborted", "failed"
 
@@ -65,6 +70,8 @@ class Ticket:
     hold: Hold | None = None
     #: The region of the deployment that serves it (its ledger row's).
     region: str | None = None
+    #: The batch the request is a line of (None: live).
+    batch_id: str | None = None
 
     @property
     def cost_micros(self) -> int | None:
@@ -79,8 +86,9 @@ class Ticket:
 
     @property
     def priority(self) -> int:
-        """The scheduler's class of the request (the key's, else its org's)."""
-        return self.key.priority
+        """The scheduler's class of the request (the key's, else its org's; a batch's
+        line: `BATCH_PRIORITY`)."""
+        return BATCH_PRIORITY if self.batch_id is not None else self.key.priority
 
 
 def outcome(gens: Sequence[Generation]) -> tuple[Usage | None, str]:
@@ -233,6 +241,7 @@ class Gateway:
         context_tokens: int | None = None,
         alias: str | None = None,
         region: str | None = None,
+        batch: str | None = None,
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
@@ -241,7 +250,8 @@ class Gateway:
         single sequence (prompt + its max_tokens), which the key's context scope caps;
         default prompt + max_tokens. `model` is the deployment; `alias`, the name the
         client asked for, which a key's model scope may name instead; `region`, the
-        deployment's, which its ledger row records."""
+        deployment's, which its ledger row records; `batch`, the batch the request is a
+        line of (priced at the batch price)."""
         authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
                   else context_tokens, alias=alias)
         timeline.mark("authorized")
@@ -253,9 +263,11 @@ class Gateway:
             raise _unavailable("rate limiter", exc) from None
         self.admissions_open += 1
         timeline.mark("limited")
-        ticket = Ticket(key, admission, model, endpoint, request_id, Prices(), region=region)
+        ticket = Ticket(key, admission, model, endpoint, request_id, Prices(), region=region,
+                        batch_id=batch)
         try:
-            ticket.prices = await self.billing.prices(model)
+            ticket.prices = (await self.billing.prices(model) if batch is None
+                             else await self.billing.batch_prices(model))
             ticket.hold = await self.billing.reserve(
                 key, ticket.prices, Usage(prompt_tokens, 0, max_tokens))
         except BaseException:
@@ -276,6 +288,7 @@ class Gateway:
         timeline: Timeline,
         alias: str | None = None,
         region: str | None = None,
+        batch: str | None = None,
     ) -> Ticket:
         """`admit` for a request of `prompts`, each with its fitted `params`: it reserves
         every prompt token and every token the n completions of each may generate, and
@@ -286,7 +299,7 @@ class Gateway:
             max_tokens=sum((p.max_tokens or 0) * p.n for p in params),
             context_tokens=max(len(p) + (fp.max_tokens or 0)
                                for p, fp in zip(prompts, params, strict=True)),
-            timeline=timeline, alias=alias, region=region,
+            timeline=timeline, alias=alias, region=region, batch=batch,
         )
 
     def settle(self, ticket: Ticket, gens: Sequence[Generation]) -> None:
@@ -305,7 +318,7 @@ class Gateway:
             record = self.billing.meter(
                 ticket.key, request_id=ticket.request_id, model=ticket.model,
                 endpoint=ticket.endpoint, status=status, usage=usage, prices=ticket.prices,
-                region=ticket.region,
+                region=ticket.region, batch_id=ticket.batch_id,
             )
             ticket.cost = Cost.of(ticket.prices, usage, record.cost_micros)
         self.billing.release(ticket.hold)  # the real cost, if any, is counted by now

@@ -181,6 +181,9 @@ class Call:
     first_user_text: str | None = None
     #: The body as received, for an org that captures bodies.
     raw: bytes | None = None
+    #: The batch this call is a line of (None: a live request): it runs at the batch
+    #: priority, priced at the batch price, its ledger row tagged with the batch.
+    batch: str | None = None
     # Filled in as the request goes, for the caller's summary and headers, whether or
     # not it got through:
     route: Route | None = None
@@ -251,7 +254,7 @@ class Pipeline:
         call.ticket = await gateway.admit_prompts(
             call.key, model=served.name, endpoint=call.endpoint, request_id=call.request_id,
             prompts=ready.prompts, params=ready.params, timeline=call.timeline,
-            alias=call.route.alias, region=call.route.region,
+            alias=call.route.alias, region=call.route.region, batch=call.batch,
         )
         return call.ticket
 

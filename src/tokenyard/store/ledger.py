@@ -58,6 +58,7 @@ class UsageRecord:
     created_at: datetime | None = None
     region: str | None = None  # the serving deployment's (None: it declares none)
     user_id: str | None = None  # the key's user (None: a key of no user)
+    batch_id: str | None = None  # the batch the request was a line of (None: live)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

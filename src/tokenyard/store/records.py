@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 IdemOutcome = Literal["new", "running", "mismatch", "replay"]
-GroupBy = Literal["key", "user", "project", "org", "model", "day", "region"]
+GroupBy = Literal["key", "user", "project", "org", "model", "day", "region", "batch"]
 
 #: Priority classes by name: the engine's scheduler runs lower values first (by class,
 #: then arrival). An org has one (default normal); a key may override its org's.

@@ -198,7 +198,11 @@ class Store(Accounts, Users):
         await self._insert_owned(api_keys, row, f"org {org_id}")
         return secret, _api_key(row)
 
-    async def find_key(self, secret: str) -> KeyContext | None:
+    async def find_key_by_id(self, key_id: str) -> KeyContext | None:
+        """`find_key` by the key's id (a batch's lines run under the key that made it)."""
+        return await self.find_key("", key_id=key_id)
+
+    async def find_key(self, secret: str, *, key_id: str | None = None) -> KeyContext | None:
         """The key whose secret is `secret` with its org's limits, its priority (its
         own, else its org's) and its allowed regions (`regions.allowed`), by one indexed
         query.
@@ -222,7 +226,8 @@ class Store(Accounts, Users):
             .join(orgs, orgs.c.id == api_keys.c.org_id)
             .outerjoin(users, users.c.id == api_keys.c.user_id)
             .outerjoin(projects, projects.c.id == api_keys.c.project_id)
-            .where(api_keys.c.secret_hash == hash_secret(secret))
+            .where(api_keys.c.secret_hash == hash_secret(secret) if key_id is None
+                   else api_keys.c.id == key_id)
         )
         async with self.db.engine.connect() as conn:
             row = (await conn.execute(query)).mappings().first()

@@ -23,6 +23,7 @@ GROUP_COLUMNS: dict[str, Any] = {
     "model": usage_ledger.c.model,
     "day": usage_ledger.c.day,
     "region": usage_ledger.c.region,
+    "batch": usage_ledger.c.batch_id,  # NULL: live requests
 }
 
 

@@ -20,10 +20,11 @@ from tokenyard.api.anthropic.schemas import (
 )
 from tokenyard.api.anthropic.stream import MessagesFormat
 from tokenyard.api.anthropic.tools import tool_messages, tool_use
-from tokenyard.api.context import REQUEST_ID, read_request
-from tokenyard.api.respond import count, generate, json_response, new_call, start
+from tokenyard.api.context import read_request
+from tokenyard.api.respond import Plan, answer, count, json_response, new_call
 from tokenyard.gateway.run import (
     Prepared,
+    Run,
     Served,
     ToolPlacement,
     first_user_text,
@@ -38,7 +39,11 @@ from tokenyard.text.tools import template_tools
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    req = await read_request(request, MessagesRequest)
+    return await answer(request, messages_plan(await read_request(request, MessagesRequest)))
+
+
+def messages_plan(req: MessagesRequest) -> Plan:
+    """A messages request's `Plan`."""
     converted, _ = anthropic_request_to_engine(req)  # its errors before the pipeline
 
     def build(served: Served, timeline: Timeline) -> Prepared:
@@ -53,12 +58,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
         return Prepared([prompt], [fitted], messages=template_messages, pins=pins,
                         passed_on=passed_on, tools=tools or passed_on)
 
-    call = await new_call(request, req.model, build, text_size=text_size(converted),
-                          first_user_text=first_user_text(converted))
-    run = await start(request, call)
-    fmt = MessagesFormat(run.served.name, req.stop_sequences or [], request[REQUEST_ID],
-                         run.ready.pins, run.ready.tools)
-    return await generate(request, run, fmt, stream=bool(req.stream))
+    def fmt(run: Run) -> MessagesFormat:
+        return MessagesFormat(run.served.name, req.stop_sequences or [], run.call.request_id,
+                              run.ready.pins, run.ready.tools)
+
+    return Plan(req.model, build, fmt, bool(req.stream), dict(
+        text_size=text_size(converted), first_user_text=first_user_text(converted)))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -16,13 +16,13 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import Field, model_validator
 
-from tokenyard.api.context import PIPELINE, STATE, read_request
+from tokenyard.api.context import PIPELINE, STATE, AppState, read_request
 from tokenyard.api.errors import schema_error
 from tokenyard.api.respond import json_response, new_call, note
 from tokenyard.api.schemas import RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE
 from tokenyard.gateway.embed import embed
-from tokenyard.gateway.run import Prepared, Served
+from tokenyard.gateway.run import Call, Pipeline, Prepared, Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.embeddings import EmbedResult, unpack_floats
 
@@ -90,22 +90,33 @@ def _body(result: EmbedResult, model: str, encoding: str | None) -> dict[str, An
 
 async def embeddings(request: web.Request) -> web.Response:
     """POST /v1/embeddings."""
-    state = request.app[STATE]
     req = await read_request(request, EmbeddingRequest)
-    texts, ids = req.inputs()
-    call = await new_call(request, req.model, _no_prompt, capability="embeddings",
-                          text_size=sum(map(len, texts or ())), param="input")
+    call = await new_call(request, req.model, no_prompt, **embedding_options(req))
     try:
-        result = await embed(request.app[PIPELINE], call,
-                             lambda served: state.embeddings[served.name],
-                             texts=texts, ids=ids, dimensions=req.dimensions)
+        body = await embedding_body(request.app[PIPELINE], request.app[STATE], req, call)
     finally:
         note(request, call)
+    return json_response(body)
+
+
+def embedding_options(req: EmbeddingRequest) -> dict[str, Any]:
+    """The rest of an embeddings request's `Call` (its model and build aside)."""
+    texts, _ = req.inputs()
+    return dict(capability="embeddings", text_size=sum(map(len, texts or ())),
+                param="input")
+
+
+async def embedding_body(pipeline: Pipeline, state: AppState, req: EmbeddingRequest,
+                         call: Call) -> dict[str, Any]:
+    """Embed `req` through the pipeline as `call`: OpenAI's response body."""
+    texts, ids = req.inputs()
+    result = await embed(pipeline, call, lambda served: state.embeddings[served.name],
+                         texts=texts, ids=ids, dimensions=req.dimensions)
     assert call.served is not None
-    return json_response(_body(result, call.served.name, req.encoding_format))
+    return _body(result, call.served.name, req.encoding_format)
 
 
-def _no_prompt(served: Served, timeline: Timeline) -> Prepared:
+def no_prompt(served: Served, timeline: Timeline) -> Prepared:
     raise AssertionError("an embeddings call has no chat prompt to build")
 
 

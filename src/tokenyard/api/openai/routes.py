@@ -16,15 +16,19 @@ from tokenyard.api.openai.convert import (
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.openai.tools import tool_messages, tool_use
-from tokenyard.api.respond import generate, new_call, start
-from tokenyard.gateway.run import Prepared, Served, placed, prepared
+from tokenyard.api.respond import Plan, answer
+from tokenyard.gateway.run import Prepared, Run, Served, placed, prepared
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.tools import template_tools
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    req = await read_request(request, ChatCompletionRequest)
+    return await answer(request, chat_plan(await read_request(request, ChatCompletionRequest)))
+
+
+def chat_plan(req: ChatCompletionRequest) -> Plan:
+    """A chat completion request's `Plan`."""
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
 
     def build(served: Served, timeline: Timeline) -> Prepared:
@@ -38,19 +42,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return Prepared([prompt], [params], messages=messages, passed_on=passed_on,
                         tools=tools or passed_on)
 
-    call = await new_call(
-        request, req.model, build, text_size=sum(len(m.text) for m in req.messages),
-        first_user_text=next((m.text for m in req.messages if m.role == "user"), None))
-    run = await start(request, call)
-    ready = run.ready
-    fmt = ChatFormat(run.served.name, ready.params[0].n, req.include_usage, run.token_bytes,
-                     ready.tools)
-    return await generate(request, run, fmt, stream=bool(req.stream))
+    def fmt(run: Run) -> ChatFormat:
+        ready = run.ready
+        return ChatFormat(run.served.name, ready.params[0].n, req.include_usage,
+                          run.token_bytes, ready.tools)
+
+    return Plan(req.model, build, fmt, bool(req.stream), dict(
+        text_size=sum(len(m.text) for m in req.messages),
+        first_user_text=next((m.text for m in req.messages if m.role == "user"), None)))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (several prompts: choice i*n+j is completion j of prompt i)."""
-    req = await read_request(request, CompletionRequest)
+    return await answer(request, completion_plan(await read_request(request, CompletionRequest)))
+
+
+def completion_plan(req: CompletionRequest) -> Plan:
+    """A legacy completion request's `Plan`."""
     raw = req.prompt
     texts = [raw] if isinstance(raw, str) else [p for p in raw if isinstance(p, str)]
 
@@ -65,12 +73,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return Prepared(ids, fitted, texts=[p if isinstance(p, str) else None for p in prompts],
                         note=echo)
 
-    call = await new_call(request, req.model, build, capability="completions",
-                          text_size=max(map(len, texts), default=0), param="prompt")
-    run = await start(request, call)
-    fmt = CompletionFormat(run.served.name, run.ready.params[0].n, req.include_usage,
-                           run.token_bytes, run.ready.note)
-    return await generate(request, run, fmt, stream=bool(req.stream))
+    def fmt(run: Run) -> CompletionFormat:
+        return CompletionFormat(run.served.name, run.ready.params[0].n, req.include_usage,
+                                run.token_bytes, run.ready.note)
+
+    return Plan(req.model, build, fmt, bool(req.stream), dict(
+        capability="completions", text_size=max(map(len, texts), default=0), param="prompt"))
 
 
 def add_openai_routes(app: web.Application) -> None:

@@ -8,11 +8,13 @@ next turn finds it at once."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.context import RESPONSE_ID, read_request
-from tokenyard.api.respond import generate, new_call, start
+from tokenyard.api.context import read_request
+from tokenyard.api.respond import Plan, answer
 from tokenyard.api.responses import stored
 from tokenyard.api.responses.convert import (
     first_user_text,
@@ -27,7 +29,7 @@ from tokenyard.api.responses.convert import (
 )
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
-from tokenyard.gateway.run import Prepared, Served, placed, prepared, text_size
+from tokenyard.gateway.run import Prepared, Run, Served, placed, prepared, text_size
 from tokenyard.telemetry.timeline import Timeline
 
 logger = logging.getLogger("tokenyard.api")
@@ -36,10 +38,24 @@ logger = logging.getLogger("tokenyard.api")
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     req = await read_request(request, ResponsesRequest)
-    items = request_items(req)
     earlier = []
     if req.previous_response_id is not None:
-        earlier = parse_items(await stored.expand_previous(request, req.previous_response_id))
+        earlier = await stored.expand_previous(request, req.previous_response_id)
+    return await answer(request, response_plan(
+        req, earlier, lambda response, items: stored.remember(request, response, items)))
+
+
+#: Stores a finished response with its turn's input items (`stored.remember`).
+Keep = Callable[[dict[str, Any], list[dict[str, Any]]], Awaitable[None]]
+
+
+def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
+                  keep: Keep) -> Plan:
+    """A Responses request's `Plan`, after the turns it continues (`earlier_items`, as
+    `stored.expand_previous` gives them); `keep` stores the response (unless `store` is
+    false) before its last bytes go out."""
+    items = request_items(req)
+    earlier = parse_items(earlier_items)
     conversation = [*earlier, *items]
     truncate = req.truncation == "auto"
 
@@ -57,24 +73,23 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                         tools=tools or passed_on)
 
     plain = item_messages(conversation, req.instructions, None, False, -len(earlier))
-    call = await new_call(request, req.model, build, text_size=text_size(plain),
-                          param="input", bounded=not truncate,
-                          first_user_text=first_user_text(conversation))
-    run = await start(request, call)
-    fmt = ResponsesFormat(response_shell(req, run.served.name, run.served.sampling),
-                          run.ready.tools, run.token_bytes)
-    request[RESPONSE_ID] = fmt.response.id  # the resp_… id the request's trace names
 
-    async def remember() -> None:
+    def fmt(run: Run) -> ResponsesFormat:
+        return ResponsesFormat(response_shell(req, run.served.name, run.served.sampling),
+                               run.ready.tools, run.token_bytes)
+
+    async def remember(fmt: ResponsesFormat) -> None:
         if fmt.final is None:  # failed: nothing a later turn could continue from
             return
         try:
-            await stored.remember(request, fmt.final, items_json(items))
+            await keep(fmt.final, items_json(items))
         except Exception:  # the reply went out whole; only its continuation is lost
             logger.exception("storing response %s failed", fmt.final["id"])
 
-    return await generate(request, run, fmt, stream=bool(req.stream),
-                          finish=remember if req.store is not False else None)
+    return Plan(req.model, build, fmt, bool(req.stream), dict(
+        text_size=text_size(plain), param="input", bounded=not truncate,
+        first_user_text=first_user_text(conversation)),
+        finish=remember if req.store is not False else None)
 
 
 def add_responses_routes(app: web.Application) -> None:

@@ -22,6 +22,7 @@ from tokenyard.api.context import KEY, STATE
 from tokenyard.api.respond import json_response
 from tokenyard.api.schemas import page_limit
 from tokenyard.errors import APIError, invalid_request
+from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.responses import (
     ChainTooLong,
     ResponseNotFound,
@@ -52,13 +53,18 @@ async def expand_previous(request: web.Request,
     """The conversation up to `previous_response_id` as Responses input items, oldest
     turn first: each turn's input items, then its output items. 400 if the response (or
     one it continues) cannot be found by this key, or the chain is absurdly long."""
-    responses = _responses(request)
+    return await expand_with(_responses(request), request[KEY], previous_response_id)
+
+
+async def expand_with(responses: StoredResponses | None, key: KeyContext,
+                      previous_response_id: str) -> list[dict[str, Any]]:
+    """`expand_previous` for `key` over `responses` (a caller without HTTP: a batch)."""
     if responses is None:
         raise invalid_request(
             f"'previous_response_id' needs stored responses, but {NO_STORE}.",
             param="previous_response_id", code="previous_response_not_found")
     try:
-        return await responses.conversation(request[KEY], previous_response_id)
+        return await responses.conversation(key, previous_response_id)
     except ResponseNotFound as missing:
         raise invalid_request(
             f"Previous response with id '{missing.response_id}' not found.",
