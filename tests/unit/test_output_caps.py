@@ -93,6 +93,10 @@ def test_the_call_limit_is_the_least_of_the_request_and_the_deployment() -> None
     assert call_limit(ToolUse(TOOLS, max_calls=3), 8) == 3
     assert call_limit(ToolUse(TOOLS, max_calls=30), 8) == 8
     assert call_limit(ToolUse(TOOLS, ToolChoice(parallel=False)), 8) == 1
+    # A named tool is one call, parallel calls allowed or not (issue 29).
+    named = ToolUse(TOOLS, ToolChoice("required", TOOLS[0].name, parallel=True), max_calls=5)
+    assert call_limit(named, 8) == 1
+    assert structural_tag(named, 1)["format"]["stop_after_first"] is True
     assert call_limit(ToolUse(TOOLS), None) is None
 
 

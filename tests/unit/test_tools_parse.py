@@ -33,6 +33,8 @@ from tokenyard.text.tools import (
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
 NAMES = {"get_weather", "search"}
+#: Those tools, the model free to answer in text.
+AUTO = ToolUse(tuple(Tool(name) for name in sorted(NAMES)))
 
 WEATHER = call_text("get_weather", '{"city": "Pa}ris \\"x\\" </tool_call>", "days": [1, {"a": 2}]}')
 #: Text, a streamed-header call, a call whose keys come in another order (read whole), a
@@ -122,29 +124,41 @@ def test_whitespace_around_calls_is_dropped_but_text_keeps_its_spacing() -> None
     assert _summary(_run(["a  \n", " b  "])[0])[0] == "a  \n b  "
 
 
-def test_unclosed_call_is_incomplete_and_stays_text_when_finished() -> None:
+def test_unclosed_call_is_incomplete_and_never_text_when_finished() -> None:
+    """A reply cut inside a call (max_tokens): the call is no call and its markup no
+    text (issue 29: it reached `content` half-written)."""
     cut = '<tool_call>{"name": "search", "arguments": {"q": "x'
     _, parser = _run([cut])
     assert not parser.calls[0].complete
-    text, calls = split_tool_calls("Hm. " + cut, NAMES, lambda: "c")
-    assert (text, calls) == ("Hm. " + cut, [])
+    text, calls = split_tool_calls("Hm. " + cut, AUTO, lambda: "c")
+    assert (text, calls) == ("Hm.", [])
+    text, calls = split_tool_calls(f"{call_text('search', '{}')}\n{cut}", AUTO, lambda: "c")
+    assert text == "" and [c.name for c in calls] == ["search"]
 
 
-def test_unfinished_header_is_text_at_the_end() -> None:
-    events, parser = _run(['x <tool_call>{"name": "sea'])
-    assert _summary(events) == ('x <tool_call>{"name": "sea', {}) and not parser.calls
+def test_a_forced_reply_cut_inside_the_tag_is_no_text() -> None:
+    """With calls forced the reply is calls only: ``<tool_`` cut by max_tokens is no
+    text either (with `auto` it may be the reply's own text)."""
+    forced = ToolUse(AUTO.tools, ToolChoice("required"))
+    assert split_tool_calls("\n<tool_", forced, lambda: "c") == ("", [])
+    assert split_tool_calls("a <tool_", AUTO, lambda: "c") == ("a <tool_", [])
+
+
+def test_unfinished_header_is_dropped_at_the_end() -> None:
+    events, parser = _run(['x\n<tool_call>{"name": "sea'])
+    assert _summary(events) == ("x", {}) and not parser.calls
 
 
 def test_split_tool_calls_numbers_valid_calls_in_order() -> None:
     bad = '<tool_call>{"name": "search", "arguments": {"q": nope}}</tool_call>'
-    text, calls = split_tool_calls(f"{bad}{call_text('search', '{}')}", NAMES, lambda: "c")
+    text, calls = split_tool_calls(f"{bad}{call_text('search', '{}')}", AUTO, lambda: "c")
     assert text == bad
     assert [(c.index, c.name, c.input) for c in calls] == [(0, "search", {})]
 
 
 def test_arguments_given_as_a_json_string_are_read() -> None:
     body = '<tool_call>{"arguments": "{\\"q\\": 1}", "name": "search"}</tool_call>'
-    _, calls = split_tool_calls(body, NAMES, lambda: "c")
+    _, calls = split_tool_calls(body, AUTO, lambda: "c")
     assert calls[0].input == {"q": 1}
 
 
@@ -175,7 +189,7 @@ def test_named_choice_lists_only_that_tool() -> None:
 def test_past_calls_and_results_render_back_readably() -> None:
     text = assistant_text("Checking.", [PastCall("search", '{"q": 1}')])
     assert text == 'Checking.\n<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>'
-    assert split_tool_calls(text, NAMES, lambda: "c")[1][0].input == {"q": 1}
+    assert split_tool_calls(text, AUTO, lambda: "c")[1][0].input == {"q": 1}
     assert results_text([ToolResult("17 C", "get_weather"), ToolResult("oops", None, True)]) == (
         '<tool_response>{"name": "get_weather", "content": "17 C"}</tool_response>\n'
         '<tool_response>{"content": "oops", "is_error": true}</tool_response>'

@@ -117,12 +117,16 @@ class ToolCallParser:
     """Splits streamed output into text and the calls of tools named in `names`.
 
     `feed` each new piece of text and send the events it returns; `finish` at the end.
-    `calls` holds every call read, in order; `new_id` names each call.
+    `calls` holds every call read, in order; `new_id` names each call. `forced`: the
+    reply is calls only (required, or a named tool), so the start of a tag cut at the
+    end is no text either.
     """
 
-    def __init__(self, names: Collection[str], new_id: Callable[[], str]) -> None:
+    def __init__(self, names: Collection[str], new_id: Callable[[], str],
+                 forced: bool = False) -> None:
         self.names = frozenset(names)
         self.new_id = new_id
+        self.forced = forced
         self.calls: list[ParsedCall] = []
         self._buf = ""  # TEXT: not yet sent; CALL: the call's body read so far
         self._in_call = False
@@ -147,10 +151,12 @@ class ToolCallParser:
 
     def finish(self) -> list[ToolEvent]:
         """Events for what was held back once the output ended. A call whose tag never
-        closed stays in `calls`, incomplete (streamed already); an unread one is text."""
-        if self._in_call and self._call is None:
-            self._text(OPEN + self._buf)
-        elif not self._in_call:
+        closed (the output cut inside it) is never text: one whose header was read stays
+        in `calls`, incomplete (streamed already); one cut before that is dropped, with
+        the whitespace before it (as is a cut ``<tool_`` when the reply is `forced`)."""
+        if self._in_call or (self.forced and OPEN.startswith(self._buf.strip())):
+            self._ws = ""
+        else:
             self._text(self._buf)
         self._buf = ""
         if not self._after_call and self._ws:
@@ -264,7 +270,7 @@ def call_parser(use: ToolUse | None, new_id: Callable[[], str]) -> ToolCallParse
     """A streaming parser of one reply's calls, or None when tools are not active."""
     if use is None or not use.active:
         return None
-    return ToolCallParser(use.names, new_id)
+    return ToolCallParser(use.names, new_id, use.choice.mode == "required")
 
 
 def _json_string(raw: str) -> str | None:
@@ -275,11 +281,12 @@ def _json_string(raw: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def split_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str]
+def split_tool_calls(text: str, use: ToolUse, new_id: Callable[[], str]
                      ) -> tuple[str, list[ParsedCall]]:
-    """A finished reply's text and its valid calls; a call that never closed or whose
-    arguments are no JSON object stays in the text, as written."""
-    parser = ToolCallParser(names, new_id)
+    """A finished reply's text and its valid calls. A call that never closed (the reply
+    was cut inside it) is neither: its markup never reaches the text; one that closed
+    with arguments that are no JSON object stays in the text, as written."""
+    parser = ToolCallParser(use.names, new_id, use.choice.mode == "required")
     pieces: list[str] = []
     calls: list[ParsedCall] = []
     for event in parser.feed(text) + parser.finish():
@@ -289,7 +296,7 @@ def split_tool_calls(text: str, names: Collection[str], new_id: Callable[[], str
             call = parser.calls[event.index]
             if call.valid:
                 calls.append(call)
-            else:
+            elif call.complete:
                 pieces.append(call.raw)
     for i, call in enumerate(calls):
         call.index = i

@@ -63,11 +63,17 @@ class Tool:
 @dataclass(frozen=True)
 class ToolChoice:
     """What the request allows: `mode`, or the one tool `name` that must be called
-    (mode "required"); `parallel` False: at most one call per turn."""
+    (mode "required"); `parallel` False: at most one call per turn. A named tool is one
+    call whatever the request said of parallel calls (as OpenAI's and Anthropic's named
+    choices are): its `parallel` is always False."""
 
     mode: Mode = "auto"
     name: str | None = None
     parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name is not None and self.parallel:
+            object.__setattr__(self, "parallel", False)
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ def content_blocks(text: str, use: ToolUse | None) -> tuple[list[ResponseBlock],
     its calls as tool_use blocks after its text (a text block only when there is text)."""
     if use is None or not use.active:
         return [TextBlock(text=text)], False
-    content, calls = split_tool_calls(text, use.names, new_tool_use_id)
+    content, calls = split_tool_calls(text, use, new_tool_use_id)
     if not calls:
         return [TextBlock(text=content)], False
     blocks: list[ResponseBlock] = [TextBlock(text=content)] if content else []

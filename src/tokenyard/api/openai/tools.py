@@ -100,7 +100,7 @@ def assistant_message(completion: Completion, use: ToolUse | None,
     split out of the text (finish "tool_calls" when it stopped having made one)."""
     if use is None or not use.active:
         return AssistantMessage(content=completion.text), finish
-    content, calls = split_tool_calls(completion.text, use.names, new_call_id)
+    content, calls = split_tool_calls(completion.text, use, new_call_id)
     if not calls:
         return AssistantMessage(content=content), finish
     return (

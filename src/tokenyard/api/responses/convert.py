@@ -268,7 +268,7 @@ def output_items(text: str, use: ToolUse | None,
     are not the message's)."""
     calls: list[ParsedCall] = []
     if use is not None and use.active:
-        text, calls = split_tool_calls(text, use.names, new_call_id)
+        text, calls = split_tool_calls(text, use, new_call_id)
     items: list[OutputItem] = []
     if text or not calls:
         part = OutputText(text=text, logprobs=[] if calls else logprobs or [])
