@@ -98,7 +98,8 @@ COMPLETION: Table = {
     "model": (HONOURED, None, lambda r: bool(r.json()["model"])),
     "max_tokens": (HONOURED, 2, _output_at_most(2)),
     "n": (HONOURED, 2, lambda r: len(r.json()["choices"]) == 2),
-    "best_of": (HONOURED, 1, lambda r: len(r.json()["choices"]) == 1),
+    "best_of": (HONOURED, 2, lambda r: len(r.json()["choices"]) == 1
+                and r.json()["choices"][0]["logprobs"] is None),
     "echo": (HONOURED, True, lambda r: _first(r)["text"].startswith("Once upon a time")),
     "logprobs": (HONOURED, 2, lambda r: all(
         len(t) == 2 for t in _first(r)["logprobs"]["top_logprobs"])),

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from tokenyard.api.convert import random_id, sampling_params, stop_list
 from tokenyard.api.images import template_message
+from tokenyard.api.openai.completion_fields import engine_logprobs, engine_n, refuse_suffix
 from tokenyard.api.openai.schemas import (
     MAX_N,
     ChatChoice,
@@ -196,6 +197,7 @@ def completion_request_to_engine(
     The response has `len(prompts) * n` choices; choice `i * n + j` is completion `j` of
     prompt `i`.
     """
+    refuse_suffix(req, req.model)
     raw = req.prompt
     prompts: list[Prompt]
     if isinstance(raw, str):
@@ -219,20 +221,14 @@ def completion_request_to_engine(
             f"'n' times the number of prompts must be at most {MAX_N}.", param="n",
             code=INVALID_VALUE,
         )
-    if req.best_of is not None and req.best_of != n:
-        if req.best_of < n:
-            raise invalid_request(
-                "'best_of' must be greater than or equal to 'n'.", param="best_of",
-                code=INVALID_VALUE,
-            )
-        raise unsupported("best_of", "'best_of' greater than 'n' is not supported yet.")
+    kwargs["n"] = engine_n(req, n, len(prompts))  # best_of, when it is more
     if req.echo and req.logprobs is not None:
         raise unsupported(
             "echo", "'echo' together with 'logprobs' is not supported yet (prompt logprobs "
             "are not computed).",
         )
     kwargs["max_tokens"] = req.max_tokens
-    kwargs["logprobs"] = req.logprobs
+    kwargs["logprobs"] = engine_logprobs(req, n)
     return prompts, sampling_params({"top_logprobs": "logprobs"}, **kwargs)
 
 

@@ -181,9 +181,8 @@ class ChatCompletionRequest(SamplingFields, ChatHints):
 
 # ---------------------------------------------------------------------------- completions request
 
-_COMPLETION_UNSUPPORTED: dict[str, Acceptable] = {
-    "suffix": lambda v: v is None or v == "",
-}
+#: (`suffix` is refused per model, when the request is built: `completion_fields`.)
+_COMPLETION_UNSUPPORTED: dict[str, Acceptable] = {}
 
 PromptType = str | list[str] | list[int] | list[list[int]]
 

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenyard.api.convert import now
+from tokenyard.api.openai.completion_fields import BestOf, choose
 from tokenyard.api.openai.convert import (
     OffsetCounter,
     TokenBytes,
@@ -249,16 +250,21 @@ class CompletionFormat(_OpenAIFormat):
     every prompt streams at once and the choice indexes tell them apart."""
 
     def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes,
-                 echo: list[str] | None) -> None:
+                 echo: list[str] | None, best: BestOf | None = None) -> None:
         self.stream: CompletionStream = CompletionStream(
             new_completion_id(), model, now(), n, SYSTEM_FINGERPRINT, token_bytes)
         super().__init__(self.stream, n, include_usage, token_bytes)
         self.echo = echo
+        #: `best_of` > n: the n best of each prompt's completions are the choices (not
+        #: streamed); usage still counts every completion's tokens.
+        self.best = best
 
     def body(
         self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         stream = self.stream
+        if self.best is not None:
+            completions = choose(completions, self.best)
         return build_text_completion(
             id=stream.id, model=stream.model, created=stream.created,
             completions=completions, n=self.n,
