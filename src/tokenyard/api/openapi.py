@@ -54,6 +54,26 @@ _INLINE: dict[str, dict[str, Any]] = {
                                      "first_id": {"type": ["string", "null"]},
                                      "last_id": {"type": ["string", "null"]},
                                      "has_more": {"type": "boolean"}}},
+    # The Batch API (api/batches.py, api/message_batches.py): the fields SDKs read.
+    **{name: {"type": "object", "required": ["id", kind],
+              "properties": {"id": {"type": "string"}, kind: {"const": value}}}
+       for name, kind, value in (
+           ("FileObject", "object", "file"), ("FileDeleted", "object", "file"),
+           ("Batch", "object", "batch"), ("MessageBatch", "type", "message_batch"),
+           ("MessageBatchDeleted", "type", "message_batch_deleted"))},
+    **{name: {"type": "object", "required": ["data", "has_more"],
+              "properties": {"data": {"type": "array"}, "has_more": {"type": "boolean"}}}
+       for name in ("FileList", "BatchList", "MessageBatchList")},
+    "BatchRequest": {"type": "object",
+                     "required": ["input_file_id", "endpoint", "completion_window"],
+                     "properties": {"input_file_id": {"type": "string"},
+                                    "endpoint": {"type": "string"},
+                                    "completion_window": {"const": "24h"},
+                                    "metadata": {"type": ["object", "null"]}}},
+    "FileContent": {"type": "string", "description": "the file's bytes"},
+    "BatchResults": {"type": "string", "description": "JSON lines, one per request"},
+    "MessageBatchRequest": {"type": "object", "required": ["requests"],
+                            "properties": {"requests": {"type": "array"}}},
     # The two dialects' error bodies (api/errors.py renders them).
     "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type"],
@@ -84,6 +104,22 @@ _API_ROUTES: Sequence[tuple[str, str, str | None, str, str]] = (
     # Not implemented: a 404 in OpenAI's error shape, as for a route OpenAI has not got.
     ("/v1/responses/compact", "post", None, "OpenAIError", "404"),
     ("/v1/requests/{request_id}", "get", None, "RequestRecordObject", "200"),
+    # The Batch API; an upload is multipart, a file's content and batch results are bytes.
+    ("/v1/files", "post", None, "FileObject", "200"),
+    ("/v1/files", "get", None, "FileList", "200"),
+    ("/v1/files/{file_id}", "get", None, "FileObject", "200"),
+    ("/v1/files/{file_id}", "delete", None, "FileDeleted", "200"),
+    ("/v1/files/{file_id}/content", "get", None, "FileContent", "200"),
+    ("/v1/batches", "post", "BatchRequest", "Batch", "200"),
+    ("/v1/batches", "get", None, "BatchList", "200"),
+    ("/v1/batches/{batch_id}", "get", None, "Batch", "200"),
+    ("/v1/batches/{batch_id}/cancel", "post", None, "Batch", "200"),
+    ("/v1/messages/batches", "post", "MessageBatchRequest", "MessageBatch", "200"),
+    ("/v1/messages/batches", "get", None, "MessageBatchList", "200"),
+    ("/v1/messages/batches/{batch_id}", "get", None, "MessageBatch", "200"),
+    ("/v1/messages/batches/{batch_id}", "delete", None, "MessageBatchDeleted", "200"),
+    ("/v1/messages/batches/{batch_id}/cancel", "post", None, "MessageBatch", "200"),
+    ("/v1/messages/batches/{batch_id}/results", "get", None, "BatchResults", "200"),
 )
 
 #: Routes anyone may call, with what they answer (no key, no security).
