@@ -184,14 +184,17 @@ class BatchLane:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
-    async def close(self) -> None:
-        """Stop claiming; lines still running are cut (their leases run out and another
-        worker, or this one after a restart, runs them again)."""
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Stop claiming and give the lines still running `grace_s` to finish; those cut
+        then go back to the queue when their leases run out (another worker, or this one
+        after a restart, runs them again; the ledger keeps the first row of a line)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         tasks = list(self._running.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
