@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any, NamedTuple, TypeVar
 
+import orjson
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 
@@ -74,7 +75,7 @@ class RenderedError(NamedTuple):
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
 
 
 def openai_error_body(err: APIError) -> dict[str, Any]:

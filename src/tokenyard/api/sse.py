@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from pydantic import BaseModel
 
 from tokenyard.api.errors import anthropic_error_body, openai_error_body
@@ -36,7 +37,7 @@ def to_json(obj: Any) -> bytes:
     """Compact UTF-8 JSON of a pydantic model or of plain JSON data."""
     if isinstance(obj, BaseModel):
         return obj.__pydantic_serializer__.to_json(obj)
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
 
 
 def sse_data(obj: Any) -> bytes:

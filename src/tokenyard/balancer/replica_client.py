@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
+import orjson
 
 from tokenyard.balancer.http_client import PooledClient
 from tokenyard.telemetry.tracing import OUTGOING, TRACEPARENT
@@ -133,7 +134,7 @@ class ReplicaClient(PooledClient):
         the iteration early (break + aclose) closes the HTTP stream, which makes the
         replica abort the request.
         """
-        body = dumps(GenerateRequest(
+        body = orjson.dumps(GenerateRequest(
             request_id, prompt_token_ids, params, cache_salt, priority, list(pins)
         ).to_json())
         headers = self._json_headers
@@ -154,7 +155,7 @@ class ReplicaClient(PooledClient):
             async for line in response.content:
                 if not line.strip():
                     continue
-                obj = json.loads(line)
+                obj = _loads(line)
                 if "error" in obj:
                     error = obj["error"]
                     # The engine's text names the exception that failed its step.
@@ -228,6 +229,15 @@ class ReplicaClient(PooledClient):
                 return await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaConnectionError(f"{self.base_url}{path}: {exc!r}") from exc
+
+
+def _loads(line: bytes) -> Any:
+    """One stream line: by orjson, or by `json` where the line holds what only it reads
+    (the engine writes a logprob of -inf as ``-Infinity``)."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)
 
 
 async def _raise_for(response: aiohttp.ClientResponse) -> None:

@@ -32,6 +32,7 @@ from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.replica_client import ReplicaError
 from tokenyard.cli.fleet import Fleet, Starter, reload
+from tokenyard.cli.gc_tuning import tune_gc
 from tokenyard.cli.processes import start_child
 from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
@@ -327,4 +328,5 @@ def serve(host: str, port: int, engine_args: Sequence[str], *, log_format: str =
     log_format = logs.resolve_format(log_format)
     os.environ[logs.FORMAT_ENV], os.environ[logs.LEVEL_ENV] = log_format, log_level
     logs.configure(log_format, log_level)
+    tune_gc()
     return asyncio.run(run(host, port, engine_args, **kwargs))

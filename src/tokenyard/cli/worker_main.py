@@ -18,6 +18,7 @@ from typing import Any
 from tokenyard.api.context import AppState
 from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.cli.fleet import Fleet
+from tokenyard.cli.gc_tuning import tune_gc
 from tokenyard.cli.workers import READY_MARK, WORKER_HEADER, WORKER_SPEC_ENV, WorkerSpec
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import DeploymentSpec
@@ -126,6 +127,7 @@ def main() -> int:
         print(f"error: {WORKER_SPEC_ENV} is not set: workers are started by "
               "`tokenyard serve --workers N`", file=sys.stderr)
         return 2
+    tune_gc()
     return asyncio.run(run_worker(WorkerSpec.from_json(raw)))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -84,18 +85,39 @@ class _OrgView:
     requests_today: int = 0
     held: int = 0  # micros: the maximum cost of this process's admitted, unmetered requests
     read_at: float = float("-inf")
-    # Settled here since the read began: (sequence, project, cost). Dropped once a read
-    # that started after them (and after the ledger flushed them) lands.
-    local: list[tuple[int, str | None, int]] = field(default_factory=list)
+    # Settled here since the read began: (sequence, project, cost), oldest first. Dropped
+    # once a read that started after them (and after the ledger flushed them) lands.
+    local: deque[tuple[int, str | None, int]] = field(default_factory=deque)
+    #: The costs in `local`, in all and per project: kept as they change, so a request's
+    #: check reads them in O(1) however many requests settled since the last read.
+    local_total: int = 0
+    local_by_project: dict[str | None, int] = field(default_factory=dict)
     refreshing: asyncio.Task[None] | None = None
 
     def spent(self, project_id: str | None) -> tuple[int, int, int]:
         """(org month spend, project month spend, requests today), local changes included."""
-        org = self.month_spend + sum(cost for _, _, cost in self.local)
-        proj = self.project_spend.get(project_id or "", 0) + sum(
-            cost for _, p, cost in self.local if p == project_id
-        )
+        org = self.month_spend + self.local_total
+        proj = (self.project_spend.get(project_id or "", 0)
+                + self.local_by_project.get(project_id, 0))
         return org, proj, self.requests_today + len(self.local)
+
+    def settled(self, seq: int, project_id: str | None, cost: int) -> None:
+        """Count a request settled here (sequence number `seq`)."""
+        self.local.append((seq, project_id, cost))
+        self.local_total += cost
+        self.local_by_project[project_id] = self.local_by_project.get(project_id, 0) + cost
+
+    def forget_until(self, seq: int) -> None:
+        """Drop the local entries up to sequence `seq` (a read now includes them)."""
+        local, by_project = self.local, self.local_by_project
+        while local and local[0][0] <= seq:
+            _, project_id, cost = local.popleft()
+            self.local_total -= cost
+            left = by_project[project_id] - cost
+            if left:
+                by_project[project_id] = left
+            else:
+                del by_project[project_id]
 
 
 class Billing:
@@ -236,7 +258,7 @@ class Billing:
         view.balance, view.month_spend, view.caps = balance, month, caps
         view.project_spend = project_spend
         view.requests_today = today
-        view.local = [entry for entry in view.local if entry[0] > started_seq]
+        view.forget_until(started_seq)
         view.read_at = self._clock()
 
     # -- metering ---------------------------------------------------------------------------
@@ -311,7 +333,7 @@ class Billing:
         self._seq += 1
         view = self._views.get(key.org_id)
         if view is not None:
-            view.local.append((self._seq, key.project_id, record.cost_micros))
+            view.settled(self._seq, key.project_id, record.cost_micros)
         return record
 
 

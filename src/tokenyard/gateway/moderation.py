@@ -266,6 +266,7 @@ class Moderator:
         self._classifiers: dict[ModerationSpec, Classifier] = {}
         self._orgs: dict[str, tuple[str, str]] = {}
         self._loaded = -math.inf
+        self._reading: asyncio.Task[None] | None = None  # the org table's read under way
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def classifier(self, spec: ModerationSpec) -> Classifier:
@@ -295,13 +296,26 @@ class Moderator:
         return (await self._org_table()).get(org_id, ("off", "off"))
 
     async def _org_table(self) -> dict[str, tuple[str, str]]:
+        """The org table, at most `refresh_s` old: one read at a time, in the background
+        (requests meanwhile use the last table); only a table never read (or invalidated
+        by `set_org_policy` here) is waited for, by every request, on that one read."""
         if self.store is not None and time.monotonic() - self._loaded > self.refresh_s:
-            try:
-                self._orgs = await org_policies(self.store.db)
-                self._loaded = time.monotonic()
-            except Exception as exc:  # the store is down: keep the last known table
-                logger.warning("reading org moderation policies failed: %s", exc)
+            if self._reading is None:
+                self._reading = asyncio.create_task(self._read_orgs())
+            if self._loaded == -math.inf:
+                await asyncio.shield(self._reading)
         return self._orgs
+
+    async def _read_orgs(self) -> None:
+        assert self.store is not None
+        try:
+            self._orgs = await org_policies(self.store.db)
+            self._loaded = time.monotonic()
+        except Exception as exc:  # the store is down: keep the last known table
+            logger.warning("reading org moderation policies failed: %s", exc)
+            self._loaded = time.monotonic() - self.refresh_s + 1.0  # retry in a second
+        finally:
+            self._reading = None
 
     async def policy(self, spec: ModerationSpec | None, deployment: str,
                      org_id: str | None) -> Policy:
@@ -319,6 +333,8 @@ class Moderator:
         if self.store is None:
             raise LookupError("moderation policies need the gateway's store")
         await set_org_policy(self.store.db, org_id, input, output)
+        if self._reading is not None:  # it may have read the table before this change
+            await asyncio.shield(self._reading)
         self._loaded = -math.inf
 
     def record(self, policy: Policy, request_id: str, direction: str, action: str,
