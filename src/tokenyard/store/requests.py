@@ -11,7 +11,7 @@ request id keeps the first row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import delete, insert, select
@@ -73,7 +73,9 @@ async def insert_requests(
                 await conn.execute(
                     insert_for(conn.dialect.name, table).on_conflict_do_nothing(
                         index_elements=["request_id"]),
-                    [asdict(row) for row in rows])
+                    # A shallow copy of each row's fields (asdict copies deeply: ~10x the
+                    # time for what is only read here).
+                    [dict(vars(row)) for row in rows])
 
 
 async def find_request(
