@@ -9,8 +9,8 @@ chat requests it received, so "never reaches" is counted where traffic would lan
 - A project narrows its org; the ledger, the request record and usage by region carry
   the region that served.
 - `serve --region R` lists and serves only R's deployments and says so in /v1/models; an
-  org bound to eu is refused there, and reads its captures through a gateway of its
-  regions (or one without a region), not a us one.
+  org bound to eu is refused there, and reads its captures and stored responses through a
+  gateway of its regions (or one without a region), not a us one.
 """
 
 from __future__ import annotations
@@ -202,6 +202,8 @@ def test_a_regional_gateway_lists_and_serves_only_its_region(
     raw = client(fleet.server, headers).chat.completions.with_raw_response.create(
         model=EU, max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
     request_id = raw.headers["x-request-id"]
+    stored = client(fleet.server, headers).responses.create(model=EU, input="Hi",
+                                                           max_output_tokens=16)
     auth = {"Authorization": headers["Authorization"]}
     _, unbound = new_key(fleet.server, "unbound")
     with regional(fleet, "us") as (us_gw, _):
@@ -218,9 +220,13 @@ def test_a_regional_gateway_lists_and_serves_only_its_region(
         status, body = admin(us_gw, "GET", f"/v1/requests/{request_id}", headers=auth)
         assert status == 403 and body["error"]["code"] == "region_not_allowed", body
         assert "region us" in body["error"]["message"]
+        with pytest.raises(openai.PermissionDeniedError) as caught:  # its stored response
+            client(us_gw, headers).responses.retrieve(stored.id)
+        assert caught.value.code == "region_not_allowed"
     status, body = wait_for(lambda: (lambda got: got if got[0] == 200 else None)(
         admin(fleet.server, "GET", f"/v1/requests/{request_id}", headers=auth)))
     assert body["capture"] is not None and body["region"] == "eu", body
+    assert client(fleet.server, headers).responses.retrieve(stored.id).id == stored.id
 
 
 def test_a_fleet_file_region_must_be_a_region_name(tmp_path: Path) -> None:
