@@ -26,6 +26,7 @@ from tokenyard.api.batch_http import batches_of, found_batch, json_body
 from tokenyard.api.batch_lines import check, estimate_tokens, guarded, run_line, sort_key
 from tokenyard.api.context import PIPELINE, STATE
 from tokenyard.api.errors import anthropic_error_body
+from tokenyard.api.respond import json_response
 from tokenyard.api.schemas import page_limit
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, invalid_request
@@ -127,11 +128,11 @@ def add_message_batch_routes(app: web.Application) -> None:
         record = await batches.create(key, dialect="anthropic", batch_id="msgbatch_" +
                                       secrets.token_hex(12), endpoint=ENDPOINT,
                                       lines=lines, tokens=tokens)
-        return _json(await batch_object(request, batches, record))
+        return json_response(await batch_object(request, batches, record))
 
     async def retrieve(request: web.Request) -> web.Response:
         batches, _, record = await _batch(request)
-        return _json(await batch_object(request, batches, record))
+        return json_response(await batch_object(request, batches, record))
 
     async def listing(request: web.Request) -> web.Response:
         batches, key = batches_of(request)
@@ -142,7 +143,7 @@ def add_message_batch_routes(app: web.Application) -> None:
         more = len(found) > limit
         found = found[:limit] if "before_id" not in request.query else found[-limit:]
         data = [await batch_object(request, batches, b) for b in found]
-        return _json({"data": data, "has_more": more,
+        return json_response({"data": data, "has_more": more,
                       "first_id": data[0]["id"] if data else None,
                       "last_id": data[-1]["id"] if data else None})
 
@@ -151,14 +152,14 @@ def add_message_batch_routes(app: web.Application) -> None:
         if record.status == "in_progress":
             await batches.cancel(key, record.id, "anthropic")
         fresh = await batches.get(key, record.id, "anthropic")
-        return _json(await batch_object(request, batches, fresh or record))
+        return json_response(await batch_object(request, batches, fresh or record))
 
     async def delete(request: web.Request) -> web.Response:
         batches, key, record = await _batch(request)
         if not await batches.delete(key, record.id, "anthropic"):
             raise invalid_request(f"Message batch {record.id} is still being processed: "
                                   "cancel it, or wait for it to end, before deleting it.")
-        return _json({"id": record.id, "type": "message_batch_deleted"})
+        return json_response({"id": record.id, "type": "message_batch_deleted"})
 
     async def results(request: web.Request) -> web.Response:
         batches, _, record = await _batch(request)
@@ -181,10 +182,6 @@ def add_message_batch_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages/batches/{batch_id}/cancel", cancel)
     app.router.add_delete("/v1/messages/batches/{batch_id}", delete)
     app.router.add_get("/v1/messages/batches/{batch_id}/results", results)
-
-
-def _json(body: dict[str, Any]) -> web.Response:
-    return web.Response(body=to_json(body), content_type="application/json")
 
 
 def anthropic_dialect(app: web.Application,
