@@ -82,7 +82,7 @@ DEFAULT_MAX_TOOL_CALLS = 8
 #: Balancer policy names the fleet file accepts: the keys of the balancer's registry
 #: (`balancer/policy.py`), which adds each policy registered there (a leaf cannot import
 #: it); the built-in ones are named here too, so a file parses before the balancer loads.
-POLICIES = {"affinity", "least", "round_robin"}
+POLICIES = {"affinity", "least", "precise", "round_robin"}
 #: What an upstream deployment's server is (its `server` field). The ones in
 #: `SALTED_SERVERS` take a per-request `cache_salt` in the OpenAI body (vLLM from 0.9,
 #: SGLang from the release that added it to its OpenAI protocol), so each tenant gets its

@@ -46,7 +46,8 @@ def registries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_fleet_file_accepts_exactly_the_registered_policies() -> None:
-    assert set(policy.POLICIES) == deployments.POLICIES == {"affinity", "least", "round_robin"}
+    assert set(policy.POLICIES) == deployments.POLICIES == {"affinity", "least", "precise",
+                                                               "round_robin"}
     for name in policy.POLICIES:
         assert parse_fleet({**FLEET, "balancer": {"policy": name}}).balancer.policy == name
 
@@ -78,8 +79,8 @@ def test_a_registered_policy_is_used_by_a_pool_and_accepted_by_the_fleet_file(
 
 def test_an_unknown_policy_is_refused_by_the_fleet_file_and_the_pool() -> None:
     with pytest.raises(FleetConfigError,
-                       match=r"balancer\.policy: one of affinity, least, round_robin"):
+                       match=r"balancer\.policy: one of affinity, least, precise, round_robin"):
         parse_fleet({**FLEET, "balancer": {"policy": "backwards"}})
     with pytest.raises(ValueError, match="unknown balancer policy 'backwards'; one of "
-                                         "affinity, least, round_robin"):
+                                         "affinity, least, precise, round_robin"):
         Pool("d", [("a", FakeReplica("a"))], BalancerSpec(policy="backwards"))

@@ -18,6 +18,8 @@ pool is built:
 - `least`: the replica with the fewest tokens in flight from this gateway, then the
   fewest running and waiting requests in its own stats.
 - `round_robin`: each member in turn, whatever it holds or carries; the control.
+- `precise`: like `affinity`, but by the blocks each replica reports it holds (its KV
+  events) rather than by where this gateway sent what (`PrecisePrefix`).
 
 Another policy is one `register_policy` call: the pool and the fleet file's check
 (`deployments.POLICIES`, which this registry keeps in step) take it from then on.
@@ -31,8 +33,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenyard import deployments
-from tokenyard.balancer.affinity import AffinityTable
+from tokenyard.balancer.affinity import MAX_BLOCKS, AffinityTable
+from tokenyard.balancer.kv_index import KVIndex, KVWatcher
 from tokenyard.balancer.members import Member
+from tokenyard.wire.block_hash import block_key, hash_prompt_blocks
 
 #: Outstanding tokens the replica holding most of a prompt may carry beyond the least
 #: loaded one's and still get it (otherwise the allowance is the prefill it saves).
@@ -139,6 +143,66 @@ class PrefixAffinity(LeastOutstanding):
         return ranked
 
 
+class PrecisePrefix(LeastOutstanding):
+    """`precise`: by the blocks each replica really holds, from its KV events
+    (`balancer/kv_index.py`): the member with the least work left once the prefill its
+    cached prefix saves is taken off (outstanding tokens − held prefix tokens) first.
+    Members without events (upstreams, older replicas) count the approximate table's
+    depth instead. The prompt's hashes are the engine's own (`prompt_hashes`)."""
+
+    follows_output = False
+
+    def __init__(self, affinity: AffinityTable, block_size: int,
+                 index: KVIndex | None = None) -> None:
+        super().__init__(affinity, block_size)
+        self.index = index or KVIndex()
+        self.hits = 0
+        self._watchers: dict[str, KVWatcher] = {}
+
+    def prompt_hashes(self, tokens: Sequence[int], block_size: int,
+                      salt: str | None = None) -> list[int]:
+        """The prompt's block keys, as the engine hashes its blocks."""
+        return [block_key(h) for h in hash_prompt_blocks(tokens, block_size, salt, MAX_BLOCKS)]
+
+    def watch(self, members: Sequence[Member]) -> None:
+        """Subscribe to each replica member's events (idempotent; in a running loop)."""
+        for m in members:
+            if m.id not in self._watchers and hasattr(m.client, "info"):
+                self._watchers[m.id] = KVWatcher(self.index, m.id, m.client)
+                self._watchers[m.id].start()
+
+    def describe(self, member_id: str) -> dict[str, object]:
+        """The member's row in the admin view: whether its events are current, and how
+        many of its blocks the index holds."""
+        return {"kv_events": member_id in self.index.synced,
+                "kv_index_blocks": self.index.blocks_of(member_id)}
+
+    async def close(self) -> None:
+        for watcher in self._watchers.values():
+            await watcher.close()
+        self._watchers.clear()
+
+    async def order(self, members: list[Member], facts: RequestFacts) -> list[Member]:
+        self.watch(members)
+        ranked = await super().order(members, facts)
+        if not facts.hashes:
+            return ranked
+        depth = self.index.lookup(facts.hashes)
+        if any(m.id not in self.index.synced for m in members):
+            approx = await self.affinity.lookup(facts.hashes)
+            depth.update({m.id: approx.get(m.id, 0) for m in members
+                          if m.id not in self.index.synced})
+        if not any(depth.values()):
+            return ranked
+        bs = self.block_size
+        best = min(ranked, key=lambda m: m.inflight_tokens - depth.get(m.id, 0) * bs)
+        if best is not ranked[0] or depth.get(best.id, 0):
+            self.hits += 1
+        ranked.remove(best)
+        ranked.insert(0, best)
+        return ranked
+
+
 #: Policy name (the fleet file's `balancer.policy`) -> its factory.
 POLICIES: dict[str, PolicyFactory] = {}
 
@@ -162,3 +226,4 @@ def make_policy(name: str, affinity: AffinityTable, block_size: int) -> Policy:
 register_policy("affinity", PrefixAffinity)
 register_policy("least", LeastOutstanding)
 register_policy("round_robin", RoundRobin)
+register_policy("precise", PrecisePrefix)

@@ -97,6 +97,9 @@ class Pool:
         """Begin polling health (idempotent)."""
         if self._health_task is None and self.spec.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        watch = getattr(self.policy, "watch", None)  # `precise`: the replicas' KV events
+        if watch is not None and self.tracks_prefixes:
+            watch(self.members)
 
     async def close(self) -> None:
         if self._health_task is not None:
@@ -104,6 +107,9 @@ class Pool:
             with contextlib.suppress(BaseException):
                 await self._health_task
             self._health_task = None
+        close_policy = getattr(self.policy, "close", None)
+        if close_policy is not None:
+            await close_policy()
         for member in self.members:
             with contextlib.suppress(Exception):
                 await member.client.close()
@@ -174,7 +180,9 @@ class Pool:
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [m.snapshot(now) for m in self.members]
+        describe = getattr(self.policy, "describe", None)  # `precise`: its KV index
+        return [{**m.snapshot(now), **(describe(m.id) if describe else {})}
+                for m in self.members]
 
     # ------------------------------------------------------------------ selection
 
@@ -192,7 +200,8 @@ class Pool:
             return []
         key = (id(prompt), len(prompt), salt)
         if self._memo[:3] != key:
-            self._memo = (*key, prefix_hashes(prompt, self.block_size, salt))
+            hasher = getattr(self.policy, "prompt_hashes", prefix_hashes)  # `precise`'s
+            self._memo = (*key, hasher(prompt, self.block_size, salt))
         return self._memo[3]
 
     @property

@@ -138,6 +138,8 @@ class AsyncEngineCore:
         self._wake = threading.Event()
         self._owner: dict[str, CoreStream] = {}  # step thread only: request id -> its stream
         self._closed = False
+        #: Called on the step thread with each step's prefix-cache events (`publish_kv_events`).
+        self.kv_events: Callable[[list[tuple[object, ...]]], None] | None = None
         failed: list[BaseException] = []
         built = threading.Event()
         self._thread = threading.Thread(target=self._build_and_run, name="tokenyard-engine",
@@ -280,6 +282,14 @@ class AsyncEngineCore:
         """
         self._submit(lambda: self._finish_from_outside(request_id, stop))
 
+    def publish_kv_events(self, sink: Callable[[list[tuple[object, ...]]], None]) -> None:
+        """Record the prefix cache's events from now on and hand them to `sink` once a
+        step (on the step thread)."""
+        def start() -> None:
+            self.core.kv.pool.events = []
+            self.kv_events = sink
+        self._submit(start)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the step loop; open streams fail with RuntimeError."""
         self._closed = True
@@ -308,6 +318,10 @@ class AsyncEngineCore:
                     self._fail_all(exc)
                     continue
                 self._dispatch(outputs)
+                if self.kv_events is not None:
+                    events = self.core.kv.pool.take_events()
+                    if events:
+                        self.kv_events(events)
         finally:
             self._closed = True
             self._fail_all(RuntimeError("the engine shut down"))

@@ -16,34 +16,15 @@ blocks back (`release_pins`) rather than wait for a deadline.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenyard.engine.request import Request
+from tokenyard.wire.block_hash import hash_block, hash_prompt_blocks, salt_hash
 
-
-def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
-    """Stable 16-byte hash of one full block, chained to its parent's hash."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
-    if salt:
-        h.update(b"\x00salt\x00" + salt.encode())
-    return h.digest()
-
-
-def hash_prompt_blocks(tokens: Sequence[int], block_size: int, salt: str | None) -> list[bytes]:
-    """Hash chain of every full block in `tokens`."""
-    hashes: list[bytes] = []
-    parent: bytes | None = None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[start:start + block_size], salt)
-        hashes.append(parent)
-    return hashes
+__all__ = ["BlockPool", "KVBlock", "KVCacheManager", "hash_block", "hash_prompt_blocks"]
 
 
 @dataclass(eq=False)
@@ -86,6 +67,17 @@ class BlockPool:
         # Pinned blocks that no request holds: kept out of the free queue.
         self._pinned_free: OrderedDict[int, None] = OrderedDict()
         self._next_deadline = float("inf")  # no pin expires before this
+        #: The KV events since the last `take_events` (`wire/kv_events.py`'s tuples), or
+        #: None when nobody publishes them (then nothing is recorded).
+        self.events: list[tuple[object, ...]] | None = None
+
+    def take_events(self) -> list[tuple[object, ...]]:
+        """The events recorded since the last call (the step thread's, once a step)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     @property
     def num_blocks(self) -> int:
@@ -159,7 +151,10 @@ class BlockPool:
                 else:
                     self._free[block.block_id] = None
 
-    def cache_full_block(self, block: KVBlock, block_hash: bytes, tokens: Sequence[int]) -> None:
+    def cache_full_block(self, block: KVBlock, block_hash: bytes, tokens: Sequence[int],
+                         parent: bytes | None = None, salt: str | None = None) -> None:
+        """Make `block` findable by `block_hash`; `parent` (the previous block's hash)
+        and `salt` only describe it in the KV events."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self._cached:
@@ -167,11 +162,15 @@ class BlockPool:
         block.block_hash = block_hash
         block.tokens = tuple(tokens)
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.append(("stored", block_hash, parent, salt_hash(salt)))
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(("removed", block.block_hash))
             block.block_hash = None
             block.tokens = ()
 
@@ -365,7 +364,8 @@ class KVCacheManager:
         for i in range(start, end):
             block = table[i]
             if block.block_hash is None:
-                self.pool.cache_full_block(block, hashes[i], tokens[i * bs:(i + 1) * bs])
+                self.pool.cache_full_block(block, hashes[i], tokens[i * bs:(i + 1) * bs],
+                                           hashes[i - 1] if i else None, request.cache_salt)
             ttl = self._pin_ttl(request, i)
             if ttl is not None:
                 # By hash: a private copy of an already cached block pins the cached one.

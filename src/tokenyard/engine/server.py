@@ -35,6 +35,7 @@ from aiohttp.typedefs import Handler
 from tokenyard.config import EngineConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
+from tokenyard.engine.kv_events import KVEventPublisher
 from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample.grammar import GrammarError, GuidedState
@@ -104,6 +105,8 @@ class ReplicaServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._force = asyncio.Event()
+        #: Its KV-event publisher, when it publishes (`run_server`).
+        self.kv_events: KVEventPublisher | None = None
 
     def make_app(self) -> web.Application:
         """The aiohttp application with every replica route."""
@@ -249,6 +252,9 @@ class ReplicaServer:
             num_kv_blocks=core.kv.num_blocks,
             weights=self.engine.weights,
         )
+        if self.kv_events is not None:
+            info.kv_events_endpoint = self.kv_events.endpoint
+            info.kv_events_replay_endpoint = self.kv_events.replay_endpoint
         return _json(info.to_json())
 
     async def health(self, http: web.Request) -> web.Response:
@@ -364,13 +370,18 @@ async def run_server(
     drain_timeout: float = 30.0,
     token: str | None = None,
     on_ready: Callable[[str], None] | None = None,
+    kv_events: bool = True,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain and return.
 
     `port` 0 binds a free port; `token` is required of every caller but health probes;
-    `on_ready` receives the URL actually served.
+    `on_ready` receives the URL actually served; `kv_events`: publish the prefix
+    cache's events (`engine/kv_events.py`) and advertise them in the info.
     """
     server = ReplicaServer(engine, drain_timeout=drain_timeout, token=token)
+    if kv_events and engine.core.kv.enable_caching:
+        server.kv_events = KVEventPublisher(host, engine.core.kv.block_size, token=token)
+        engine.publish_kv_events(server.kv_events.publish)
     runner = web.AppRunner(
         server.make_app(),
         handler_cancellation=True,  # a disconnect cancels the handler: abort at once
@@ -400,6 +411,8 @@ async def run_server(
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
+        if server.kv_events is not None:
+            server.kv_events.close()
 
 
 def serve_engine(

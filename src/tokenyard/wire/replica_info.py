@@ -38,6 +38,10 @@ class ReplicaInfo:
     #: The weight format served ("float32", "q4_1", ...: `--weights auto` resolved);
     #: None from a replica older than the field.
     weights: str | None = None
+    #: Its KV-cache events (`wire/kv_events.py`): the PUB and the replay ROUTER
+    #: endpoints; None from a replica that publishes none (or older than the fields).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def to_json(self) -> Json:
         """The wire body."""
