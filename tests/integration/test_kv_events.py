@@ -4,7 +4,7 @@ gateway's `precise` policy routes by the blocks each replica reports.
 
 - A subscriber holding the token gets a request's blocks: the engine's own hash chain,
   the salt's hash, no token ids; replay from 0 starts with AllBlocksCleared. One without
-  the token gets nothing.
+  the token gets nothing. The replica's /metrics has vLLM's names (behind the token).
 - Two replicas behind `tokenyard serve` with `policy = "precise"`: a repeated long prompt
   goes to the replica that holds it, every time, and is served from its cache.
 - `kill -9` and a restart of a replica: its entries leave the gateway-side index at once
@@ -102,6 +102,21 @@ def test_events_carry_a_requests_blocks_salted_and_without_tokens(
             first = [f for f in await dealer.recv_multipart() if f]
             assert seq_int(first[0]) == 0
             assert decode_batch(first[1]).events[0] == ("cleared",)
+            # The replica's /metrics, under vLLM's names too, behind the token.
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{engine.url}/metrics") as resp:
+                    assert resp.status == 401
+                async with http.get(f"{engine.url}/metrics", headers={
+                        "Authorization": f"Bearer {engine.token}"}) as resp:
+                    assert resp.status == 200
+                    text = await resp.text()
+            samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                       for line in text.splitlines() if line.startswith("vllm:")}
+            assert samples["vllm:num_requests_running"] == 0
+            assert samples["vllm:num_requests_waiting"] == 0
+            assert 0 <= samples["vllm:kv_cache_usage_perc"] <= 1
+            assert samples["vllm:prefix_cache_queries_total"] >= len(prompt)
+            assert "vllm:prefix_cache_hits_total" in samples
         finally:
             await client.close()
             ctx.destroy(linger=0)

@@ -40,6 +40,7 @@ from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample.grammar import GrammarError, GuidedState
 from tokenyard.engine.scheduler import QueueFullError
+from tokenyard.telemetry.metrics import render_replica_metrics
 from tokenyard.wire.abort import abort_answer, decode_abort, decode_stop
 from tokenyard.wire.protocol import (
     ABORT_PATH,
@@ -118,6 +119,7 @@ class ReplicaServer:
         app.router.add_get(STATS_PATH, self.stats)
         app.router.add_get(INFO_PATH, self.info)
         app.router.add_get(HEALTH_PATH, self.health)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     @property
@@ -239,6 +241,13 @@ class ReplicaServer:
     async def stats(self, http: web.Request) -> web.Response:
         """The engine's counters (`ReplicaStats` on the wire)."""
         return _json(asdict(self.engine.stats()))
+
+    async def metrics(self, http: web.Request) -> web.Response:
+        """Prometheus text: the engine's figures, also under vLLM's names (for routers
+        built for vLLM); behind the token like every route but health."""
+        text = render_replica_metrics(self.engine.stats(), self.engine.model_name)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"Cache-Control": "no-store"})
 
     async def info(self, http: web.Request) -> web.Response:
         """What the HTTP side needs to know of this replica's model."""

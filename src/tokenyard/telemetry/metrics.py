@@ -126,6 +126,34 @@ def render_engine_stats(stats: EngineStats) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The engine-wide figures a router built for vLLM scrapes from each replica's /metrics
+#: (llm-d's endpoint picker, Dynamo, production-stack), under vLLM's own names and label:
+#: (vLLM's name, type, `ENGINE_METRICS` name it aliases).
+VLLM_ALIASES: tuple[tuple[str, str, str], ...] = (
+    ("vllm:num_requests_running", "gauge", "num_requests_running"),
+    ("vllm:num_requests_waiting", "gauge", "num_requests_waiting"),
+    ("vllm:kv_cache_usage_perc", "gauge", "kv_cache_usage_perc"),
+    ("vllm:prefix_cache_queries", "counter", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "counter", "prefix_cache_hits"),
+)
+
+
+def render_replica_metrics(stats: EngineStats, model_name: str) -> str:
+    """A replica's /metrics: its engine-wide figures under tokenyard's names, then the
+    ones vLLM routers read under vLLM's (a counter's sample with ``_total``, as
+    prometheus_client writes it, and the ``model_name`` label)."""
+    fields = {name: attr for name, _, _, attr in ENGINE_METRICS}
+    docs = {name: doc for name, _, doc, _ in ENGINE_METRICS}
+    label = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    lines = []
+    for full, kind, name in VLLM_ALIASES:
+        sample = f"{full}_total" if kind == "counter" else full
+        lines += [f"# HELP {sample} {docs[name]}", f"# TYPE {sample} {kind}",
+                  f'{sample}{{model_name="{label}"}} '
+                  f"{_format_value(getattr(stats, fields[name]))}"]
+    return render_engine_stats(stats) + "\n".join(lines) + "\n"
+
+
 class TokenyardMetrics:
     """tokenyard's metrics, in a registry of their own.
 
