@@ -53,3 +53,18 @@ def test_the_http_process_never_loads_torch_and_its_replica_does(server: Server)
     assert replica_pid in child_pids(http_pid)
     assert _loads_torch(replica_pid)  # the check sees torch where it is
     assert not _loads_torch(http_pid)
+
+
+def _nice(pid: int, tid: int | None = None) -> int:
+    """The nice value of `pid` (or of its thread `tid`): field 19 of its stat line."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    return int(Path(path).read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_the_replica_runs_below_the_http_process(server: Server) -> None:
+    """Issue 22 item 2: the replica's compute threads never starve the HTTP process: the
+    replica child and every thread it started run at a lower priority (a higher nice)."""
+    http_pid = _listening_pid(urlsplit(server.base_url).port or 80)
+    replica_pid = _listening_pid(urlsplit(server.replica_url).port or 80)
+    threads = [int(t.name) for t in Path(f"/proc/{replica_pid}/task").iterdir()]
+    assert threads and all(_nice(replica_pid, t) >= _nice(http_pid) + 10 for t in threads)

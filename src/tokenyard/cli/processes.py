@@ -26,11 +26,35 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def replica_niceness() -> int:
+    """How much lower than the HTTP process a replica child runs (Linux nice increment):
+    ``TOKENYARD_REPLICA_NICE``, default `REPLICA_NICE`."""
+    try:
+        return int(os.environ.get(REPLICA_NICE_ENV, REPLICA_NICE))
+    except ValueError:
+        return REPLICA_NICE
+
+
+def replica_preexec() -> None:
+    """In a replica child before exec: `die_with_parent`, and a lower scheduling priority
+    (inherited by every thread it starts), so the model's compute threads never starve
+    the HTTP process's event loop on the cores they share; alone on the machine the
+    replica still gets all the CPU it wants."""
+    die_with_parent()
+    with contextlib.suppress(OSError):
+        os.nice(replica_niceness())
+
+
 async def forward_output(stream: asyncio.StreamReader) -> None:
     """Copy a child's remaining output to our stderr (its logs stay visible)."""
     while line := await stream.readline():
         sys.stderr.write(line.decode("utf-8", "replace"))
         sys.stderr.flush()
+
+
+#: The replica children's nice increment (see `replica_preexec`); 0 runs them level.
+REPLICA_NICE = 10
+REPLICA_NICE_ENV = "TOKENYARD_REPLICA_NICE"
 
 
 async def start_child(
@@ -44,7 +68,7 @@ async def start_child(
     cmd = [sys.executable, "-m", "tokenyard.cli", command[0], "--host", "127.0.0.1",
            "--port", str(port), "--drain-timeout", str(config.drain_timeout_s), *command[1:]]
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=None, preexec_fn=die_with_parent,
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=None, preexec_fn=replica_preexec,
         env={**os.environ, REPLICA_TOKEN_ENV: token},
     )
     assert proc.stdout is not None
