@@ -1,12 +1,14 @@
 """`tokenyard bench fleet`: the balancer's policies side by side on a multi-turn workload.
 
-For each policy (default: `affinity`, then `round_robin`), two fresh `tokenyard engine`
-replicas (one thread each, so each starts with an empty prefix cache) behind `tokenyard
+For each policy (default: `affinity`, `precise`, then `round_robin`), `--replicas` fresh
+`tokenyard engine` replicas (one thread each, so each starts with an empty prefix cache;
+`precise` routes by their KV-cache events) behind `tokenyard
 serve --config` (no gateway: the balancer is the point), and the same seeded multi-turn
 workload (`bench/workloads.py`) sent by the load generator (`bench/loadgen.py`) in a
 closed loop. Reported per policy: the replicas' prefix-cache hit rate (their own stats:
-hit tokens over queried tokens, deltas over the run), TTFT p50, and the p50 of the
-`balance` stage of `Server-Timing` (the balancer's own decision). A markdown table.
+hit tokens over queried tokens, deltas over the run), TTFT p50 and p99, output tokens
+per second, and the p50 of the `balance` stage of `Server-Timing` (the balancer's own
+decision). A markdown table.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tokenyard.bench.workloads import LengthDist, multiturn
 from tokenyard.wire.protocol import STATS_PATH
 
 DEPLOYMENT = "bench-fleet"
-POLICIES = ("affinity", "round_robin")
+POLICIES = ("affinity", "precise", "round_robin")
 #: The issue's goals: hit rate ≥ 3× round robin's; the decision ≤ 0.2 ms p50.
 GOAL_HIT_RATIO = 3.0
 GOAL_BALANCE_P50_MS = 0.2
@@ -51,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=8, help="tokens per reply")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="threads per replica")
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas per policy")
 
 
 @dataclass
@@ -62,6 +65,8 @@ class PolicyResult:
     ttft_p50_ms: float
     balance_p50_ms: float | None
     duration_s: float
+    ttft_p99_ms: float = float("nan")
+    output_tok_s: float = 0.0
 
 
 def _cli(*args: str) -> list[str]:
@@ -90,7 +95,7 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="tokenyard-bench-fleet-") as scratch:
         try:
-            for _ in range(2):
+            for _ in range(args.replicas):
                 children.append(start_child(
                     _cli("engine", "--host", "127.0.0.1", "--port", "0",
                          "--threads", str(args.threads)), _MOCK_READY, env=env))
@@ -122,25 +127,30 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
         policy, len(result.records), len(result.records) - len(ok),
         hits / queries if queries else 0.0,
         percentile(ttfts, 50) if ttfts else float("nan"),
-        percentile(balance, 50) if balance else None, result.duration_s)
+        percentile(balance, 50) if balance else None, result.duration_s,
+        percentile(ttfts, 99) if ttfts else float("nan"),
+        sum(r.output_tokens or 0 for r in ok) / result.duration_s if result.duration_s else 0.0)
 
 
 def table(results: Sequence[PolicyResult]) -> str:
     lines = ["| policy | requests (failed) | prefix-cache hit rate "
-             "| TTFT p50 (ms) | `balance` p50 (ms) | run (s) |",
-             "|---|---|---|---|---|---|"]
+             "| TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | `balance` p50 (ms) | run (s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         balance = f"{r.balance_p50_ms:.3f}" if r.balance_p50_ms is not None else "–"
         lines.append(f"| {r.policy} | {r.requests} ({r.failed}) | {r.hit_rate:.1%} | "
-                     f"{r.ttft_p50_ms:.1f} | {balance} | "
+                     f"{r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {r.output_tok_s:.1f} | "
+                     f"{balance} | "
                      f"{r.duration_s:.1f} |")
     by = {r.policy: r for r in results}
-    if "affinity" in by and "round_robin" in by:
-        a, rr = by["affinity"], by["round_robin"]
-        ratio = a.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
-        lines += ["", f"Affinity's hit rate is {ratio:.2f}× round robin's (goal ≥ "
-                      f"{GOAL_HIT_RATIO:g}×); its TTFT p50 is "
-                      f"{a.ttft_p50_ms / rr.ttft_p50_ms:.2f}× round robin's (goal < 1)."]
+    rr = by.get("round_robin")
+    for name in ("affinity", "precise"):
+        if name in by and rr is not None:
+            a = by[name]
+            ratio = a.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
+            lines += ["", f"{name.capitalize()}'s hit rate is {ratio:.2f}× round robin's "
+                          f"(goal ≥ {GOAL_HIT_RATIO:g}×); its TTFT p50 is "
+                          f"{a.ttft_p50_ms / rr.ttft_p50_ms:.2f}× round robin's (goal < 1)."]
     return "\n".join(lines)
 
 
@@ -149,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
     results = [run_policy(p, args) for p in policies]
     print(f"Multi-turn workload ({args.conversations} conversations of {args.turns} turns, "
           f"{args.input_len} words per user turn, {args.output_len} tokens per reply), "
-          f"{args.requests} requests per policy, {args.concurrency} in flight, over 2 "
-          f"replicas (`--threads {args.threads}` each), fresh for each policy.\n")
+          f"{args.requests} requests per policy, {args.concurrency} in flight, over "
+          f"{args.replicas} replicas (`--threads {args.threads}` each), fresh for each policy.\n")
     print(table(results))
     return 0 if all(r.failed == 0 for r in results) else 1
