@@ -93,7 +93,7 @@ class KVEventPublisher:
             while True:
                 item: tuple[float, Sequence[tuple[object, ...]]] | None
                 try:
-                    item = self._queue.get(timeout=0.05)
+                    item = self._queue.get(timeout=0.25)  # the replay waits at most this
                 except queue.Empty:
                     item = (time.time(), [])  # a heartbeat, if one is due
                     if time.monotonic() - last_sent < self.heartbeat_s:
