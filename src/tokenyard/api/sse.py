@@ -37,7 +37,10 @@ def to_json(obj: Any) -> bytes:
     """Compact UTF-8 JSON of a pydantic model or of plain JSON data."""
     if isinstance(obj, BaseModel):
         return obj.__pydantic_serializer__.to_json(obj)
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # an integer beyond 64 bits (the OpenAPI document's bounds)
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def sse_data(obj: Any) -> bytes:
