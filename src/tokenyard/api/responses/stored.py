@@ -53,13 +53,14 @@ async def expand_previous(request: web.Request,
     """The conversation up to `previous_response_id` as Responses input items, oldest
     turn first: each turn's input items, then its output items. 400 if the response (or
     one it continues) cannot be found by this key, or the chain is absurdly long."""
-    return await expand_with(_responses(request), request[KEY], previous_response_id)
+    return await expand_with(_responses(request), request.get(KEY), previous_response_id)
 
 
-async def expand_with(responses: StoredResponses | None, key: KeyContext,
+async def expand_with(responses: StoredResponses | None, key: KeyContext | None,
                       previous_response_id: str) -> list[dict[str, Any]]:
-    """`expand_previous` for `key` over `responses` (a caller without HTTP: a batch)."""
-    if responses is None:
+    """`expand_previous` for `key` over `responses` (a caller without HTTP: a batch);
+    without a store (`--no-auth`: no key either) nothing can be continued."""
+    if responses is None or key is None:
         raise invalid_request(
             f"'previous_response_id' needs stored responses, but {NO_STORE}.",
             param="previous_response_id", code="previous_response_not_found")
