@@ -308,7 +308,7 @@ def test_anthropic_forced_calls_always_validate(claude: anthropic.Anthropic, ser
         name = CLAUDE_TOOLS[i]["name"]
         choice: Any = {"type": "tool", "name": name} if named else {"type": "any"}
         r = claude.messages.create(
-            model=server.model, max_tokens=160,
+            model=server.model, max_tokens=160, extra_body={"temperature": 1.0},
             tools=CLAUDE_TOOLS if named else CLAUDE_TOOLS[i:i + 3], tool_choice=choice,
             messages=[{"role": "user", "content": f"Please use {name} for me."}])
         uses = [b for b in r.content if b.type == "tool_use"]
