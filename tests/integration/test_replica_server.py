@@ -32,7 +32,7 @@ from tokenyard.balancer.replica_client import (
     ReplicaUnauthorized,
 )
 from tokenyard.engine.llm import LLM
-from tokenyard.engine.server import is_loopback
+from tokenyard.engine.replica_access import is_loopback
 from tokenyard.wire.protocol import CoreDelta
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams

@@ -1,21 +1,19 @@
 """Stage 12: one deployment's replicas behind one object — health, selection, failover.
 
-- **Health**: every replica's health route is polled (`health_interval_s`); failures
-  eject a replica for a while (`balancer/members.py` keeps that account).
+- **Health**: each replica's health route is polled (`health_interval_s`); failures eject
+  it for a while (`balancer/members.py` keeps that account).
 - **Selection**: the pool's `Policy` (`balancer/policy.py`, named by the fleet file's
   `balancer.policy`: `affinity`, `least`, `round_robin`, or one registered there) ranks
   the replicas that may take work; the pool tries them in that order.
 - **Failover**: a request that has not received its first byte is tried on the next
   replica (each at most once); one that has, ends with the error (the caller's stream
   gets a clean error event). A replica that answers "draining" is skipped the same way.
-- **Queue**: when every available replica answered "full", the request waits here, in
-  priority order (lower first), then arrival order (`balancer/wait_queue.py`), for up to
-  `queue_timeout_s`, woken whenever a request of this pool ends; then, or when
-  `queue_max` already wait, 503 with retry-after.
+- **Queue**: when every available replica is "full", the request waits here by priority,
+  then arrival (`balancer/wait_queue.py`), up to `queue_timeout_s`, woken as a request
+  of this pool ends; then, or when `queue_max` already wait, 503 with retry-after.
 
-The pool serves three kinds of members with one mechanism (`_stream`): engine replicas
-(`ReplicaClient`: the pool is itself a `Replica`), external upstreams (`open_chat`,
-`open_completion`) and embeddings replicas (`call`).
+One mechanism (`_stream`) serves engine replicas (the pool is itself a `Replica`),
+upstreams (`open_chat`, `open_completion`) and embeddings replicas (`call`).
 """
 
 from __future__ import annotations
@@ -92,7 +90,6 @@ class Pool:
         self.decisions = 0
 
     # ------------------------------------------------------------------ lifecycle
-
     def start(self) -> None:
         """Begin polling health (idempotent)."""
         if self._health_task is None and self.spec.health_interval_s > 0:
@@ -160,7 +157,6 @@ class Pool:
                 logger.exception("health checks of %s failed", self.name)
 
     # ------------------------------------------------------------------ admin
-
     def drain(self, member_id: str, draining: bool = True) -> bool:
         """Stop (or resume) sending new work to a member; running requests go on."""
         for member in self.members:
@@ -185,7 +181,6 @@ class Pool:
                 for m in self.members]
 
     # ------------------------------------------------------------------ selection
-
     @property
     def tracks_prefixes(self) -> bool:
         """Whether prefix placements can matter: the pool has several members, or its
@@ -217,7 +212,6 @@ class Pool:
         return await self.policy.order(avail, facts)
 
     # ------------------------------------------------------------------ failover
-
     async def acquire(
         self,
         attempt: Callable[[Member], Awaitable[_T]],
@@ -345,7 +339,6 @@ class Pool:
             self.inflight -= 1
 
     # ------------------------------------------------------------------ engine replicas
-
     def generate(
         self,
         request_id: str,
@@ -408,10 +401,7 @@ class Pool:
             if isinstance(s, EngineStats)]
         if not found:
             raise ReplicaConnectionError(f"no replica of {self.name} answered its stats")
-        total = EngineStats(**{f: sum(getattr(s, f) for s in found)
-                               for f in EngineStats.__dataclass_fields__})
-        total.kv_cache_usage = sum(s.kv_cache_usage for s in found) / len(found)
-        return total
+        return EngineStats.summed(found)
 
     async def info(self) -> ReplicaInfo:
         if self.info_cache is None:
@@ -430,7 +420,6 @@ class Pool:
         return any(m.available(now) for m in self.members)
 
     # ------------------------------------------------------------------ upstreams, embeddings
-
     def open_chat(self, body: Mapping[str, Any], *, cost: int = 1, priority: int = 0,
                   timeline: Timeline | None = None) -> AsyncIterator[dict[str, Any]]:
         """An upstream's chat stream (OpenAI chunks), opened with failover."""

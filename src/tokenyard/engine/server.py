@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import signal
 import sys
@@ -36,6 +34,7 @@ from tokenyard.config import EngineConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
 from tokenyard.engine.kv_events import KVEventPublisher
+from tokenyard.engine.replica_access import bearer_matches, check_exposure
 from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample.grammar import GrammarError, GuidedState
@@ -129,7 +128,7 @@ class ReplicaServer:
     @web.middleware
     async def _check_token(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Middleware: 401 for a call without the replica's token (health needs none)."""
-        if request.path == HEALTH_PATH or _bearer_matches(
+        if request.path == HEALTH_PATH or bearer_matches(
             request.headers.get("Authorization"), self.token or ""
         ):
             return await handler(request)
@@ -318,40 +317,6 @@ class ReplicaServer:
             error_body(message, code), status=503,
             headers={"Retry-After": str(self.retry_after_s)},
         )
-
-
-def _bearer_matches(header: str | None, token: str) -> bool:
-    """Whether an Authorization header carries `token` (compared in constant time)."""
-    scheme, _, value = (header or "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        value.strip().encode(), token.encode()
-    )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the replica reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
-
-
-def check_exposure(host: str, token: str | None) -> None:
-    """Refuse (ValueError) to serve a replica beyond loopback without a token; warn when
-    one serves on loopback without a token (anyone on this machine may call it)."""
-    if token is not None:
-        return
-    if not is_loopback(host):
-        raise ValueError(
-            f"refusing to serve the replica on {host} without a token: set "
-            "TOKENYARD_REPLICA_TOKEN (and give the same one to `tokenyard serve "
-            "--replica-url`), or bind 127.0.0.1"
-        )
-    print("tokenyard engine: warning: no TOKENYARD_REPLICA_TOKEN set; any process on this "
-          "machine may call the replica and choose a request's tenant", file=sys.stderr,
-          flush=True)
 
 
 async def _read_json(http: web.Request) -> Any:

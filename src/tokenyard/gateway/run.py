@@ -25,12 +25,19 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from tokenyard.balancer.generation import Generation, finished_completions, merged
 from tokenyard.errors import invalid_request
 from tokenyard.gateway.auth import KeyContext, authorize
 from tokenyard.gateway.billing import Cost
+from tokenyard.gateway.build_hooks import (
+    ToolPlacement,
+    first_user_text,
+    placed,
+    prepared,
+    text_size,
+)
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.moderate import check_input, policy_for, tap
 from tokenyard.gateway.moderation import Moderator, Policy
@@ -41,9 +48,7 @@ from tokenyard.gateway.shadow_copies import Shadows
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, image_parts, require_vision
-from tokenyard.text.prepare import Preparer
-from tokenyard.text.tokenizer import Tokenizer
-from tokenyard.text.tools import ToolUse, renders_tools
+from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, RequestOutput
 from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
@@ -86,46 +91,6 @@ class LoadsImages(Protocol):
                  vision: bool) -> Awaitable[list[TemplateMessage]]: ...
 
 
-class ToolPlacement(NamedTuple):
-    """Where a request's tools go: `prompt` (rendered into it, calls forced by the
-    grammar), `passed_on` (in an upstream's body), `native` (the engine's chat template
-    renders tools itself; else `text/tools.py`'s system-prompt fallback)."""
-
-    prompt: ToolUse | None
-    passed_on: ToolUse | None
-    native: bool
-
-
-def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
-    """Where `tools` go on deployment `served`: an upstream gets active tools passed on,
-    an engine in its prompt; 400 naming `tools` for a deployment that does not declare
-    them."""
-    native = (served.kind != "upstream" and served.tokenizer is not None
-              and renders_tools(served.tokenizer.chat_template))
-    if tools is None or not tools.active:
-        return ToolPlacement(tools, None, native)
-    require(served.spec, "tools", "tools")
-    if served.kind == "upstream":
-        return ToolPlacement(None, tools, native)
-    return ToolPlacement(tools, None, native)
-
-
-def prepared(served: Served) -> tuple[Preparer, Tokenizer]:
-    """The deployment's prepare stage and tokenizer (400 for a kind that has none)."""
-    if served.prepare is None or served.tokenizer is None:
-        raise invalid_request(f"The model `{served.name}` does not generate text.",
-                              param="model", code="model_not_supported")
-    return served.prepare, served.tokenizer
-
-
-def first_user_text(messages: Sequence[Any]) -> str | None:
-    """The first user message's text (what a conversation's canary draw sticks to)."""
-    for message in messages:
-        if message.get("role") == "user":
-            return str(message.get("content") or "")
-    return None
-
-
 @dataclass
 class Prepared:
     """What a dialect's `build` makes of its request for the chosen deployment."""
@@ -145,11 +110,6 @@ class Prepared:
     tools: ToolUse | None = None
     #: Whatever else the dialect's build hands its renderer (completions' echo texts).
     note: Any = None
-
-
-def text_size(messages: Sequence[TemplateMessage]) -> int:
-    """The characters of a conversation's text contents (what `Call.text_size` bounds)."""
-    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
 
 
 #: A dialect's prompt work for one deployment: tool messages, template, tokenize, fit. It

@@ -4,6 +4,7 @@ can import it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -119,3 +120,10 @@ class EngineStats:
     num_pinned_kv_blocks: int = 0  # blocks kept by prompt-cache pins (cache_control)
     #: Steps planned while the step before still computed (async scheduling), since start.
     num_overlapped_steps: int = 0
+
+    @classmethod
+    def summed(cls, parts: Sequence[EngineStats]) -> EngineStats:
+        """Several replicas' figures as one: counts summed, the KV use averaged."""
+        total = cls(**{f: sum(getattr(s, f) for s in parts) for f in cls.__dataclass_fields__})
+        total.kv_cache_usage = sum(s.kv_cache_usage for s in parts) / len(parts)
+        return total

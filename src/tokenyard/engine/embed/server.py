@@ -24,7 +24,8 @@ from aiohttp.typedefs import Handler
 
 from tokenyard.engine.embed.batcher import DynamicBatcher, QueueFull
 from tokenyard.engine.embed.model import LoadedEncoder, load_encoder
-from tokenyard.engine.server import UNAUTHORIZED, _bearer_matches, check_exposure
+from tokenyard.engine.replica_access import bearer_matches, check_exposure
+from tokenyard.engine.server import UNAUTHORIZED
 from tokenyard.wire.embeddings import (
     EMBED_INFO_PATH,
     EMBED_PATH,
@@ -107,7 +108,7 @@ class EmbeddingsServer:
     @web.middleware
     async def _check_token(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Middleware: 401 for a call without the replica's token (health needs none)."""
-        if request.path == HEALTH_PATH or _bearer_matches(
+        if request.path == HEALTH_PATH or bearer_matches(
             request.headers.get("Authorization"), self.token or ""
         ):
             return await handler(request)
