@@ -20,8 +20,9 @@ from tokenyard.deployments import BalancerSpec, FleetConfigError, parse_fleet
 FLEET = {"deployments": [{"name": "d", "replicas": 3}]}
 
 
-class Backwards:
-    """A policy no pool code knows: the last member first; remembers what it was told."""
+class Backwards(policy.Policy):
+    """A policy no pool code knows: the last member first; remembers what it was told.
+    It defines only `order` and `placed`: the rest is `Policy`'s defaults."""
 
     follows_output = False
 
@@ -73,6 +74,11 @@ def test_a_registered_policy_is_used_by_a_pool_and_accepted_by_the_fleet_file(
         pool.members[2].draining = True  # the pool filters; the policy ranks the rest
         assert served_by(await collect(pool, "r2", prompt)) == "b"
         assert_no_leases(pool)
+        # The protocol's defaults: nothing watched, nothing added to the admin rows.
+        pool.start()
+        assert [set(row) - set(m.snapshot(0.0)) for row, m in
+                zip(pool.snapshot(), pool.members, strict=True)] == [set(), set(), set()]
+        await pool.close()
 
     run(scenario)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenyard import deployments
-from tokenyard.balancer.affinity import MAX_BLOCKS, AffinityTable
+from tokenyard.balancer.affinity import MAX_BLOCKS, AffinityTable, prefix_hashes
 from tokenyard.balancer.kv_index import KVIndex, KVWatcher
 from tokenyard.balancer.members import Member
 from tokenyard.wire.block_hash import block_key, hash_prompt_blocks
@@ -57,11 +57,17 @@ class RequestFacts:
 
 
 class Policy(Protocol):
-    """How one pool ranks its members (see the module's docstring)."""
+    """How one pool ranks its members (see the module's docstring).
+
+    `order` and `placed` are each policy's own; the rest have defaults here that a policy
+    subclassing `Policy` inherits (the built-in ones do) and overrides where it has more
+    to say: `prompt_hashes`, `watch`, `describe`, `close`, `hits`."""
 
     #: Whether `placed` also hears of a finished generation's prompt + output (the pool
     #: then collects the output tokens of every generation, which costs a little).
     follows_output: bool
+    #: Decisions the policy's prefix knowledge changed (the admin view's figure).
+    hits: int = 0
 
     async def order(self, members: list[Member], facts: RequestFacts) -> list[Member]:
         """`members` (two or more, all available) best first for this request."""
@@ -72,13 +78,32 @@ class Policy(Protocol):
         than a block added to a prompt shorter than one)."""
         ...
 
+    def prompt_hashes(self, tokens: Sequence[int], block_size: int,
+                      salt: str | None = None) -> list[int]:
+        """The prompt's block hashes, computed once per request at prepare: by default the
+        approximate table's (`balancer/affinity.prefix_hashes`)."""
+        return prefix_hashes(tokens, block_size, salt)
+
+    def watch(self, members: Sequence[Member]) -> None:
+        """Begin following what `members` report (in a running loop; idempotent). By
+        default nothing: the policy learns from `placed` alone."""
+        return None
+
+    def describe(self, member_id: str) -> dict[str, object]:
+        """What the policy adds to the member's row of the admin view (default nothing)."""
+        return {}
+
+    async def close(self) -> None:
+        """Stop what `watch` started (default nothing)."""
+        return None
+
 
 #: What `POLICIES` holds: builds a pool's policy from the pool's prefix table (shared
 #: with other pools, and with other gateways when it lives in Redis) and block size.
 PolicyFactory = Callable[[AffinityTable, int], Policy]
 
 
-class LeastOutstanding:
+class LeastOutstanding(Policy):
     """`least`: the lightest load first (`Member.load`).
 
     It records placements in the prefix table although it does not route by it: a pool

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from tokenyard.balancer.affinity import AffinityTable, LocalAffinity, prefix_hashes
+from tokenyard.balancer.affinity import AffinityTable, LocalAffinity
 from tokenyard.balancer.members import (
     SILENT_PROBES_TO_CUT,
     Lease,
@@ -88,25 +88,26 @@ class Pool:
         self.inflight = 0
         #: Decisions taken and how long they took (ns), for the `balance` stage.
         self.decisions = 0
+        #: What changes the members and stops with the pool (`balancer/discovery.py`).
+        self.watchers: list[Any] = []
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Begin polling health (idempotent)."""
         if self._health_task is None and self.spec.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
-        watch = getattr(self.policy, "watch", None)  # `precise`: the replicas' KV events
-        if watch is not None and self.tracks_prefixes:
-            watch(self.members)
+        if self.tracks_prefixes:  # `precise`: the replicas' KV events
+            self.policy.watch(self.members)
 
     async def close(self) -> None:
+        for watcher in self.watchers:
+            await watcher.close()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._health_task
             self._health_task = None
-        close_policy = getattr(self.policy, "close", None)
-        if close_policy is not None:
-            await close_policy()
+        await self.policy.close()
         for member in self.members:
             with contextlib.suppress(Exception):
                 await member.client.close()
@@ -176,9 +177,7 @@ class Pool:
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        describe = getattr(self.policy, "describe", None)  # `precise`: its KV index
-        return [{**m.snapshot(now), **(describe(m.id) if describe else {})}
-                for m in self.members]
+        return [{**m.snapshot(now), **self.policy.describe(m.id)} for m in self.members]
 
     # ------------------------------------------------------------------ selection
     @property
@@ -195,14 +194,13 @@ class Pool:
             return []
         key = (id(prompt), len(prompt), salt)
         if self._memo[:3] != key:
-            hasher = getattr(self.policy, "prompt_hashes", prefix_hashes)  # `precise`'s
-            self._memo = (*key, hasher(prompt, self.block_size, salt))
+            self._memo = (*key, self.policy.prompt_hashes(prompt, self.block_size, salt))
         return self._memo[3]
 
     @property
     def affinity_hits(self) -> int:
         """Decisions the prefix affinity changed (0 under another policy)."""
-        return int(getattr(self.policy, "hits", 0))
+        return self.policy.hits
 
     async def _order(self, facts: RequestFacts, exclude: set[str]) -> list[Member]:
         now = time.monotonic()
@@ -379,8 +377,8 @@ class Pool:
                 reason = getattr(delta, "finish_reason", None)
                 if reason is not None and reason != "abort":
                     if member is not None and output:
-                        await self.policy.placed(
-                            prefix_hashes(prompt + output, self.block_size, salt), member)
+                        held = self.policy.prompt_hashes(prompt + output, self.block_size, salt)
+                        await self.policy.placed(held, member)
                     return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
