@@ -203,6 +203,10 @@ class BalancerSpec:
     eject_base_s: float = 2.0
     #: Entries of the in-process prefix-affinity table.
     affinity_entries: int = 200_000
+    #: How often `dns+` URLs (and Ray's replicas) are looked up again; the DNS server
+    #: asked (`host[:port]`; None: the system resolver).
+    discovery_interval_s: float = 5.0
+    dns_server: str | None = None
 
 
 @dataclass(frozen=True)
@@ -286,8 +290,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         raise FleetConfigError(f"{where}.replicas: an integer from 0 to 64")
     urls = tuple(a_string(u, f"{where}.urls[]")
                  for u in an_array(item.get("urls", []), f"{where}.urls"))
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
+    for url in urls:  # dns+http://NAME:PORT: every address of NAME (balancer/discovery.py)
+        if not url.removeprefix("dns+").startswith(("http://", "https://")):
             raise FleetConfigError(f"{where}.urls: {url!r} is not an http(s) URL")
     if kind == "upstream" and replicas:
         raise FleetConfigError(f"{where}.replicas: an upstream has no local replicas; "
@@ -391,13 +395,16 @@ def _balancer(value: Any) -> BalancerSpec:
     spec = BalancerSpec(**table)
     if spec.policy not in POLICIES:
         raise FleetConfigError(f"balancer.policy: one of {', '.join(sorted(POLICIES))}")
-    for name in ("queue_timeout_s", "health_interval_s", "eject_base_s"):
+    for name in ("queue_timeout_s", "health_interval_s", "eject_base_s",
+                 "discovery_interval_s"):
         value = getattr(spec, name)
         if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise FleetConfigError(f"balancer.{name}: a non-negative number of seconds")
     for name in ("queue_max", "eject_after", "affinity_entries"):
         if not isinstance(getattr(spec, name), int) or getattr(spec, name) < 1:
             raise FleetConfigError(f"balancer.{name}: a positive integer")
+    if not isinstance(spec.dns_server, str | None):
+        raise FleetConfigError("balancer.dns_server: a DNS server's host[:port]")
     return spec
 
 

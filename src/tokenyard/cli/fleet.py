@@ -21,9 +21,11 @@ from urllib.parse import urlsplit
 
 from tokenyard.api.context import AppState
 from tokenyard.balancer.affinity import AffinityTable
+from tokenyard.balancer.discovery import Discovery, dns_source, is_dns_url, make_resolver
 from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec, load_fleet
+from tokenyard.fleet_values import FleetConfigError
 from tokenyard.gateway.regions import regional_fleet
 from tokenyard.gateway.served import Served, build_served
 from tokenyard.text.tokenizer import Tokenizer
@@ -116,10 +118,31 @@ class Fleet:
             clients.append((child.url, self._client(spec, child.url, child.token)))
         token = self._url_token(spec)
         for url in spec.urls:
-            clients.append((url, self._client(spec, url, token)))
-        return await build_served(spec, clients, self.cache_dir,
-                                  balancer=self.spec.balancer, affinity=self.affinity,
-                                  tokenizers=self.tokenizers)
+            if not is_dns_url(url):
+                clients.append((url, self._client(spec, url, token)))
+        found = self._discovery(spec, token)
+        if found is not None:
+            clients.extend(await found.initial())
+        served = await build_served(spec, clients, self.cache_dir,
+                                    balancer=self.spec.balancer, affinity=self.affinity,
+                                    tokenizers=self.tokenizers)
+        if found is not None:
+            found.attach(served.pool)
+            served.pool.watchers.append(found)
+        return served
+
+    def _discovery(self, spec: DeploymentSpec, token: str | None) -> Discovery | None:
+        """What finds the replicas of a deployment's `dns+` URLs (None: it lists none)."""
+        names = [u for u in spec.urls if is_dns_url(u)]
+        if not names:
+            return None
+        balancer = self.spec.balancer
+        try:
+            source = dns_source(names, make_resolver(balancer.dns_server))
+        except ValueError as exc:
+            raise FleetConfigError(f"deployment {spec.name}: {exc}") from None
+        return Discovery(source, lambda url: self._client(spec, url, token),
+                         interval_s=balancer.discovery_interval_s, what="DNS discovery")
 
     def _url_token(self, spec: DeploymentSpec) -> str | None:
         """The bearer token for a deployment's listed URLs. Our own replicas (engine,
