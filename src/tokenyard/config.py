@@ -190,6 +190,13 @@ class ServeConfig(Settings):
     #: A regional endpoint (`--region`): only this region's deployments are served, and
     #: an org bound to other regions reads its stored data elsewhere. None: every region.
     region: str | None = None
+    #: The Batch API's lane (gateway/batches.py): lines one gateway process runs at
+    #: once; how long a claimed line stays its worker's without a renewal; the estimated
+    #: tokens an org's batches at work may hold (an org's own value, set through the
+    #: admin API's limits, wins over this default).
+    batch_concurrency: int = 4
+    batch_lease_s: float = 60.0
+    batch_enqueued_tokens: int = 20_000_000
 
     _ENV: ClassVar[dict[str, str]] = {
         "state_dir": "TOKENYARD_STATE_DIR",
@@ -218,6 +225,9 @@ class ServeConfig(Settings):
         "request_records_purge_interval_s": "TOKENYARD_REQUEST_RECORDS_PURGE_INTERVAL_S",
         "capture_max_bytes": "TOKENYARD_CAPTURE_MAX_BYTES",
         "region": "TOKENYARD_REGION",
+        "batch_concurrency": "TOKENYARD_BATCH_CONCURRENCY",
+        "batch_lease_s": "TOKENYARD_BATCH_LEASE_S",
+        "batch_enqueued_tokens": "TOKENYARD_BATCH_ENQUEUED_TOKENS",
     }
 
     def validate(self) -> None:
@@ -252,6 +262,10 @@ class ServeConfig(Settings):
             raise ValueError("stream_write_timeout_s must be positive")
         if self.auth_failures_per_minute < 0:
             raise ValueError("auth_failures_per_minute must be >= 0")
+        if (self.batch_concurrency < 1 or not self.batch_lease_s > 0
+                or self.batch_enqueued_tokens < 0):
+            raise ValueError("batch_concurrency and batch_lease_s must be positive, "
+                             "batch_enqueued_tokens >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
 

@@ -18,6 +18,7 @@ are compared and thrown away. A leaf module: plain values, no I/O beyond reading
     engine_args = ["--threads", "1"]
     capabilities = ["chat", "completions"]
     prices = { input = "0.10", cached_input = "0.05", output = "0.40" }  # per 1M tokens
+    batch_prices = { input = "0.04", cached_input = "0.02", output = "0.16" }  # default: half
     defaults = { temperature = 0.3 }  # sampling a request leaves out (over the model's)
 
     [[deployments]]
@@ -148,6 +149,7 @@ class DeploymentSpec:
     #: The context window to enforce for upstreams (engines report their own).
     max_context: int | None = None
     prices: PriceSpec | None = None
+    batch_prices: PriceSpec | None = None  # the Batch API's (None: half the live ones)
     moderation: ModerationSpec | None = None
     #: The default and the most output tokens of one request (None: the embeddings kind,
     #: which generates nothing).
@@ -279,8 +281,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item = a_table(item, where)
     item, limits = _output_limits(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
-                 "capabilities", "max_context", "prices", "moderation", "server",
-                 "defaults", "region"}, where)
+                 "capabilities", "max_context", "prices", "batch_prices", "moderation",
+                 "server", "defaults", "region"}, where)
     name = a_string(item.get("name"), f"{where}.name")
     kind = item.get("kind", "engine")
     if kind not in KINDS:
@@ -328,6 +330,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         token_env=opt_string(item.get("token_env"), f"{where}.token_env"),
         capabilities=caps or _DEFAULT_CAPABILITIES[kind], max_context=max_context,
         prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
+        batch_prices=(_prices(item["batch_prices"], f"{where}.batch_prices")
+                      if "batch_prices" in item else None),
         moderation=(_moderation(item["moderation"], f"{where} ({name}).moderation")
                     if "moderation" in item else None),
         server=server, region=opt_region(item.get("region"), f"{where}.region"),

@@ -97,7 +97,7 @@ def test_claims_leases_results_and_ending_once(database_url: str) -> None:
             await rows.finish_line(db, "batch_2", running[0].line, "A", status_code=200,
                                    result="done", now=later)
             assert [s for _, s in await rows.due(db, later)] == ["cancelled"]
-            assert await rows.enqueued_tokens(db, "org_a") == 30  # batch_2 still counts
+            assert await rows.enqueued_tokens(db, "org_a") == (30, None)  # batch_2 counts
 
             # Past its window: nothing is claimed from it, and it ends expired.
             old = _batch("batch_3", 2)

@@ -168,6 +168,33 @@ def test_replaying_a_journal_twice_inserts_and_bills_nothing_twice(
     asyncio.run(scenario())
 
 
+def test_a_running_writer_replays_a_journal_left_by_a_writer_that_died_beside_it(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway killed beside a live one: its rows are committed by the live one within
+    `ORPHAN_SCAN_S`, not only when a gateway starts again."""
+    journal = tmp_path / "journal"
+    monkeypatch.setattr(ledger_module, "ORPHAN_SCAN_S", 0.1)
+
+    async def scenario() -> None:
+        db = await Database.open(database_url)
+        writer = LedgerWriter(db, journal)
+        await writer.start()
+        lines = [json.dumps(record(i, "org_a", 10).to_json()) for i in range(5)]
+        orphan = journal / "ledger-999999-deadbeef.jsonl"  # written after the start
+        orphan.write_text("\n".join(lines) + "\n")
+        for _ in range(100):
+            if not orphan.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not orphan.exists()
+        assert await ledger_totals(db) == (5, 50)
+        await writer.close()
+        await db.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_live_writers_journal_is_not_replayed_by_another_writer(
     database_url: str, tmp_path: Path
 ) -> None:

@@ -5,7 +5,8 @@
     GET  /admin/v1/orgs
     POST /admin/v1/orgs/{org_id}/projects    {name}
     POST /admin/v1/orgs/{org_id}/limits      {rpm?, tpm?, max_concurrency?,
-                                              free_tier_daily_requests?}
+                                              free_tier_daily_requests?,
+                                              batch_enqueued_tokens?} (replaces all)
     POST /admin/v1/orgs/{org_id}/priority    {priority: high|normal|low}
     POST /admin/v1/orgs/{org_id}/credit      {amount}
     POST /admin/v1/orgs/{org_id}/spend_cap   {cap (null: none), project_id?}

@@ -1,11 +1,13 @@
 """What the OpenAI and Anthropic batch routes share over HTTP: the store's batches and
-the calling key, a JSON body, and a batch of the caller's org or the dialect's 404."""
+the calling key, a JSON body, a batch of the caller's org or the dialect's 404, and a
+list page."""
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -15,6 +17,8 @@ from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.batches import Batches, BatchRecord
 
 BATCHES: web.AppKey[Batches] = web.AppKey("tokenyard_batches", Batches)
+
+T = TypeVar("T")
 
 
 def batches_of(request: web.Request) -> tuple[Batches, KeyContext]:
@@ -43,3 +47,19 @@ async def found_batch(request: web.Request, dialect: str, missing: Callable[[str
     if record is None:
         raise missing(batch_id)
     return batches, key, record
+
+
+async def page(found: Sequence[T], limit: int,
+               render: Callable[[T], dict[str, Any] | Awaitable[dict[str, Any]]], *,
+               from_end: bool = False, **fields: Any) -> dict[str, Any]:
+    """A list page of `found` (read with `limit + 1`: one more says there is more): its
+    first `limit` items rendered (`from_end`: its last, a page before a cursor), with
+    `has_more`, `first_id`, `last_id` and `fields` (OpenAI's `object: "list"`)."""
+    kept = found[-limit:] if from_end else found[:limit]
+    data = []
+    for item in kept:
+        body = render(item)
+        data.append(await body if inspect.isawaitable(body) else body)
+    return {**fields, "data": data, "has_more": len(found) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}

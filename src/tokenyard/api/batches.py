@@ -19,23 +19,25 @@ Anthropic's, and starts this process's batch worker (`gateway/batches.BatchLane`
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
-import os
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from tokenyard.api.batch_http import BATCHES, batches_of, found_batch, json_body
+from tokenyard.api.batch_http import BATCHES, batches_of, found_batch, json_body, page
 from tokenyard.api.batch_lines import ROUTES, check, estimate_tokens, guarded, run_line, sort_key
-from tokenyard.api.context import PIPELINE, STATE
+from tokenyard.api.context import PIPELINE, STATE, AppState
 from tokenyard.api.errors import openai_error_body, openai_status
 from tokenyard.api.message_batches import add_message_batch_routes, anthropic_dialect
 from tokenyard.api.respond import json_response
 from tokenyard.api.schemas import page_limit
 from tokenyard.api.sse import to_json
+from tokenyard.config import ServeConfig
+from tokenyard.deployments import PriceSpec
 from tokenyard.errors import APIError, invalid_request
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.batches import (
@@ -165,13 +167,7 @@ async def list_files(request: web.Request) -> web.Response:
         raise invalid_request("'order' must be 'asc' or 'desc'.", param="order")
     found = await batches.files(key, purpose=query.get("purpose"), limit=limit + 1,
                                 after=query.get("after"), newest_first=order == "desc")
-    return json_response(_page([file_object(f) for f in found], limit))
-
-
-def _page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    data = items[:limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
+    return json_response(await page(found, limit, file_object, object="list"))
 
 
 async def _file(request: web.Request) -> tuple[Batches, KeyContext, FileRecord]:
@@ -307,9 +303,8 @@ async def list_batches(request: web.Request) -> web.Response:
     limit = page_limit(request.query, 20, 100)
     found = await batches.page(key, "openai", limit=limit + 1,
                                after=request.query.get("after"))
-    page = _page([await batch_object(batches, b) for b in found[:limit]], limit)
-    page["has_more"] = len(found) > limit
-    return json_response(page)
+    return json_response(await page(found, limit, functools.partial(batch_object, batches),
+                                    object="list"))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
@@ -401,6 +396,8 @@ def install(app: web.Application) -> None:
         if gateway is None:
             return
         batches = app[BATCHES] = Batches(gateway.store, settings())
+        gateway.billing.fixed_batch_prices = functools.partial(fleet_batch_prices,
+                                                               app[STATE])
         lane = app[LANE] = BatchLane(batches, {"openai": openai_dialect(app),
                                                "anthropic": anthropic_dialect(app, busy_wait)})
         lane.start()
@@ -414,15 +411,18 @@ def install(app: web.Application) -> None:
     app.on_shutdown.append(stop)
 
 
+def fleet_batch_prices(state: AppState, model: str) -> PriceSpec | None:
+    """The batch prices the fleet file sets for deployment `model` (None: none set, so
+    half its live prices). Read from the served fleet, so a reload applies at once."""
+    served = state.deployments.get(model)
+    return served.spec.batch_prices if served is not None else None
+
+
 def settings() -> BatchSettings:
-    """The lane's settings: TOKENYARD_BATCH_CONCURRENCY, TOKENYARD_BATCH_LEASE_S,
-    TOKENYARD_BATCH_ENQUEUED_TOKENS (an org's quota), else the defaults."""
-    base = BatchSettings()
-    return BatchSettings(
-        concurrency=int(os.environ.get("TOKENYARD_BATCH_CONCURRENCY", base.concurrency)),
-        lease_s=float(os.environ.get("TOKENYARD_BATCH_LEASE_S", base.lease_s)),
-        enqueued_tokens=int(os.environ.get("TOKENYARD_BATCH_ENQUEUED_TOKENS",
-                                           base.enqueued_tokens)))
+    """The lane's settings: the `batch_*` fields of the serving process's `ServeConfig`
+    (TOKENYARD_BATCH_CONCURRENCY, TOKENYARD_BATCH_LEASE_S,
+    TOKENYARD_BATCH_ENQUEUED_TOKENS: the default of an org without its own quota)."""
+    return BatchSettings.of(ServeConfig.from_env())
 
 
 __all__ = ["ROUTES", "install"]

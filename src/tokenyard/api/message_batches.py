@@ -13,6 +13,7 @@ naming `requests.{i}.params…`), and runs as that route runs it (`api/batch_lin
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -22,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.batch_http import batches_of, found_batch, json_body
+from tokenyard.api.batch_http import batches_of, found_batch, json_body, page
 from tokenyard.api.batch_lines import check, estimate_tokens, guarded, run_line, sort_key
 from tokenyard.api.context import PIPELINE, STATE
 from tokenyard.api.errors import anthropic_error_body
@@ -140,12 +141,9 @@ def add_message_batch_routes(app: web.Application) -> None:
         found = await batches.page(key, "anthropic", limit=limit + 1,
                                    after=request.query.get("after_id"),
                                    before=request.query.get("before_id"))
-        more = len(found) > limit
-        found = found[:limit] if "before_id" not in request.query else found[-limit:]
-        data = [await batch_object(request, batches, b) for b in found]
-        return json_response({"data": data, "has_more": more,
-                      "first_id": data[0]["id"] if data else None,
-                      "last_id": data[-1]["id"] if data else None})
+        return json_response(await page(
+            found, limit, functools.partial(batch_object, request, batches),
+            from_end="before_id" in request.query))
 
     async def cancel(request: web.Request) -> web.Response:
         batches, key, record = await _batch(request)

@@ -113,6 +113,9 @@ def add_admin_parser(sub: Any) -> None:
     who.add_argument("--key", dest="key_id")
     who.add_argument("--org", dest="org_id")
     _limit_args(set_limits, free_tier=True)
+    set_limits.add_argument("--batch-enqueued-tokens", type=int,
+                            help="an org's Batch API quota: estimated tokens its batches "
+                            "at work may hold (default: TOKENYARD_BATCH_ENQUEUED_TOKENS)")
 
     priority = nouns.add_parser("priority", parents=[fmt]).add_subparsers(
         dest="verb", required=True)

@@ -166,6 +166,7 @@ def org_json(org: OrgRecord, balance: int | None = None) -> Json:
         "free_tier_daily_requests": org.free_tier_daily_requests,
         "priority": priority_name(org.priority),
         "allowed_regions": None if org.allowed_regions is None else list(org.allowed_regions),
+        "batch_enqueued_tokens": org.batch_enqueued_tokens,
         "balance": format_money(balance) if balance is not None else None,
         "created_at": _time_text(org.created_at),
     }
@@ -259,7 +260,8 @@ class Admin:
 
     async def set_org_limits(self, org_id: str, args: Mapping[str, Any]) -> Json:
         limits = {**_limits(args),
-                  "free_tier_daily_requests": _opt_int(args, "free_tier_daily_requests")}
+                  "free_tier_daily_requests": _opt_int(args, "free_tier_daily_requests"),
+                  "batch_enqueued_tokens": _opt_int(args, "batch_enqueued_tokens")}
         if not await self.store.set_org_limits(org_id, **limits):
             raise AdminError("org_id", f"no org {org_id}")
         return {"id": org_id, **limits}

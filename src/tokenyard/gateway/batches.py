@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
+from tokenyard.config import ServeConfig
 from tokenyard.errors import APIError
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.store import batches as rows
@@ -52,8 +53,15 @@ class BatchSettings:
     lease_s: float = 60.0
     #: Between looks at the store when there is nothing to claim.
     poll_s: float = 0.5
-    #: An org's batches still at work may hold at most this many (estimated) tokens.
+    #: An org's batches still at work may hold at most this many (estimated) tokens,
+    #: unless the org has its own quota (`orgs.batch_enqueued_tokens`).
     enqueued_tokens: int = 20_000_000
+
+    @classmethod
+    def of(cls, config: ServeConfig) -> BatchSettings:
+        """The settings `config` holds (its `batch_*` fields)."""
+        return cls(concurrency=config.batch_concurrency, lease_s=config.batch_lease_s,
+                   enqueued_tokens=config.batch_enqueued_tokens)
 
 
 class Busy(Exception):
@@ -126,13 +134,15 @@ class Batches:
                      metadata: Mapping[str, str] | None = None) -> BatchRecord:
         """A new batch of `lines` (estimated at `tokens`), in progress at once; 429
         naming the quota when the org's batches at work would hold more tokens."""
-        held = await rows.enqueued_tokens(self.db, key.org_id)
-        limit = self.settings.enqueued_tokens
+        held, own = await rows.enqueued_tokens(self.db, key.org_id)
+        limit = self.settings.enqueued_tokens if own is None else own
         if held + tokens > limit:
+            whose = "the gateway's default" if own is None else "the organization's own"
             raise APIError(
                 429, f"Enqueued token limit reached for organization {key.org_id}: its "
                 f"batches at work hold {held} tokens, this batch needs {tokens}, and the "
-                f"limit (batch_enqueued_tokens) is {limit}. Wait for batches to finish.",
+                f"limit (batch_enqueued_tokens, {whose}) is {limit}. Wait for batches to "
+                "finish.",
                 code="batch_enqueued_token_limit_exceeded",
                 headers={"x-should-retry": "false"})
         now = utcnow()

@@ -21,7 +21,7 @@ from sqlalchemy import and_, func, insert, or_, select, tuple_, update
 
 from tokenyard.store.db import Database
 from tokenyard.store.files import FileRecord, add_file
-from tokenyard.store.tables import batch_lines, batches
+from tokenyard.store.tables import batch_lines, batches, orgs
 
 #: Statuses in which a batch still has work (and counts against its org's queue quota).
 ACTIVE = ("in_progress", "cancelling")
@@ -142,12 +142,15 @@ async def line_counts(db: Database, batch_id: str) -> dict[str, int]:
     return counts
 
 
-async def enqueued_tokens(db: Database, org_id: str) -> int:
-    """The estimated tokens of `org_id`'s batches still at work."""
-    query = select(func.coalesce(func.sum(batches.c.enqueued_tokens), 0)).where(
+async def enqueued_tokens(db: Database, org_id: str) -> tuple[int, int | None]:
+    """The estimated tokens of `org_id`'s batches still at work, and the org's own quota
+    of them (None: it has none, the gateway's default applies)."""
+    held = select(func.coalesce(func.sum(batches.c.enqueued_tokens), 0)).where(
         batches.c.org_id == org_id, batches.c.status.in_(ACTIVE))
+    quota = select(orgs.c.batch_enqueued_tokens).where(orgs.c.id == org_id)
     async with db.engine.connect() as conn:
-        return int((await conn.execute(query)).scalar() or 0)
+        return (int((await conn.execute(held)).scalar() or 0),
+                (await conn.execute(quota)).scalar())
 
 
 async def cancel_batch(db: Database, batch_id: str, org_id: str, dialect: str,

@@ -4,7 +4,10 @@ The request path only calls `LedgerWriter.append`, which writes one JSON line to
 process's journal and queues the record; a background task commits batches. Each batch
 is one transaction: insert the rows with ON CONFLICT (request_id) DO NOTHING and take
 the cost of the rows that were new off their orgs' prepaid balances. Replaying a journal
-(after a crash, or twice) therefore never bills a request twice.
+(after a crash, or twice) therefore never bills a request twice. A writer replays the
+journals of dead writers in its directory when it starts and every `ORPHAN_SCAN_S` while
+it runs, so a gateway killed beside a live one (sharing its state directory) has its
+last rows committed by that one, without waiting for a restart.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ log = logging.getLogger(__name__)
 STATUSES = frozenset({"completed", "stopped", "aborted", "failed"})
 RETRY_MIN_S = 0.05
 RETRY_MAX_S = 5.0
+#: Between a running writer's looks for dead writers' journals to replay.
+ORPHAN_SCAN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -258,11 +263,21 @@ class LedgerWriter:
 
     async def _run(self) -> None:
         delay = RETRY_MIN_S
+        loop = asyncio.get_running_loop()
+        scanned = loop.time()
         while True:
             if not self._stopping:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.flush_interval)
             self._wake.clear()
+            if loop.time() - scanned >= ORPHAN_SCAN_S and not self._stopping:
+                scanned = loop.time()
+                try:
+                    if replayed := await self.replay_orphans():
+                        log.info("ledger: recovered %d records from a dead writer's "
+                                 "journal", replayed)
+                except Exception:
+                    log.exception("ledger: replaying dead writers' journals failed")
             while self._pending:
                 try:
                     await self._commit_batch()

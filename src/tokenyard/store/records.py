@@ -73,6 +73,8 @@ class OrgRecord:
     priority: int = 0  # the scheduler's class of the org's requests (PRIORITY_CLASSES)
     #: The regions whose deployments may serve its requests (None: any).
     allowed_regions: tuple[str, ...] | None = None
+    #: The estimated tokens its batches at work may hold (None: the gateway's default).
+    batch_enqueued_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -116,13 +116,16 @@ class Store(Accounts, Users):
         tpm: int | None = None,
         max_concurrency: int | None = None,
         free_tier_daily_requests: int | None = None,
+        batch_enqueued_tokens: int | None = None,
     ) -> bool:
-        """Replace all of the org's limits (None: unlimited / no free tier); False if no org."""
+        """Replace all of the org's limits (None: unlimited / no free tier / the
+        gateway's default batch quota); False if no org."""
         values = {
             "rpm": rpm,
             "tpm": tpm,
             "max_concurrency": max_concurrency,
             "free_tier_daily_requests": free_tier_daily_requests,
+            "batch_enqueued_tokens": batch_enqueued_tokens,
         }
         async with self.db.engine.begin() as conn:
             result = await conn.execute(update(orgs).where(orgs.c.id == org_id).values(values))
@@ -396,6 +399,7 @@ def _org(row: Any) -> OrgRecord:
         created_at=row["created_at"],
         priority=row["priority"],
         allowed_regions=regions.region_list(row.get("allowed_regions")),
+        batch_enqueued_tokens=row.get("batch_enqueued_tokens"),
     )
 
 

@@ -100,6 +100,8 @@ orgs = Table(
     Column("created_at", UTCDateTime, nullable=False),
     # The regions whose deployments may serve the org's requests (NULL: any).
     Column("allowed_regions", JSON, nullable=True),
+    # The estimated tokens its batches at work may hold (NULL: the gateway's default).
+    Column("batch_enqueued_tokens", BigInteger, nullable=True),
 )
 
 projects = Table(
