@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,13 @@ def start_child(
     return child
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for servers that take no port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def start_mock(config: MockConfig, seed: int = 0) -> Child:
     """The mock replica on a free 127.0.0.1 port."""
     c = config
@@ -115,14 +123,16 @@ def start_mock(config: MockConfig, seed: int = 0) -> Child:
 def start_tokenyard(
     replica_url: str | None, auth: bool = True, *, workers: int = 1, embeddings: bool = False,
     extra: Sequence[str] = (), env_extra: dict[str, str] | None = None,
+    python: Sequence[str] = (),
 ) -> tuple[Child, str | None]:
     """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model; with
     `replica_url` None it starts its own replica of the embedded model), and the API key
     its banner shows (None with `auth` off). `workers`: its HTTP worker processes
     (``--workers``); `embeddings`: start the embeddings pool too (no benchmark calls it);
     `extra`: more serve flags (e.g. ``--config FILE``); `env_extra`: more environment
-    (e.g. the OTLP endpoint). Variables of OpenTelemetry's not in `env_extra` are
-    dropped, so tracing is on only when asked for.
+    (e.g. the OTLP endpoint); `python`: the interpreter's own flags before ``-m
+    tokenyard.cli`` (e.g. ``-m cProfile -o FILE``). Variables of OpenTelemetry's not in
+    `env_extra` are dropped, so tracing is on only when asked for.
 
     It gets a state directory of its own (its SQLite store, ledger journal and development
     key, removed when it stops) and neither TOKENYARD_DATABASE_URL nor TOKENYARD_REDIS_URL:
@@ -135,7 +145,7 @@ def start_tokenyard(
     env.update(env_extra or {})
     env["TOKENYARD_STATE_DIR"] = str(scratch)
     replica = ["--replica-url", replica_url] if replica_url else []
-    cmd = [sys.executable, "-m", "tokenyard.cli", "serve", *replica, "--port", "0",
+    cmd = [sys.executable, *python, "-m", "tokenyard.cli", "serve", *replica, "--port", "0",
            "--drain-timeout", "2", "--workers", str(workers),
            # The load generator is one address sending at the rates the edge's
            # per-address limits exist to refuse: measure the gateway, not the refusals.

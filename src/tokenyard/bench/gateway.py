@@ -72,8 +72,6 @@ def listen_overflows() -> int:
     return 0
 
 
-
-
 # ---------------------------------------------------------------------------- measuring
 
 
@@ -118,6 +116,41 @@ class RatePoint:
     telemetry: str = "logs"
 
 
+async def measure_side(
+    base: Target, stream: bool, rate: float, *, duration_s: float,
+    workload: tuple[int, int], seed: int, mock_pid: int, tree_pid: int | None = None,
+    progress: bool = False,
+) -> Side:
+    """One open-loop run at `rate` against `base`, with everyone's CPU meanwhile; with
+    `tree_pid`, the figures of the gateway process tree rooted there (in the `tokenyard_*`
+    fields, whichever gateway it is)."""
+    outside = (mock_pid, os.getpid())  # never the gateway's, even were they in its tree
+    overflows = listen_overflows()
+    mock0, busy0 = sample_proc(mock_pid), machine_busy_s()
+    tree0 = sample_tree(tree_pid, outside) if tree_pid is not None else None
+    t0 = time.monotonic()
+    load = await run_load(
+        replace(base, stream=stream),
+        synthetic(LengthDist(workload[0]), LengthDist(workload[1]), seed),
+        rate=rate, duration_s=duration_s, seed=seed, progress=progress,
+    )
+    mock1, wall = sample_proc(mock_pid), time.monotonic() - t0
+    side = Side(summarize(load.records, load.duration_s), len(load.records) / duration_s,
+                cpu_pct(load.client_cpu_s, load.duration_s),
+                cpu_pct_between(mock0, mock1), listen_overflows() - overflows,
+                cpu_pct(machine_busy_s() - busy0, wall))
+    if tree_pid is not None and tree0 is not None:
+        tree1 = sample_tree(tree_pid, outside)
+        sent = max(1, len(load.records))
+        side.tokenyard_cpu_pct = cpu_pct_between(tree0, tree1)
+        side.tokenyard_cpu_ms_per_request = 1000.0 * (tree1.cpu_s - tree0.cpu_s) / sent
+        side.tokenyard_parent_cpu_ms_per_request = (
+            1000.0 * (tree1.root_cpu_s - tree0.root_cpu_s) / sent)
+        side.tokenyard_rss_mib = tree1.rss_mib
+        side.tokenyard_processes = tree1.processes
+    return side
+
+
 async def measure_rate(
     direct: Target, gateway: Target, rate: float, stream: bool, *, duration_s: float,
     workload: tuple[int, int], seed: int, mock_pid: int, tokenyard_pid: int,
@@ -125,38 +158,13 @@ async def measure_rate(
 ) -> RatePoint:
     """One rate and streaming mode: direct to the mock, then through tokenyard (whose
     figures are its process tree's, rooted at `tokenyard_pid`)."""
-    sides: list[Side] = []
-    outside = (mock_pid, os.getpid())  # never tokenyard's, even were they in its tree
-    for base in (direct, gateway):
-        overflows = listen_overflows()
-        mock0, tree0 = sample_proc(mock_pid), sample_tree(tokenyard_pid, outside)
-        busy0 = machine_busy_s()
-        load = await run_load(
-            replace(base, stream=stream),
-            synthetic(LengthDist(workload[0]), LengthDist(workload[1]), seed),
-            rate=rate, duration_s=duration_s, seed=seed, progress=progress,
-        )
-        mock1, tree1 = sample_proc(mock_pid), sample_tree(tokenyard_pid, outside)
-        side = Side(summarize(load.records, load.duration_s), len(load.records) / duration_s,
-                    cpu_pct(load.client_cpu_s, load.duration_s),
-                    cpu_pct_between(mock0, mock1), listen_overflows() - overflows,
-                    cpu_pct(machine_busy_s() - busy0, tree1.at - tree0.at))
-        if base is gateway:
-            sent = max(1, len(load.records))
-            side.tokenyard_cpu_pct = cpu_pct_between(tree0, tree1)
-            side.tokenyard_cpu_ms_per_request = 1000.0 * (tree1.cpu_s - tree0.cpu_s) / sent
-            side.tokenyard_parent_cpu_ms_per_request = (
-                1000.0 * (tree1.root_cpu_s - tree0.root_cpu_s) / sent)
-            side.tokenyard_rss_mib = tree1.rss_mib
-            side.tokenyard_processes = tree1.processes
-        sides.append(side)
-    d, g = sides
-    return RatePoint(
-        rate, stream, d, g,
-        difference(d.report.e2e_ms, g.report.e2e_ms),
-        difference(d.report.ttft_ms, g.report.ttft_ms) if stream else None,
-        workers,
-    )
+    d, g = [await measure_side(base, stream, rate, duration_s=duration_s,
+                               workload=workload, seed=seed, mock_pid=mock_pid,
+                               tree_pid=pid, progress=progress)
+            for base, pid in ((direct, None), (gateway, tokenyard_pid))]
+    return RatePoint(rate, stream, d, g, difference(d.report.e2e_ms, g.report.e2e_ms),
+                     difference(d.report.ttft_ms, g.report.ttft_ms) if stream else None,
+                     workers)
 
 
 async def warm_up(targets: Sequence[Target], workload: tuple[int, int]) -> None:

@@ -1,5 +1,7 @@
 """`tokenyard bench peers` (what `make bench-peers` runs): tokenyard beside llama.cpp's
-`llama-server` on the same GGUF file, one side-by-side table with ratios.
+`llama-server` on the same GGUF file, one side-by-side table with ratios; then the
+gateway beside LiteLLM's proxy in front of the same mock (`litellm_peer.py`). `--peers`
+picks either.
 
 Both servers get the same requests from the same client as `tokenyard bench serve`
 (streamed OpenAI chat, ``ignore_eos``), one server at a time and alternating: each round
@@ -21,7 +23,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -32,8 +33,10 @@ from typing import Any
 
 import aiohttp
 
-from tokenyard.bench.children import Child, start_child, start_tokenyard
+from tokenyard.bench import litellm_peer
+from tokenyard.bench.children import Child, free_port, start_child, start_tokenyard
 from tokenyard.bench.host import OtherLoad, cpu_model
+from tokenyard.bench.litellm_table import PAGE_SECTION as LITELLM_SECTION
 from tokenyard.bench.llama_build import LLAMA_CPP_PYTHON, ensure_llama_server
 from tokenyard.bench.loadgen import Target, list_models, run_load
 from tokenyard.bench.peers_table import PAGE_SECTION, render_section, write_section
@@ -91,13 +94,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write every round's figures here")
     parser.add_argument("--threads", type=int, default=2, help="each server's threads")
     parser.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs")
+    parser.add_argument("--peers", type=_peers, default=list(PEERS),
+                        help="which comparisons: llama-server, litellm or both (default)")
+    litellm_peer.add_arguments(parser)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (llama-server takes no port 0)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+#: The comparisons `--peers` names.
+PEERS = ("llama-server", "litellm")
+
+
+def _peers(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or any(n not in PEERS for n in names):
+        raise argparse.ArgumentTypeError(f"peers are {', '.join(PEERS)}")
+    return names
 
 
 def llama_context(slots: int) -> int:
@@ -254,6 +264,21 @@ OTHER_SHARE_MAX = 0.10
 
 
 def main(args: argparse.Namespace) -> int:
+    """Each comparison `--peers` names, its page section written unless `--no-write`."""
+    code = llama_main(args) if "llama-server" in args.peers else 0
+    if "litellm" in args.peers:
+        if args.quick:
+            args.litellm_rates, args.litellm_duration, args.litellm_rounds = [10.0, 100.0], 3, 1
+        section = litellm_peer.main(args, lambda s: print(s, file=sys.stderr))
+        print(section)
+        if not args.no_write:
+            write_section(args.write, section, LITELLM_SECTION)
+            print(f"wrote the {LITELLM_SECTION!r} section of {args.write}", file=sys.stderr)
+    return code
+
+
+def llama_main(args: argparse.Namespace) -> int:
+    """tokenyard beside llama-server (alternating rounds), the section written."""
     plan = QUICK if args.quick else Plan()
     rounds_wanted = 1 if args.quick else args.rounds
     model = embedded_model_path()

@@ -146,14 +146,14 @@ def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
     ])
 
 
-def write_section(page: Any, section: str) -> None:
-    """Replace the page's peers section with `section` (up to the next "## " heading), or
-    append it at the end when the page has none."""
+def write_section(page: Any, section: str, heading: str = PAGE_SECTION) -> None:
+    """Replace the page's section under `heading` with `section` (up to the next "## "
+    heading), or append it at the end when the page has none."""
     text = page.read_text() if page.exists() else "# Benchmarks\n"
-    start = text.find(PAGE_SECTION)
+    start = text.find(heading)
     if start < 0:
         page.write_text(text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n")
         return
-    end = text.find("\n## ", start + len(PAGE_SECTION))
+    end = text.find("\n## ", start + len(heading))
     rest = text[end + 1:] if end >= 0 else ""
     page.write_text(text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else ""))

@@ -1,4 +1,5 @@
-"""`tokenyard bench profile`: where one pure decode step's time goes, at batch 1 and 32.
+"""`tokenyard bench profile`: where one pure decode step's time goes, at batch 1 and 32
+(with `--gateway`: where the HTTP gateway's CPU goes under load, `gateway_profile.py`).
 
 The engine runs `batch` streams (45-token prompts, greedy, ignore_eos) until every one is
 decoding, then times whole engine steps (scheduler + runner + output bookkeeping) with
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tokenyard.bench import gateway_profile
 from tokenyard.bench.offline import decode_rate, greedy, random_prompts
 from tokenyard.config import engine_kwargs
 from tokenyard.engine.llm import LLM
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profiled-steps", type=int, default=5, help="steps whose ops are counted")
     parser.add_argument("--output-len", type=int, default=128,
                         help="tokens of the one-stream decode rate")
+    gateway_profile.add_arguments(parser)
 
 
 class Paths:
@@ -188,6 +191,8 @@ def sampler_table(batches: list[int], vocab: int) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.gateway:
+        return gateway_profile.main(args)
     kwargs: dict[str, Any] = engine_kwargs(args)
     llm = LLM(show_progress=False, **kwargs)
     paths = Paths(llm)
