@@ -11,6 +11,8 @@ docs/benchmarks.md rewritten from their output.
 5. grammar-constrained decoding against unconstrained at batch 16 (`bench grammar`);
 6. moderation on (input and output, the local classifier) against off, one run each;
 7. async scheduling off and on, served side by side at 1, 8 and 32 streams.
+8. the Batch API's lane against the engine alone and beside live traffic (`bench batch`,
+   which writes its own section).
 
 Each section names the machine, the versions and the exact command. The hand-written
 "## Profile" part of the page is kept.
@@ -326,6 +328,7 @@ SECTIONS: dict[str, Any] = {
     "grammar": lambda args: grammar_section(),
     "moderation": lambda args: moderation_section(),
     "async": lambda args: async_scheduling_section(),
+    "batch": lambda args: _run(_cli("bench", "batch")) + "\n",
 }
 
 

@@ -137,6 +137,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.grammar import main as grammar_main
 
         return grammar_main(args)
+    if args.bench_command == "batch":
+        from tokenyard.bench.batch import main as batch_main
+
+        return batch_main(args)
     from tokenyard.bench.offline import main as offline_main
 
     return offline_main(args)
@@ -318,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_peers.add_arguments(bench_sub.add_parser(
         "peers", help="tokenyard beside llama.cpp's llama-server, built once into the cache "
                       "(make bench-peers)"))
+    from tokenyard.bench import batch as bench_batch
+
+    bench_batch.add_arguments(bench_sub.add_parser(
+        "batch", help="the Batch API's lane against the engine alone and beside live "
+                      "traffic"))
     from tokenyard.bench import suite as bench_suite
 
     bench_suite.add_arguments(bench_sub.add_parser(
