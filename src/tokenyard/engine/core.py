@@ -23,6 +23,7 @@ from tokenyard.engine.models.loader import CausalLM
 from tokenyard.engine.request import Request
 from tokenyard.engine.runner import ModelRunner, StepResult
 from tokenyard.engine.sample.grammar import GrammarCompiler
+from tokenyard.engine.sample.prompt_logprobs import join_scores
 from tokenyard.engine.scheduler import Scheduler, SchedulerOutput
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import EngineCoreOutput, EngineStats
@@ -213,9 +214,14 @@ class EngineCore:
                  timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _outputs(self, step: SchedulerOutput, result: StepResult) -> list[EngineCoreOutput]:
+        for request_id, (first, scored) in result.prompt_logprobs.items():
+            scoring = self.scheduler.requests.get(request_id)
+            if scoring is not None:
+                join_scores(scoring.prompt_logprobs, first, scored)
         outputs = []
         for request in self.scheduler.update(step, result.sampled):
             lp = result.logprobs.get(request.request_id)
+            first = request.num_output_tokens == 1 and request.params.prompt_logprobs is not None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -225,6 +231,7 @@ class EngineCore:
                     stop_reason=request.stop_reason,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=request.prompt_logprobs if first else None,
                     **_first_token_times(request),
                 )
             )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenyard.engine.sample.grammar import GuidedState
+from tokenyard.wire.outputs import TokenLogprobs
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -63,6 +64,9 @@ class Request:
     num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1 until scheduled
     num_preemptions: int = 0
+    #: With `params.prompt_logprobs`: prompt tokens 1, 2, … scored so far (see
+    #: `scores_prompt`); sent with the first output token.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     # Monotonic timeline stamps (seconds); intervals are computed by the caller.
@@ -94,6 +98,13 @@ class Request:
         """True if the token in flight will be the last one `max_tokens` or the context
         window allows: nothing after it is worth scheduling."""
         return bool(self.num_pending) and self._length_reached(self.num_pending)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored: then the whole prompt is
+        computed, none of it read from the prefix cache (a cached block has no logits)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, 
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.sample.grammar import fill_bitmask
+from tokenyard.engine.sample.prompt_logprobs import PromptSpan, prompt_span, score_prompt_rows
 from tokenyard.engine.scheduler import SchedulerOutput
 from tokenyard.wire.outputs import TokenLogprobs
 
@@ -23,6 +24,8 @@ from tokenyard.wire.outputs import TokenLogprobs
 class StepResult:
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    #: Per request asking for prompt logprobs: (first prompt position scored, its scores).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -36,6 +39,8 @@ class PreparedStep:
     sample_requests: list[Request]
     #: (row, request id): inputs that are the token the step before sampled (async).
     fills: list[tuple[int, str]]
+    #: Prefill rows to score against the next prompt token (prompt logprobs).
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -82,13 +87,22 @@ class ModelRunner:
         input_ids, positions, meta, fills = self._prepare(items, step.starts)
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        spans: list[PromptSpan] = []
         row = 0
         for request, n in items:
+            if request.scores_prompt:
+                span = prompt_span(request.request_id, request.prompt_token_ids,
+                                   request.params.prompt_logprobs, row,
+                                   step.starts[request.request_id], n,
+                                   len(request.prompt_logprobs))
+                if span is not None:
+                    spans.append(span)
             row += n
             if request.request_id in step.sampling:
                 sample_rows.append(row - 1)
                 sample_requests.append(request)
-        return PreparedStep(input_ids, positions, meta, sample_rows, sample_requests, fills)
+        return PreparedStep(input_ids, positions, meta, sample_rows, sample_requests, fills,
+                            spans)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepResult:
@@ -107,9 +121,13 @@ class ModelRunner:
             self.attention.metadata = meta
             hidden = self.model(input_ids, prepared.positions, self.attention)
             self.attention.metadata = None
+        prompt_logprobs = {}
+        if prepared.prompt_spans:
+            prompt_logprobs = score_prompt_rows(hidden, self.model.compute_logits,
+                                                prepared.prompt_spans)
         if not sample_requests:
             self._last_sampled = {}
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_logprobs)
         if len(prepared.sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(prepared.sample_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
@@ -135,7 +153,7 @@ class ModelRunner:
                 if r.params.logprobs is not None:
                     top = out.top_logprobs[i] if out.top_logprobs is not None else []
                     logprobs[r.request_id] = TokenLogprobs(out.logprobs[i], top)
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, prompt_logprobs)
 
     def _generator(self, request: Request) -> torch.Generator | None:
         """The request's seeded generator, made on this replica's device at first use."""

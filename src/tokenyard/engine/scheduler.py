@@ -189,7 +189,7 @@ class Scheduler:
             if request.guided is not None and not request.guided.ready:
                 deferred.append(self._pop_waiting())
                 continue
-            cached = self.kv.find_cached_prefix(request)
+            cached = [] if request.scores_prompt else self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget, prefill)
             request.num_computed_tokens = num_cached

@@ -12,7 +12,13 @@ from dataclasses import dataclass, field, replace
 from tokenyard.text.detokenizer import IncrementalDetokenizer
 from tokenyard.text.stop import StopStringMatcher, StopStrings
 from tokenyard.text.tokenizer import Tokenizer
-from tokenyard.wire.outputs import CompletionDelta, EngineCoreOutput, Logprob, RequestOutput
+from tokenyard.wire.outputs import (
+    CompletionDelta,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+)
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -42,11 +48,15 @@ class _Completion:
 class _Parent:
     request_id: str
     n: int
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     num_finished: int = 0
     children: list[_Completion] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class OutputProcessor:
@@ -59,7 +69,7 @@ class OutputProcessor:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> list[str]:
         """Track a request; returns the core ids of its n completions."""
-        parent = _Parent(request_id, params.n, len(prompt_token_ids))
+        parent = _Parent(request_id, params.n, prompt_token_ids)
         self._parents[request_id] = parent
         ids = []
         # Prepared once for the n completions: only the matchers' small states are per child.
@@ -145,7 +155,7 @@ class OutputProcessor:
             by_parent.setdefault(parent.request_id, []).append(
                 CompletionDelta(
                     child.index, text, list(out.new_token_ids), logprobs,
-                    finish_reason, stop_reason,
+                    finish_reason, stop_reason, _prompt_logprobs(parent, out),
                 )
             )
         results = []
@@ -161,3 +171,15 @@ class OutputProcessor:
             if finished:
                 self.remove(request_id)
         return results, stopped
+
+
+def _prompt_logprobs(parent: _Parent, out: EngineCoreOutput) -> PromptLogprobs | None:
+    """The prompt's scores an output carries (its request's first), with their tokens."""
+    scored = out.prompt_logprobs
+    if scored is None:
+        return None
+    prompt = parent.prompt_token_ids
+    return PromptLogprobs(list(prompt), [
+        Logprob(token, lp.logprob, list(lp.top))
+        for token, lp in zip(prompt[1:], scored, strict=True)
+    ])

@@ -18,6 +18,15 @@ class Logprob:
 
 
 @dataclass
+class PromptLogprobs:
+    """The prompt scored token by token: `entries[i]` is prompt token `i + 1`'s logprob
+    given the tokens before it, with the top alternatives (the first token has none)."""
+
+    token_ids: list[int]
+    entries: list[Logprob]
+
+
+@dataclass
 class CompletionDelta:
     """New output of one of the `n` completions of a request, since the last delta."""
 
@@ -27,6 +36,8 @@ class CompletionDelta:
     logprobs: list[Logprob] | None
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None  # the stop string or stop token id that matched
+    #: With the first token of a request that asked for `prompt_logprobs`.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -51,9 +62,12 @@ class Completion:
     logprobs: list[Logprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, delta: CompletionDelta) -> None:
         self.text += delta.text
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
@@ -104,6 +118,9 @@ class EngineCoreOutput:
     # with them.
     queue_time: float | None = None
     prefill_time: float | None = None
+    #: With the first token of a request that asked for `prompt_logprobs`: one entry per
+    #: prompt token after the first (its logprob given the tokens before it).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

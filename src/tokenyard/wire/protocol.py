@@ -51,7 +51,7 @@ ENGINE_ERROR = "engine_error"
 WIRE_PARAMS: tuple[str, ...] = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "max_tokens",
-    "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "guided",
+    "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "guided", "prompt_logprobs",
 )
 
 Json = dict[str, Any]
@@ -125,6 +125,8 @@ def params_to_json(params: SamplingParams) -> Json:
     out["stop_token_ids"] = list(params.stop_token_ids)
     if params.logit_bias is not None:
         out["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    if params.prompt_logprobs is None:
+        del out["prompt_logprobs"]  # a replica from before it knew the field still serves
     if params.guided is None:
         del out["guided"]
     else:
@@ -155,7 +157,7 @@ _PARAM_KINDS: dict[str, str] = {
     "n": "int", "temperature": "float", "top_p": "float", "top_k": "int", "min_p": "float",
     "presence_penalty": "float", "frequency_penalty": "float",
     "repetition_penalty": "float", "seed": "int?", "max_tokens": "int?", "min_tokens": "int",
-    "ignore_eos": "bool", "logprobs": "int?",
+    "ignore_eos": "bool", "logprobs": "int?", "prompt_logprobs": "int?",
 }
 
 
@@ -344,45 +346,48 @@ class CoreDelta:
     num_cached_tokens: int
     queue_time: float | None = None  # seconds, first delta only (see EngineCoreOutput)
     prefill_time: float | None = None
+    #: First delta only, when asked for: prompt tokens 1… scored (see EngineCoreOutput).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def from_json(cls, request_id: str, obj: Any) -> CoreDelta:
         """Decode one stream line (the request id is not on the wire: the caller knows it)."""
         obj = _object(obj, None)
-        raw_lps = obj.get("new_logprobs")
-        logprobs = None
-        if raw_lps is not None:
-            logprobs = [
-                TokenLogprob(float(lp["logprob"]), [(int(t), float(v)) for t, v in lp["top"]])
-                for lp in raw_lps
-            ]
         finish = obj.get("finish_reason")
         if finish not in (None, "stop", "length", "abort"):
             raise ProtocolError("finish_reason", f"unknown finish_reason {finish!r}")
         return cls(
             request_id=request_id,
             new_token_ids=_int_list(obj.get("new_token_ids"), "new_token_ids"),
-            new_logprobs=logprobs,
+            new_logprobs=_logprobs_from_json(obj.get("new_logprobs")),
             finish_reason=finish,
             stop_reason=obj.get("stop_reason"),
             num_prompt_tokens=_int(obj.get("num_prompt_tokens"), "num_prompt_tokens"),
             num_cached_tokens=_int(obj.get("num_cached_tokens"), "num_cached_tokens"),
             queue_time=_optional_float(obj.get("queue_time"), "queue_time"),
             prefill_time=_optional_float(obj.get("prefill_time"), "prefill_time"),
+            prompt_logprobs=_logprobs_from_json(obj.get("prompt_logprobs")),
         )
+
+
+def _logprobs_from_json(raw: Any) -> list[TokenLogprob] | None:
+    if raw is None:
+        return None
+    return [TokenLogprob(float(lp["logprob"]), [(int(t), float(v)) for t, v in lp["top"]])
+            for lp in raw]
+
+
+def _logprobs_to_json(logprobs: Sequence[LogprobLike] | None) -> list[Json] | None:
+    if logprobs is None:
+        return None
+    return [{"logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]} for lp in logprobs]
 
 
 def encode_delta(out: CoreOutputLike) -> bytes:
     """One NDJSON stream line (with its newline) for an engine step's output."""
-    logprobs = None
-    if out.new_logprobs is not None:
-        logprobs = [
-            {"logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]}
-            for lp in out.new_logprobs
-        ]
     line: Json = {
         "new_token_ids": list(out.new_token_ids),
-        "new_logprobs": logprobs,
+        "new_logprobs": _logprobs_to_json(out.new_logprobs),
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
         "num_prompt_tokens": out.num_prompt_tokens,
@@ -392,6 +397,9 @@ def encode_delta(out: CoreOutputLike) -> bytes:
     if queue_time is not None:
         line["queue_time"] = queue_time
         line["prefill_time"] = getattr(out, "prefill_time", None)
+    prompt_logprobs = getattr(out, "prompt_logprobs", None)
+    if prompt_logprobs is not None:  # only when asked: old readers never see the key
+        line["prompt_logprobs"] = _logprobs_to_json(prompt_logprobs)
     return dumps(line) + b"\n"
 
 

@@ -103,6 +103,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top k
+    #: None: the prompt is not scored; k >= 0: each prompt token after the first gets its
+    #: logprob given the tokens before it, plus the top k (vLLM's `prompt_logprobs`). The
+    #: replica then computes the whole prompt (no prefix-cache hit: a cached block has no
+    #: logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     guided: GuidedDecoding | None = None  # constrained decoding; None: free text
@@ -133,6 +138,8 @@ class SamplingParams:
              "min_tokens must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs",
              "top_logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
