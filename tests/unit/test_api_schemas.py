@@ -378,7 +378,7 @@ def test_completion_prompt_forms() -> None:
         ({"best_of": 3, "stream": True}, "best_of"),
         ({"best_of": 100, "prompt": ["a", "b"]}, "best_of"),
         ({"best_of": 1, "n": 2}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"echo": True, "logprobs": 21}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),

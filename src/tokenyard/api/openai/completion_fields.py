@@ -1,6 +1,5 @@
-"""The legacy completions' fields that are more than a sampling parameter: `best_of`
-and `suffix` (`echo` with `logprobs` is refused in `convert.py` until the engine
-computes prompt logprobs).
+"""The legacy completions' fields that are more than a sampling parameter: `best_of`,
+`suffix` and `echo` with `logprobs` or `max_tokens` 0.
 
 - `best_of` > `n`: best_of completions are generated (server side, as OpenAI's legacy
   API and vLLM did) and the n with the highest cumulative logprob are returned, best
@@ -11,6 +10,12 @@ computes prompt logprobs).
 - `suffix`: fill-in-the-middle needs a model trained for it with its own prompt format;
   no model served here has one, so a non-empty suffix is refused naming it and saying
   why (vLLM refuses it the same way), rather than silently ignored.
+- `echo` with `logprobs`: the engine scores the prompt (`prompt_logprobs`, computed over
+  the whole prompt, not read from the prefix cache) and the choice's logprobs cover the
+  prompt's tokens, then the generated ones (`legacy_logprobs.py`). With `max_tokens` 0
+  the answer is the prompt alone, scored (what evaluation harnesses ask for a
+  log-likelihood): the engine generates one token, which is dropped, and usage counts
+  no completion tokens. `max_tokens` 0 without `echo` stays refused.
 """
 
 from __future__ import annotations
@@ -80,6 +85,18 @@ def choose(completions: Sequence[Sequence[Completion]], best: BestOf
         chosen.append([replace(c, index=j, logprobs=c.logprobs if best.logprobs else None)
                        for j, c in enumerate(ranked[:best.n])])
     return chosen
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """`echo` with `max_tokens` 0: the answer is the prompt alone."""
+    return bool(req.echo) and req.max_tokens == 0
+
+
+def without_output(completion: Completion) -> Completion:
+    """An `echo_only` choice: the generated token dropped, finished by length."""
+    return replace(completion, text="", token_ids=[],
+                   logprobs=None if completion.logprobs is None else [],
+                   finish_reason="length", stop_reason=None)
 
 
 def refuse_suffix(req: CompletionRequest, model: str) -> None:

@@ -11,16 +11,25 @@ No I/O, no torch: the HTTP process calls these on its event loop.
 
 from __future__ import annotations
 
-import codecs
 import json
-import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from tokenyard.api.convert import random_id, sampling_params, stop_list
 from tokenyard.api.images import template_message
-from tokenyard.api.openai.completion_fields import engine_logprobs, engine_n, refuse_suffix
+from tokenyard.api.openai.completion_fields import (
+    echo_only,
+    engine_logprobs,
+    engine_n,
+    refuse_suffix,
+)
+from tokenyard.api.openai.legacy_logprobs import (
+    TokenBytes,
+    choice_logprobs,
+    finite,
+    token_string,
+)
 from tokenyard.api.openai.schemas import (
     MAX_N,
     ChatChoice,
@@ -28,7 +37,6 @@ from tokenyard.api.openai.schemas import (
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     FinishReason,
     ModelCard,
@@ -42,7 +50,7 @@ from tokenyard.api.openai.schemas import (
 )
 from tokenyard.api.openai.tool_schemas import ResponseFormatJSONObject, ResponseFormatJSONSchema
 from tokenyard.api.openai.tools import assistant_message
-from tokenyard.errors import INVALID_VALUE, invalid_request, unsupported
+from tokenyard.errors import INVALID_VALUE, invalid_request
 from tokenyard.sampling_defaults import NONE, PARAMETERS, SamplingDefaults
 from tokenyard.text.prepare import TemplateMessage
 from tokenyard.text.tools import ToolUse
@@ -51,11 +59,6 @@ from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams, Sampl
 
 #: One prompt of a legacy completions request: text to tokenize, or token ids as given.
 Prompt = str | list[int]
-#: Raw bytes of a token id (`Tokenizer.id_to_token_bytes`), for logprobs' `token`/`bytes`.
-TokenBytes = Callable[[int], bytes]
-
-#: The logprob reported for a token the model gives no finite logprob (as OpenAI does).
-MIN_LOGPROB = -9999.0
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
@@ -223,11 +226,9 @@ def completion_request_to_engine(
         )
     kwargs["n"] = engine_n(req, n, len(prompts))  # best_of, when it is more
     if req.echo and req.logprobs is not None:
-        raise unsupported(
-            "echo", "'echo' together with 'logprobs' is not supported yet (prompt logprobs "
-            "are not computed).",
-        )
-    kwargs["max_tokens"] = req.max_tokens
+        kwargs["prompt_logprobs"] = req.logprobs  # the echoed prompt's tokens are scored
+    # max_tokens 0 with echo: the prompt alone (scored); one token is generated and dropped.
+    kwargs["max_tokens"] = 1 if echo_only(req) else req.max_tokens
     kwargs["logprobs"] = engine_logprobs(req, n)
     return prompts, sampling_params({"top_logprobs": "logprobs"}, **kwargs)
 
@@ -268,18 +269,6 @@ def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int 
 # ---------------------------------------------------------------------------- logprobs
 
 
-def token_string(raw: bytes) -> str:
-    """A token's text for logprobs; a partial UTF-8 sequence is spelled "bytes:\\xe2\\x80"."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
-
-
 def chat_logprobs(entries: Sequence[Logprob], token_bytes: TokenBytes) -> ChoiceLogprobs:
     """`choices[].logprobs` of a chat completion for `entries` (one per generated token)."""
     content: list[TokenLogprob] = []
@@ -288,51 +277,15 @@ def chat_logprobs(entries: Sequence[Logprob], token_bytes: TokenBytes) -> Choice
         top = []
         for token_id, logprob in entry.top:
             alt = token_bytes(token_id)
-            top.append(TopLogprob(token=token_string(alt), logprob=_finite(logprob),
+            top.append(TopLogprob(token=token_string(alt), logprob=finite(logprob),
                                   bytes=list(alt)))
         content.append(
             TokenLogprob(
-                token=token_string(raw), logprob=_finite(entry.logprob), bytes=list(raw),
+                token=token_string(raw), logprob=finite(entry.logprob), bytes=list(raw),
                 top_logprobs=top,
             )
         )
     return ChoiceLogprobs(content=content)
-
-
-class OffsetCounter:
-    """Character offsets of successive tokens' text (partial UTF-8 sequences count once)."""
-
-    def __init__(self, start: int = 0) -> None:
-        self.offset = start
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def advance(self, raw: bytes) -> int:
-        """The offset where this token starts; moves past it."""
-        at = self.offset
-        self.offset += len(self._decoder.decode(raw))
-        return at
-
-
-def completion_logprobs_at(
-    entries: Sequence[Logprob], token_bytes: TokenBytes, offsets: OffsetCounter
-) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    for entry in entries:
-        raw = token_bytes(entry.token_id)
-        out.tokens.append(token_string(raw))
-        out.token_logprobs.append(_finite(entry.logprob))
-        out.top_logprobs.append(
-            {token_string(token_bytes(t)): _finite(lp) for t, lp in entry.top}
-        )
-        out.text_offset.append(offsets.advance(raw))
-    return out
-
-
-def completion_logprobs(
-    entries: Sequence[Logprob], token_bytes: TokenBytes, text_offset: int = 0
-) -> CompletionLogprobs:
-    """Legacy `choices[].logprobs`; offsets count characters from `text_offset`."""
-    return completion_logprobs_at(entries, token_bytes, OffsetCounter(text_offset))
 
 
 def need_bytes(token_bytes: TokenBytes | None) -> TokenBytes:
@@ -396,15 +349,16 @@ def build_text_completion(
 
     `completions[i]` are the `n` finished completions of prompt `i`; `prompt_tokens` and
     `cached_tokens` are totals over all prompts. With `echo_prompts`, each choice's text
-    starts with its prompt's text.
+    starts with its prompt's text (and its logprobs with the prompt's, when scored).
     """
     choices = []
     for i, per_prompt in enumerate(completions):
-        prefix = echo_prompts[i] if echo_prompts is not None else ""
+        echo = echo_prompts[i] if echo_prompts is not None else None
+        prefix = echo or ""
         for c in sorted(per_prompt, key=lambda c: c.index):
             logprobs = None
-            if c.logprobs is not None:
-                logprobs = completion_logprobs(c.logprobs, need_bytes(token_bytes), len(prefix))
+            if c.logprobs is not None or (echo is not None and c.prompt_logprobs is not None):
+                logprobs = choice_logprobs(c, need_bytes(token_bytes), echo)
             choices.append(
                 CompletionChoice(
                     index=i * n + c.index,

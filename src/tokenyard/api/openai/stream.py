@@ -10,20 +10,23 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenyard.api.convert import now
-from tokenyard.api.openai.completion_fields import BestOf, choose
+from tokenyard.api.openai.completion_fields import BestOf, choose, without_output
 from tokenyard.api.openai.convert import (
-    OffsetCounter,
-    TokenBytes,
     build_chat_completion,
     build_text_completion,
     chat_logprobs,
-    completion_logprobs_at,
     legacy_finish_reason,
     need_bytes,
     new_chat_id,
     new_completion_id,
     openai_finish_reason,
     openai_usage,
+)
+from tokenyard.api.openai.legacy_logprobs import (
+    OffsetCounter,
+    TokenBytes,
+    completion_logprobs_at,
+    prompt_logprobs,
 )
 from tokenyard.api.openai.schemas import (
     ChatCompletionChunk,
@@ -39,7 +42,7 @@ from tokenyard.errors import APIError
 from tokenyard.gateway.run import Generated
 from tokenyard.text.tool_calls import ToolCallParser
 from tokenyard.text.tools import ToolUse
-from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
+from tokenyard.wire.outputs import Completion, CompletionDelta, PromptLogprobs, RequestOutput
 
 #: The `system_fingerprint` of every OpenAI response.
 SYSTEM_FINGERPRINT = "tokenyard"
@@ -151,12 +154,17 @@ class CompletionStream:
 
     def echo_chunks(self, prompt_index: int, prompt_text: str) -> list[TextCompletion]:
         """With `echo`: the prompt's text as the first chunk of each of its `n` choices."""
-        out = []
-        for j in range(self.n):
-            index = prompt_index * self.n + j
-            self._offsets[index] = OffsetCounter(len(prompt_text))
-            out.append(self._chunk(CompletionChoice(index=index, text=prompt_text)))
-        return out
+        return [self.echo_chunk(prompt_index * self.n + j, prompt_text) for j in range(self.n)]
+
+    def echo_chunk(self, index: int, prompt_text: str,
+                   scored: PromptLogprobs | None = None) -> TextCompletion:
+        """Choice `index`'s first chunk with `echo`: the prompt's text, and its tokens'
+        logprobs when it was scored (`echo` with `logprobs`)."""
+        self._offsets[index] = OffsetCounter(len(prompt_text))
+        logprobs = None
+        if scored is not None:
+            logprobs = prompt_logprobs(scored, need_bytes(self.token_bytes))
+        return self._chunk(CompletionChoice(index=index, text=prompt_text, logprobs=logprobs))
 
     def delta_chunks(self, delta: CompletionDelta, prompt_index: int = 0) -> list[TextCompletion]:
         """The chunk for one engine delta of prompt `prompt_index` (none if nothing new)."""
@@ -203,9 +211,13 @@ class _OpenAIFormat:
     def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         if not self.include_usage:
             return []
-        output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
-        return [self.stream.usage_chunk(sum(g.num_prompt_tokens for g in gens), output_tokens,
+        return [self.stream.usage_chunk(sum(g.num_prompt_tokens for g in gens),
+                                        self.output_tokens(gens),
                                         sum(g.num_cached_tokens for g in gens))]
+
+    def output_tokens(self, gens: Sequence[Generated]) -> int:
+        """The completion tokens usage counts."""
+        return sum(g.last.num_output_tokens for g in gens if g.last is not None)
 
     def encode(self, event: Any) -> bytes:
         return sse_data(event)
@@ -250,7 +262,11 @@ class CompletionFormat(_OpenAIFormat):
     every prompt streams at once and the choice indexes tell them apart."""
 
     def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes,
-                 echo: list[str] | None, best: BestOf | None = None) -> None:
+                 echo: list[str] | None, best: BestOf | None = None, *,
+                 scored: bool = False, echo_only: bool = False) -> None:
+        """`scored`: the prompts are scored (`echo` with `logprobs`): each choice's echo
+        chunk waits for its first output, which brings the prompt's logprobs.
+        `echo_only`: `max_tokens` 0 with `echo`; the generated token is dropped."""
         self.stream: CompletionStream = CompletionStream(
             new_completion_id(), model, now(), n, SYSTEM_FINGERPRINT, token_bytes)
         super().__init__(self.stream, n, include_usage, token_bytes)
@@ -258,11 +274,16 @@ class CompletionFormat(_OpenAIFormat):
         #: `best_of` > n: the n best of each prompt's completions are the choices (not
         #: streamed); usage still counts every completion's tokens.
         self.best = best
+        self.scored = scored and echo is not None
+        self.echo_only = echo_only
+        self._echoed: set[int] = set()  # choices whose echo chunk went out (scored)
 
     def body(
         self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         stream = self.stream
+        if self.echo_only:
+            completions = [[without_output(c) for c in per] for per in completions]
         if self.best is not None:
             completions = choose(completions, self.best)
         return build_text_completion(
@@ -272,13 +293,29 @@ class CompletionFormat(_OpenAIFormat):
             cached_tokens=sum(g.num_cached_tokens for g in gens),
             token_bytes=self.token_bytes, echo_prompts=self.echo,
             system_fingerprint=SYSTEM_FINGERPRINT,
-            completion_tokens=sum(g.last.num_output_tokens for g in gens if g.last is not None),
+            completion_tokens=self.output_tokens(gens),
         )
 
+    def output_tokens(self, gens: Sequence[Generated]) -> int:
+        return 0 if self.echo_only else super().output_tokens(gens)
+
     def head(self) -> list[BaseModel]:
+        if self.scored:
+            return []  # each echo chunk goes out with its choice's first output
         return [chunk for i, text in enumerate(self.echo or [])
                 for chunk in self.stream.echo_chunks(i, text)]
 
     def events(self, index: int, out: RequestOutput) -> list[BaseModel]:
-        return [chunk for d in out.deltas for chunk in self.stream.delta_chunks(d, index)]
+        chunks: list[BaseModel] = []
+        for delta in out.deltas:
+            choice = index * self.n + delta.index
+            if self.scored and self.echo is not None and choice not in self._echoed:
+                self._echoed.add(choice)
+                chunks.append(self.stream.echo_chunk(choice, self.echo[index],
+                                                     delta.prompt_logprobs))
+            if self.echo_only:
+                delta = CompletionDelta(delta.index, "", [], None,
+                                        "length" if delta.finish_reason else None, None)
+            chunks.extend(self.stream.delta_chunks(delta, index))
+        return chunks
 
