@@ -160,6 +160,14 @@ def test_echo_without_logprobs_and_max_tokens_0_without_echo_are_as_before(
     body = _create(client, model=server.model, prompt=PROMPT, echo=True, max_tokens=2)
     assert body["choices"][0]["text"].startswith(PROMPT)
     assert body["choices"][0]["logprobs"] is None
+    chunks = [c.model_dump() for c in client.completions.create(
+        model=server.model, prompt=PROMPT, echo=True, max_tokens=2, stream=True)]
+    assert chunks[0]["choices"][0]["text"] == PROMPT
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks)
+    # Echo alone with max_tokens 0: the prompt, no scores (none were asked for), no tokens.
+    body = _create(client, model=server.model, prompt=PROMPT, echo=True, max_tokens=0)
+    assert body["choices"][0]["text"] == PROMPT and body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 0
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=server.model, prompt=PROMPT, max_tokens=0)
     assert err.value.body is not None and "max_tokens" in json.dumps(err.value.body)

@@ -94,12 +94,28 @@ def test_chunks_preemption_and_async_scheduling_give_the_same_scores(llm: LLM) -
     engine = LLM(weights="float32", max_num_batched_tokens=32, num_kv_blocks=10,
                  enable_prefix_caching=False, async_scheduling=True)
     got = prompt_scores(engine, prompts, n=4)
-    for a, b in zip(got, expected, strict=True):
+    got += prompt_scores(engine, prompts, n=0)  # scored alone, nothing generated
+    for a, b in zip(got, expected * 2, strict=True):
         assert_close(a, b)
     stats = engine.core.stats()
     assert stats.num_preemptions > 0 and stats.num_overlapped_steps > 0
     assert_all_blocks_free(engine)
     engine.core.close()
+
+
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(llm: LLM) -> None:
+    prompts = random_prompts(4, 3, 5, 40)
+    alone = llm.generate(prompts, scored(0))
+    with_a_token = prompt_scores(llm, prompts)
+    for result, expected in zip(alone, with_a_token, strict=True):
+        (completion,) = result.completions
+        assert (completion.token_ids, completion.text) == ([], "")
+        assert completion.finish_reason == "length"
+        assert completion.prompt_logprobs == expected
+    assert_all_blocks_free(llm)
+    with pytest.raises(SamplingParamsError) as err:  # nothing to do without the scores
+        SamplingParams(max_tokens=0)
+    assert err.value.param == "max_tokens"
 
 
 def test_a_one_token_prompt_has_nothing_to_score_and_top_zero_no_alternatives(

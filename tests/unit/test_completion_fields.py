@@ -13,7 +13,6 @@ from tokenyard.api.openai.completion_fields import (
     echo_only,
     engine_logprobs,
     engine_n,
-    without_output,
 )
 from tokenyard.api.openai.convert import build_text_completion, completion_request_to_engine
 from tokenyard.api.openai.legacy_logprobs import choice_logprobs, prompt_logprobs
@@ -68,10 +67,13 @@ def test_echo_with_logprobs_asks_the_engine_to_score_the_prompt() -> None:
     assert (params.prompt_logprobs, params.logprobs, params.max_tokens) == (2, 2, 16)
     _, params = completion_request_to_engine(CompletionRequest(model="m", prompt="x", logprobs=2))
     assert params.prompt_logprobs is None
-    # max_tokens 0 with echo: the prompt alone; one token is generated and dropped.
-    req = CompletionRequest(model="m", prompt="x", echo=True, logprobs=0, max_tokens=0)
+    # max_tokens 0 with echo: the engine scores the prompt and generates nothing.
+    req = CompletionRequest(model="m", prompt="x", echo=True, logprobs=4, max_tokens=0)
     _, params = completion_request_to_engine(req)
-    assert echo_only(req) and (params.prompt_logprobs, params.max_tokens) == (0, 1)
+    assert echo_only(req) and (params.prompt_logprobs, params.max_tokens) == (4, 0)
+    req = CompletionRequest(model="m", prompt="x", echo=True, max_tokens=0)
+    _, params = completion_request_to_engine(req)
+    assert (params.prompt_logprobs, params.logprobs, params.max_tokens) == (0, None, 0)
     with pytest.raises(APIError) as err:  # without echo it means nothing: refused
         completion_request_to_engine(CompletionRequest(model="m", prompt="x", max_tokens=0))
     assert err.value.param == "max_tokens"
@@ -95,11 +97,13 @@ def test_echoed_logprobs_cover_the_prompt_then_the_output() -> None:
                                   prompt_tokens=3, token_bytes=TOKENS.__getitem__)
     assert plain.choices[0].logprobs is not None
     assert plain.choices[0].logprobs.text_offset == [0]
-    alone = without_output(done)
-    assert (alone.text, alone.token_ids, alone.logprobs, alone.finish_reason) == (
-        "", [], [], "length")
+    alone = Completion(0, "", [], None, "length", prompt_logprobs=PROMPT)  # max_tokens 0
     assert choice_logprobs(alone, TOKENS.__getitem__, "Hi there") == prompt_logprobs(
         PROMPT, TOKENS.__getitem__)
+    # Scores computed only for max_tokens 0 are left out when logprobs were not asked for.
+    fmt = CompletionFormat("m", 1, False, TOKENS.__getitem__, ["Hi there"], scored=False)
+    body = fmt.body([], [[alone]])
+    assert json.loads(body.model_dump_json())["choices"][0]["logprobs"] is None
 
 
 def test_a_scored_echo_streams_with_its_choice_first_output() -> None:
@@ -114,10 +118,9 @@ def test_a_scored_echo_streams_with_its_choice_first_output() -> None:
     assert raws[0]["logprobs"]["token_logprobs"] == [None, -1.5, -0.25]
     assert raws[1]["logprobs"]["text_offset"] == [8]
     assert raws[-1]["finish_reason"] == "length"
-    # max_tokens 0: the generated token never shows; the choice ends by length.
-    only = CompletionFormat("m", 1, False, TOKENS.__getitem__, ["Hi there"], scored=True,
-                            echo_only=True)
-    done = CompletionDelta(0, " ok", [4], [Logprob(4, -0.75, [])], "length", None, PROMPT)
+    # max_tokens 0: the engine's one output has no token; the choice ends by length.
+    only = CompletionFormat("m", 1, False, TOKENS.__getitem__, ["Hi there"], scored=True)
+    done = CompletionDelta(0, "", [], None, "length", None, PROMPT)
     raws = [json.loads(c.model_dump_json())["choices"][0]
             for c in only.events(0, RequestOutput("r", [done], True, 3, 0, 1))]
     assert [(r["text"], r["finish_reason"]) for r in raws] == [("Hi there", None), ("", "length")]

@@ -221,11 +221,11 @@ class EngineCore:
         outputs = []
         for request in self.scheduler.update(step, result.sampled):
             lp = result.logprobs.get(request.request_id)
-            first = request.num_output_tokens == 1 and request.params.prompt_logprobs is not None
+            first = request.num_output_tokens <= 1 and request.params.prompt_logprobs is not None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[request.all_token_ids[-1]],
+                    new_token_ids=request.output_token_ids[-1:],  # none: prompt scored
                     new_logprobs=[lp] if lp is not None else None,
                     finish_reason=request.status.value if request.is_finished else None,
                     stop_reason=request.stop_reason,

@@ -47,6 +47,9 @@ class SchedulerOutput:
     starts: dict[str, int] = field(default_factory=dict)
     #: The requests whose last computed position gets a sampled token this step.
     sampling: set[str] = field(default_factory=set)
+    #: Requests that only score their prompt (max_tokens 0), whose last prompt token is
+    #: computed this step: they finish after it with no token.
+    scored: set[str] = field(default_factory=set)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -143,7 +146,11 @@ class Scheduler:
         for request, n in out.scheduled:
             out.starts[request.request_id] = request.num_computed_tokens
             request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens_with_pending:
+            if request.num_computed_tokens < request.num_tokens_with_pending:
+                continue
+            if request.params.max_tokens == 0:
+                out.scored.add(request.request_id)
+            else:
                 request.num_pending += 1
                 out.sampling.add(request.request_id)
         return out
@@ -244,12 +251,17 @@ class Scheduler:
         """Append the sampled tokens of step `out`, finish stopped requests.
 
         `sampled` may hold ids that did not sample this step (they are ignored). Returns
-        the requests that got a token (finished ones included).
+        the requests that got a token (finished ones included), and those that only
+        scored their prompt (max_tokens 0), finished without one.
         """
         now = time.monotonic()
         advanced: list[Request] = []
         self.num_computed_tokens_total += out.num_batched_tokens
         for request, _ in out.scheduled:
+            if request.request_id in out.scored and request.status is RequestStatus.RUNNING:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                advanced.append(request)
+                continue
             if request.request_id not in out.sampling:
                 continue  # a prefill chunk: no token yet
             if request.status is not RequestStatus.RUNNING:

@@ -106,7 +106,7 @@ class SamplingParams:
     #: None: the prompt is not scored; k >= 0: each prompt token after the first gets its
     #: logprob given the tokens before it, plus the top k (vLLM's `prompt_logprobs`). The
     #: replica then computes the whole prompt (no prefix-cache hit: a cached block has no
-    #: logits).
+    #: logits). With it, `max_tokens` may be 0: the prompt is scored, nothing generated.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -131,7 +131,8 @@ class SamplingParams:
              "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
              "repetition_penalty must be in (0, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+            (self.max_tokens is None or self.max_tokens >= 1
+             or (self.max_tokens == 0 and self.prompt_logprobs is not None), "max_tokens",
              "max_tokens must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

@@ -14,8 +14,9 @@
   the whole prompt, not read from the prefix cache) and the choice's logprobs cover the
   prompt's tokens, then the generated ones (`legacy_logprobs.py`). With `max_tokens` 0
   the answer is the prompt alone, scored (what evaluation harnesses ask for a
-  log-likelihood): the engine generates one token, which is dropped, and usage counts
-  no completion tokens. `max_tokens` 0 without `echo` stays refused.
+  log-likelihood): the engine scores the prompt and generates nothing (finish_reason
+  "length", no completion tokens; without `logprobs` the scores are computed and left
+  out). `max_tokens` 0 without `echo` stays refused.
 """
 
 from __future__ import annotations
@@ -90,13 +91,6 @@ def choose(completions: Sequence[Sequence[Completion]], best: BestOf
 def echo_only(req: CompletionRequest) -> bool:
     """`echo` with `max_tokens` 0: the answer is the prompt alone."""
     return bool(req.echo) and req.max_tokens == 0
-
-
-def without_output(completion: Completion) -> Completion:
-    """An `echo_only` choice: the generated token dropped, finished by length."""
-    return replace(completion, text="", token_ids=[],
-                   logprobs=None if completion.logprobs is None else [],
-                   finish_reason="length", stop_reason=None)
 
 
 def refuse_suffix(req: CompletionRequest, model: str) -> None:

@@ -225,10 +225,10 @@ def completion_request_to_engine(
             code=INVALID_VALUE,
         )
     kwargs["n"] = engine_n(req, n, len(prompts))  # best_of, when it is more
-    if req.echo and req.logprobs is not None:
-        kwargs["prompt_logprobs"] = req.logprobs  # the echoed prompt's tokens are scored
-    # max_tokens 0 with echo: the prompt alone (scored); one token is generated and dropped.
-    kwargs["max_tokens"] = 1 if echo_only(req) else req.max_tokens
+    if req.echo and (req.logprobs is not None or echo_only(req)):
+        # The echoed prompt's tokens are scored (max_tokens 0 asks the engine for that alone).
+        kwargs["prompt_logprobs"] = req.logprobs or 0
+    kwargs["max_tokens"] = req.max_tokens
     kwargs["logprobs"] = engine_logprobs(req, n)
     return prompts, sampling_params({"top_logprobs": "logprobs"}, **kwargs)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from tokenyard.api.context import read_request
-from tokenyard.api.openai.completion_fields import best_of, echo_only
+from tokenyard.api.openai.completion_fields import best_of
 from tokenyard.api.openai.convert import (
     chat_request_to_engine,
     completion_request_to_engine,
@@ -78,7 +78,7 @@ def completion_plan(req: CompletionRequest) -> Plan:
         best = best_of(req, req.n or 1)
         return CompletionFormat(run.served.name, best.n if best else run.ready.params[0].n,
                                 req.include_usage, run.token_bytes, run.ready.note, best,
-                                scored=req.logprobs is not None, echo_only=echo_only(req))
+                                scored=req.logprobs is not None)
 
     return Plan(req.model, build, fmt, bool(req.stream), dict(
         capability="completions", text_size=max(map(len, texts), default=0), param="prompt"))

@@ -4,13 +4,13 @@ and their `Format`s for the one response writer (`api/respond.py`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel
 
 from tokenyard.api.convert import now
-from tokenyard.api.openai.completion_fields import BestOf, choose, without_output
+from tokenyard.api.openai.completion_fields import BestOf, choose
 from tokenyard.api.openai.convert import (
     build_chat_completion,
     build_text_completion,
@@ -211,13 +211,9 @@ class _OpenAIFormat:
     def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         if not self.include_usage:
             return []
-        return [self.stream.usage_chunk(sum(g.num_prompt_tokens for g in gens),
-                                        self.output_tokens(gens),
+        output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
+        return [self.stream.usage_chunk(sum(g.num_prompt_tokens for g in gens), output_tokens,
                                         sum(g.num_cached_tokens for g in gens))]
-
-    def output_tokens(self, gens: Sequence[Generated]) -> int:
-        """The completion tokens usage counts."""
-        return sum(g.last.num_output_tokens for g in gens if g.last is not None)
 
     def encode(self, event: Any) -> bytes:
         return sse_data(event)
@@ -263,10 +259,11 @@ class CompletionFormat(_OpenAIFormat):
 
     def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes,
                  echo: list[str] | None, best: BestOf | None = None, *,
-                 scored: bool = False, echo_only: bool = False) -> None:
-        """`scored`: the prompts are scored (`echo` with `logprobs`): each choice's echo
-        chunk waits for its first output, which brings the prompt's logprobs.
-        `echo_only`: `max_tokens` 0 with `echo`; the generated token is dropped."""
+                 scored: bool = False) -> None:
+        """`scored`: the client asked for the echoed prompts' logprobs (`echo` with
+        `logprobs`): each choice's echo chunk waits for its first output, which brings
+        them. Without it, scores computed only to generate nothing (`max_tokens` 0) are
+        left out."""
         self.stream: CompletionStream = CompletionStream(
             new_completion_id(), model, now(), n, SYSTEM_FINGERPRINT, token_bytes)
         super().__init__(self.stream, n, include_usage, token_bytes)
@@ -275,15 +272,15 @@ class CompletionFormat(_OpenAIFormat):
         #: streamed); usage still counts every completion's tokens.
         self.best = best
         self.scored = scored and echo is not None
-        self.echo_only = echo_only
         self._echoed: set[int] = set()  # choices whose echo chunk went out (scored)
 
     def body(
         self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         stream = self.stream
-        if self.echo_only:
-            completions = [[without_output(c) for c in per] for per in completions]
+        if not self.scored:
+            completions = [[replace(c, prompt_logprobs=None) for c in per]
+                           for per in completions]
         if self.best is not None:
             completions = choose(completions, self.best)
         return build_text_completion(
@@ -293,11 +290,8 @@ class CompletionFormat(_OpenAIFormat):
             cached_tokens=sum(g.num_cached_tokens for g in gens),
             token_bytes=self.token_bytes, echo_prompts=self.echo,
             system_fingerprint=SYSTEM_FINGERPRINT,
-            completion_tokens=self.output_tokens(gens),
+            completion_tokens=sum(g.last.num_output_tokens for g in gens if g.last is not None),
         )
-
-    def output_tokens(self, gens: Sequence[Generated]) -> int:
-        return 0 if self.echo_only else super().output_tokens(gens)
 
     def head(self) -> list[BaseModel]:
         if self.scored:
@@ -313,9 +307,6 @@ class CompletionFormat(_OpenAIFormat):
                 self._echoed.add(choice)
                 chunks.append(self.stream.echo_chunk(choice, self.echo[index],
                                                      delta.prompt_logprobs))
-            if self.echo_only:
-                delta = CompletionDelta(delta.index, "", [], None,
-                                        "length" if delta.finish_reason else None, None)
             chunks.extend(self.stream.delta_chunks(delta, index))
         return chunks
 
