@@ -1,14 +1,21 @@
-"""`tokenyard bench fleet`: the balancer's policies side by side on a multi-turn workload.
+"""`tokenyard bench fleet`: the balancer's policies side by side on a multi-tenant workload.
 
-For each policy (default: `affinity`, `precise`, then `round_robin`), `--replicas` fresh
-`tokenyard engine` replicas (one thread each, so each starts with an empty prefix cache;
-`precise` routes by their KV-cache events) behind `tokenyard
-serve --config` (no gateway: the balancer is the point), and the same seeded multi-turn
-workload (`bench/workloads.py`) sent by the load generator (`bench/loadgen.py`) in a
-closed loop. Reported per policy: the replicas' prefix-cache hit rate (their own stats:
-hit tokens over queried tokens, deltas over the run), TTFT p50 and p99, output tokens
-per second, and the p50 of the `balance` stage of `Server-Timing` (the balancer's own
-decision). A markdown table.
+For each policy (default: `precise`, `affinity` (the default policy), `round_robin` and
+`least`), `--replicas` fresh `tokenyard engine` replicas (one thread each and a small KV
+pool, `--kv-cache-gib`, so each starts empty and evicts under load; `precise` routes by
+their KV-cache events) behind `tokenyard serve --config` with its gateway on: `--orgs`
+orgs, each with an API key of its own (`bench/tenants.py`, made with `tokenyard admin`),
+its own long system prompt and several multi-turn conversations, some of which go idle
+for a while; the gateway salts each org's prefix blocks with its org. Each org's requests
+go in a closed loop of their own, all orgs at once. The policies run in turn, `--rounds`
+times, in an order that alternates between rounds.
+
+Reported per policy, as the median over the rounds with the min and max: the replicas'
+prefix-cache hit rate (their own stats: hit tokens over queried tokens, deltas over the
+run), TTFT p50 and p99, output tokens per second, and the p50 of the `balance` stage of
+`Server-Timing` (the balancer's own decision); then the ratios against the goals, and
+the `balance` stage with the precise index at 100,000 blocks (`bench/fleet_decision.py`,
+in process). Markdown tables.
 """
 
 from __future__ import annotations
@@ -18,42 +25,67 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenyard.bench import fleet_decision
 from tokenyard.bench.children import _MOCK_READY, _TOKENYARD_URL, Child, start_child
-from tokenyard.bench.loadgen import Target, run_load
+from tokenyard.bench.loadgen import LoadResult, Target, run_load
 from tokenyard.bench.stats import percentile
-from tokenyard.bench.workloads import LengthDist, multiturn
+from tokenyard.bench.tenants import Tenant, TenantShape, create_tenants, tenant_conversations
 from tokenyard.wire.protocol import STATS_PATH
 
 DEPLOYMENT = "bench-fleet"
-POLICIES = ("affinity", "precise", "round_robin")
-#: The issue's goals: hit rate ≥ 3× round robin's; the decision ≤ 0.2 ms p50.
+POLICIES = ("precise", "affinity", "round_robin", "least")
+#: The policy a fleet file gets when it names none (`deployments.BalancerSpec`).
+DEFAULT_POLICY = "affinity"
+#: The issue's goals, against round robin: hit rate ≥ 3×, TTFT p50 ≤ 0.6×; and the
+#: decision ≤ 0.2 ms p50 at 100,000 indexed blocks.
 GOAL_HIT_RATIO = 3.0
+GOAL_TTFT_RATIO = 0.6
 GOAL_BALANCE_P50_MS = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated balancer policies to compare (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=40, help="requests per policy")
-    parser.add_argument("--concurrency", type=int, default=4,
-                        help="requests in flight (closed loop)")
-    parser.add_argument("--conversations", type=int, default=5,
-                        help="conversations open at once (odd: with 2 replicas, an even "
-                        "count would make round robin place every turn of a conversation "
-                        "on one replica, as the conversations take turns in order)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of every policy, in alternating order (default 3)")
+    parser.add_argument("--requests", type=int, default=36,
+                        help="requests per policy and round, split evenly over the orgs")
+    parser.add_argument("--orgs", type=int, default=3,
+                        help="tenants, each with its own key (default 3: a count sharing no "
+                        "factor with --replicas; else round robin, as the orgs take turns "
+                        "in step, would send each org to the same replica every time)")
+    parser.add_argument("--in-flight", type=int, default=1,
+                        help="requests in flight per org (closed loop)")
+    parser.add_argument("--conversations", type=int, default=3,
+                        help="conversations open at once per org")
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    parser.add_argument("--input-len", type=int, default=48, help="words per user turn")
+    parser.add_argument("--system-len", type=int, default=384,
+                        help="words in each org's system prompt")
+    parser.add_argument("--input-len", type=int, default=24, help="words per user turn")
     parser.add_argument("--output-len", type=int, default=8, help="tokens per reply")
+    parser.add_argument("--idle-p", type=float, default=0.25,
+                        help="chance that a conversation goes idle after a turn")
+    parser.add_argument("--idle-for", type=int, default=6,
+                        help="the org's requests an idle conversation sits out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="threads per replica")
-    parser.add_argument("--replicas", type=int, default=2, help="engine replicas per policy")
+    parser.add_argument("--replicas", type=int, default=4, help="engine replicas per policy")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.04,
+                        help="each replica's KV pool (small: the orgs' prefixes together "
+                        "overflow one replica's)")
+    parser.add_argument("--index-blocks", type=int, default=100_000,
+                        help="indexed blocks for the decision-time table (0: skip it)")
+    parser.add_argument("--decisions", type=int, default=2000,
+                        help="decisions per round in the decision-time table")
 
 
 @dataclass
@@ -88,30 +120,59 @@ def _fleet_file(directory: Path, policy: str, urls: Sequence[str]) -> Path:
     return path
 
 
-def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
-    """Fresh replicas and a server for `policy`, the workload, the figures."""
+def _shape(args: argparse.Namespace) -> TenantShape:
+    return TenantShape(args.system_len, args.input_len, args.output_len, args.turns,
+                       args.conversations, args.idle_p, args.idle_for)
+
+
+async def _load(url: str, tenants: Sequence[Tenant], args: argparse.Namespace) -> LoadResult:
+    """Every org's closed loop at once, each with its key and its conversations; one
+    result (the records of all, the longest loop's duration)."""
+    per_org = max(1, args.requests // len(tenants))
+    shape = _shape(args)
+    results = await asyncio.gather(*(
+        run_load(Target(url + "/v1", DEPLOYMENT, api_key=t.api_key, ignore_eos=True),
+                 tenant_conversations(shape, seed=args.seed * 1000 + i),
+                 concurrency=args.in_flight, max_requests=per_org)
+        for i, t in enumerate(tenants)))
+    records = [r for result in results for r in result.records]
+    return LoadResult(records, max(r.duration_s for r in results),
+                      sum(r.client_cpu_s for r in results))
+
+
+def run_policy(policy: str, args: argparse.Namespace, state_dir: Path,
+               tenants: Sequence[Tenant]) -> PolicyResult:
+    """Fresh replicas and a server for `policy` (on `state_dir`'s store, which holds the
+    `tenants`), the workload, the figures."""
     token = secrets.token_urlsafe(16)
-    env = {**os.environ, "TOKENYARD_REPLICA_TOKEN": token}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TOKENYARD_DATABASE_URL", "TOKENYARD_REDIS_URL")
+           and not k.startswith("OTEL_")}
+    env["TOKENYARD_REPLICA_TOKEN"] = token
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="tokenyard-bench-fleet-") as scratch:
         try:
-            for _ in range(args.replicas):
-                children.append(start_child(
-                    _cli("engine", "--host", "127.0.0.1", "--port", "0",
-                         "--threads", str(args.threads)), _MOCK_READY, env=env))
+            engine = _cli("engine", "--host", "127.0.0.1", "--port", "0", "--threads",
+                          str(args.threads), "--kv-cache-gib", str(args.kv_cache_gib))
+            # Started together (their model loads overlap); those that came up are kept
+            # for the `finally` to stop when another failed.
+            with ThreadPoolExecutor(args.replicas) as pool:
+                starts = [pool.submit(start_child, engine, _MOCK_READY, env=env)
+                          for _ in range(args.replicas)]
+            children.extend(f.result() for f in starts if f.exception() is None)
+            for f in starts:
+                if (error := f.exception()) is not None:
+                    raise error
             urls = [c.url for c in children]
             config = _fleet_file(Path(scratch), policy, urls)
+            # The load generator is one address: the edge's per-address limits are off.
             server = start_child(
-                _cli("serve", "--port", "0", "--no-auth", "--config", str(config)),
-                _TOKENYARD_URL, env={**env, "TOKENYARD_STATE_DIR": scratch})
+                _cli("serve", "--port", "0", "--config", str(config), "--no-embeddings",
+                     "--edge-requests-per-s", "0", "--edge-connections-per-address", "0"),
+                _TOKENYARD_URL, env={**env, "TOKENYARD_STATE_DIR": str(state_dir)})
             children.append(server)
             before = [_stats(u, token) for u in urls]
-            workload = multiturn(LengthDist(args.input_len), LengthDist(args.output_len),
-                                 seed=args.seed, turns=args.turns,
-                                 conversations=args.conversations)
-            target = Target(server.url + "/v1", DEPLOYMENT, ignore_eos=True)
-            result = asyncio.run(run_load(target, workload, concurrency=args.concurrency,
-                                          max_requests=args.requests))
+            result = asyncio.run(_load(server.url, tenants, args))
             after = [_stats(u, token) for u in urls]
         finally:
             for child in reversed(children):
@@ -121,10 +182,14 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
     hits = sum(a["prefix_cache_hits"] - b["prefix_cache_hits"]
                for a, b in zip(after, before, strict=True))
     ok = [r for r in result.records if r.ok]
+    failed = [r for r in result.records if not r.ok]
+    if failed:
+        print(f"{policy}: {len(failed)} failed, e.g. {failed[0].error}: "
+              f"{failed[0].error_detail}", file=sys.stderr)
     balance = [r.server_timing_ms["balance"] for r in ok if "balance" in r.server_timing_ms]
     ttfts = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     return PolicyResult(
-        policy, len(result.records), len(result.records) - len(ok),
+        policy, len(result.records), len(failed),
         hits / queries if queries else 0.0,
         percentile(ttfts, 50) if ttfts else float("nan"),
         percentile(balance, 50) if balance else None, result.duration_s,
@@ -132,34 +197,82 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
         sum(r.output_tokens or 0 for r in ok) / result.duration_s if result.duration_s else 0.0)
 
 
+def _spread(values: Sequence[float], fmt: str) -> str:
+    """Median (min–max) of the rounds' values."""
+    xs = sorted(values)
+    return f"{format(percentile(xs, 50), fmt)} ({format(xs[0], fmt)}–{format(xs[-1], fmt)})"
+
+
+def _median(values: Sequence[float]) -> float:
+    return percentile(sorted(values), 50)
+
+
 def table(results: Sequence[PolicyResult]) -> str:
-    lines = ["| policy | requests (failed) | prefix-cache hit rate "
-             "| TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | `balance` p50 (ms) | run (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    """One row per policy: each figure's median over the rounds (min–max), then each
+    other policy's ratios to round robin and to the default policy."""
+    by: dict[str, list[PolicyResult]] = {}
     for r in results:
-        balance = f"{r.balance_p50_ms:.3f}" if r.balance_p50_ms is not None else "–"
-        lines.append(f"| {r.policy} | {r.requests} ({r.failed}) | {r.hit_rate:.1%} | "
-                     f"{r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {r.output_tok_s:.1f} | "
-                     f"{balance} | "
-                     f"{r.duration_s:.1f} |")
-    by = {r.policy: r for r in results}
-    rr = by.get("round_robin")
-    for name in ("affinity", "precise"):
-        if name in by and rr is not None:
-            a = by[name]
-            ratio = a.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
-            lines += ["", f"{name.capitalize()}'s hit rate is {ratio:.2f}× round robin's "
-                          f"(goal ≥ {GOAL_HIT_RATIO:g}×); its TTFT p50 is "
-                          f"{a.ttft_p50_ms / rr.ttft_p50_ms:.2f}× round robin's (goal < 1)."]
+        by.setdefault(r.policy, []).append(r)
+    lines = ["| policy | requests (failed) | prefix-cache hit rate | TTFT p50 (ms) "
+             "| TTFT p99 (ms) | output tok/s | `balance` p50 (ms) | run (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, rs in by.items():
+        balances = [r.balance_p50_ms for r in rs if r.balance_p50_ms is not None]
+        lines.append(
+            f"| {name} | {sum(r.requests for r in rs)} ({sum(r.failed for r in rs)}) "
+            f"| {_spread([100 * r.hit_rate for r in rs], '.1f')} % "
+            f"| {_spread([r.ttft_p50_ms for r in rs], '.0f')} "
+            f"| {_spread([r.ttft_p99_ms for r in rs], '.0f')} "
+            f"| {_spread([r.output_tok_s for r in rs], '.1f')} "
+            f"| {_spread(balances, '.3f') if balances else '–'} "
+            f"| {_spread([r.duration_s for r in rs], '.1f')} |")
+    lines += ["", "| policy | against | hit rate | TTFT p50 |", "|---|---|---|---|"]
+    for name, rs in by.items():
+        for base in ("round_robin", DEFAULT_POLICY):
+            if base == name or base not in by:
+                continue
+            hit = _median([r.hit_rate for r in rs])
+            base_hit = _median([r.hit_rate for r in by[base]])
+            ttft = _median([r.ttft_p50_ms for r in rs])
+            base_ttft = _median([r.ttft_p50_ms for r in by[base]])
+            ratio = f"{hit / base_hit:.2f}×" if base_hit else "∞"
+            lines.append(f"| {name} | {base} | {ratio} | {ttft / base_ttft:.2f}× |")
+    lines += ["", f"Ratios of the medians. Goals (issue 25), precise against round robin: "
+                  f"hit rate ≥ {GOAL_HIT_RATIO:g}×, TTFT p50 ≤ {GOAL_TTFT_RATIO:g}×."]
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    results = [run_policy(p, args) for p in policies]
-    print(f"Multi-turn workload ({args.conversations} conversations of {args.turns} turns, "
-          f"{args.input_len} words per user turn, {args.output_len} tokens per reply), "
-          f"{args.requests} requests per policy, {args.concurrency} in flight, over "
-          f"{args.replicas} replicas (`--threads {args.threads}` each), fresh for each policy.\n")
+    if args.orgs < 1 or args.rounds < 1 or args.replicas < 1:
+        raise SystemExit("--orgs, --rounds and --replicas must be at least 1")
+    results: list[PolicyResult] = []
+    state_dir = Path(tempfile.mkdtemp(prefix="tokenyard-bench-fleet-state-"))
+    try:
+        tenants = create_tenants(state_dir, args.orgs)
+        for round_ in range(args.rounds):
+            order = policies if round_ % 2 == 0 else policies[::-1]
+            for policy in order:
+                results.append(run_policy(policy, args, state_dir, tenants))
+                print(f"round {round_ + 1}: {results[-1]}", file=sys.stderr)
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    s = _shape(args)
+    print(f"Multi-tenant workload: {args.orgs} orgs, each with its own API key and a "
+          f"{s.system_len}-word system prompt, {s.conversations} conversations open per org "
+          f"({s.turns} turns, {s.input_len} words per user turn, {s.output_len} tokens per "
+          f"reply; after a turn a conversation goes idle for {s.idle_for} of its org's "
+          f"requests with chance {s.idle_p:g}), {args.in_flight} request(s) in flight per "
+          f"org; {args.requests} requests per policy and round over {args.replicas} replicas "
+          f"(`--threads {args.threads}`, `--kv-cache-gib {args.kv_cache_gib:g}` each), fresh "
+          f"for each run; {args.rounds} rounds, the policies' order alternating. Median "
+          f"(min–max) over the rounds.\n")
     print(table(results))
+    if args.index_blocks:
+        rounds = [fleet_decision.measure(args.index_blocks, args.replicas,
+                                         decisions=args.decisions, seed=args.seed + i)
+                  for i in range(args.rounds)]
+        print("\nThe `precise` decision alone, in process: `Pool.acquire` over a synthetic "
+              "index (`bench/fleet_decision.py`).\n")
+        print(fleet_decision.table(rounds, GOAL_BALANCE_P50_MS))
     return 0 if all(r.failed == 0 for r in results) else 1
