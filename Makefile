@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,clients]'
+	$(PY) -m pip install -q -e '.[dev,clients,ray]'
 	# Client libraries whose declared caps openai 3 contradicts (pyproject's clients group).
 	$(PY) -m pip install -q --no-deps instructor==1.17.0 llama-index-llms-openai==0.8.3 \
 		llama-index-llms-openai-like==0.8.1

@@ -59,6 +59,7 @@ from tokenyard.fleet_values import (
     opt_region,
     opt_string,
 )
+from tokenyard.placement_spec import RayPlacement, ray_placement
 from tokenyard.sampling_defaults import NONE, SamplingDefaults, fleet_defaults
 
 KINDS = ("engine", "upstream", "embeddings")
@@ -165,6 +166,8 @@ class DeploymentSpec:
     #: that region reach it, and `serve --region R` serves only R's. None: declared
     #: nowhere, so it serves only orgs that are not bound to regions.
     region: str | None = None
+    #: Replicas placed as Ray actors (`placement_spec.py`); None: local or listed.
+    ray: RayPlacement | None = None
 
     @property
     def salts_cache(self) -> bool:
@@ -280,6 +283,7 @@ def single_fleet(
 def _deployment(item: Any, where: str) -> DeploymentSpec:
     item = a_table(item, where)
     item, limits = _output_limits(item, where)
+    item, ray = ray_placement(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "batch_prices", "moderation",
                  "server", "defaults", "region"}, where)
@@ -298,7 +302,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     if kind == "upstream" and replicas:
         raise FleetConfigError(f"{where}.replicas: an upstream has no local replicas; "
                                "list its base URLs in 'urls'")
-    if not replicas and not urls:
+    if not replicas and not urls and ray is None:
         raise FleetConfigError(f"{where}: needs 'replicas' (local) or 'urls' (running)")
     if kind == "embeddings" and "defaults" in item:
         raise FleetConfigError(f"{where}.defaults: an embeddings deployment samples nothing")
@@ -334,7 +338,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
                       if "batch_prices" in item else None),
         moderation=(_moderation(item["moderation"], f"{where} ({name}).moderation")
                     if "moderation" in item else None),
-        server=server, region=opt_region(item.get("region"), f"{where}.region"),
+        server=server, region=opt_region(item.get("region"), f"{where}.region"), ray=ray,
         defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
                   if "defaults" in item else NONE),
         **limits,

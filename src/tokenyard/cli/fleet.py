@@ -120,7 +120,8 @@ class Fleet:
         for url in spec.urls:
             if not is_dns_url(url):
                 clients.append((url, self._client(spec, url, token)))
-        found = self._discovery(spec, token)
+        found = await self._ray_discovery(spec, token) if spec.ray else self._discovery(
+            spec, token)
         if found is not None:
             clients.extend(await found.initial())
         served = await build_served(spec, clients, self.cache_dir,
@@ -143,6 +144,26 @@ class Fleet:
             raise FleetConfigError(f"deployment {spec.name}: {exc}") from None
         return Discovery(source, lambda url: self._client(spec, url, token),
                          interval_s=balancer.discovery_interval_s, what="DNS discovery")
+
+    async def _ray_discovery(self, spec: DeploymentSpec, token: str | None) -> Discovery:
+        """Places the deployment's first replicas on Ray unless it has some (`ray_replicas`),
+        then finds them through Ray's registry."""
+        from tokenyard.cli import ray_replicas
+
+        ray = spec.ray
+        assert ray is not None
+        await asyncio.to_thread(ray_replicas.connect, ray)
+        if not ray_replicas.existing(spec.name):
+            command = ray_replicas.replica_command(spec.model, spec.engine_args,
+                                                   self.config.drain_timeout_s)
+            await ray_replicas.scale(
+                spec.name, ray, ray.replicas, command, token,
+                start_timeout_s=self.config.replica_start_timeout_s,
+                discovery_interval_s=0, drain_timeout_s=self.config.drain_timeout_s)
+        return Discovery(lambda: ray_replicas.urls(spec.name),
+                         lambda url: self._client(spec, url, token),
+                         interval_s=self.spec.balancer.discovery_interval_s,
+                         what="Ray discovery")
 
     def _url_token(self, spec: DeploymentSpec) -> str | None:
         """The bearer token for a deployment's listed URLs. Our own replicas (engine,

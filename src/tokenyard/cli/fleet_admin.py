@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from tokenyard.cli.ray_admin import add_scale_parser, run_scale
 from tokenyard.config import default_api_key
 from tokenyard.gateway.admin import to_csv, to_table
 
@@ -40,6 +41,7 @@ def add_fleet_parsers(nouns: Any, fmt: argparse.ArgumentParser) -> None:
     drain.add_argument("--deployment", required=True)
     drain.add_argument("--replica", required=True, help="the replica's id (its URL)")
     drain.add_argument("--undo", action="store_true", help="resume sending it work")
+    add_scale_parser(replicas, fmt)  # on the Ray cluster, not the server (cli/ray_admin.py)
 
 
 async def _call(args: argparse.Namespace) -> tuple[int, Any]:
@@ -77,6 +79,8 @@ def _rows(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run_fleet_admin(args: argparse.Namespace) -> int:
     """Run `admin deployments` or `admin replicas drain`; 2 on a refusal or no server."""
+    if args.verb == "scale":
+        return run_scale(args)
     try:
         status, body = asyncio.run(_call(args))
     except (aiohttp.ClientError, OSError) as exc:

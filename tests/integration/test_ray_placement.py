@@ -1,0 +1,167 @@
+"""Engine replicas placed by Ray (issue 24 §1, §4), on a Ray cluster of three nodes on this
+machine (`ray.cluster_utils.Cluster`): a head, and two nodes whose custom resources stand
+for two hosts. The replicas are mock replicas (the replica protocol on a timer; the real
+`tokenyard engine` is the same child of the actor, only slower to start), each the child
+of its Ray actor; a pool finds them through the registry (`cli/ray_replicas.py`) as a
+gateway does.
+
+- Two replicas land one per host; requests spread over both. The node holding one is
+  removed (its actor and replica die with it): requests go on on the other, Ray restarts
+  the actor on the surviving host, and the pool admits the new replica.
+- Scale 1 → 2 → 1 while requests run: none fails, and the one taken away drains first.
+
+Bounded: the cluster starts once for the module (about 30 s on 2 busy cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import require_service
+from tests.integration.test_dns_discovery import _count
+from tokenyard.balancer.discovery import Discovery
+from tokenyard.balancer.pool import Pool
+from tokenyard.balancer.replica_client import ReplicaClient
+from tokenyard.deployments import BalancerSpec
+from tokenyard.placement_spec import RayPlacement
+
+pytestmark = pytest.mark.slow
+MOCK = [sys.executable, "-m", "tokenyard.bench.mock_replica", "--itl-ms", "5",
+        "--output-len", "8"]
+#: Each "host" holds two replica slots: one replica of its own and room for a restart.
+PLACEMENT = RayPlacement(2, 1, 3, num_cpus=0, custom={"replica_slot": 1})
+INTERVAL_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        require_service("Ray", False, "ray is not installed (make venv installs the ray extra)")
+        raise
+    from tokenyard.cli import ray_replicas
+
+    try:
+        made = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "include_dashboard": False})
+        hosts = [made.add_node(num_cpus=1, resources={"replica_slot": 2, f"host_{h}": 1})
+                 for h in "ab"]
+        made.wait_for_nodes()
+    except Exception as exc:
+        require_service("Ray", False, f"a local Ray cluster did not start: {exc!r}")
+        raise
+    try:
+        ray_replicas.connect(RayPlacement(1, 1, 1, address=made.address))
+        yield made, hosts
+    finally:
+        ray.shutdown()
+        made.shutdown()
+
+
+def _scale(name: str, count: int) -> list[int]:
+    from tokenyard.cli import ray_replicas
+
+    return asyncio.run(ray_replicas.scale(
+        name, PLACEMENT, count, MOCK, None, start_timeout_s=60,
+        discovery_interval_s=INTERVAL_S * 3, drain_timeout_s=10))
+
+
+def _followed(name: str) -> tuple[Discovery, Pool]:
+    from tokenyard.cli import ray_replicas
+
+    found = Discovery(lambda: ray_replicas.urls(name), ReplicaClient, interval_s=INTERVAL_S)
+    return found, Pool(name, [], BalancerSpec(policy="round_robin", health_interval_s=0.5))
+
+
+async def _until(check: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+def test_one_replica_per_host_then_a_host_dies_and_ray_restarts_it(cluster: Any) -> None:
+    import ray
+
+    made, hosts = cluster
+    name = "spread"
+    assert _scale(name, 2) == [0, 1]
+    actors = [ray.get_actor(f"{name}/{i}", namespace="tokenyard") for i in range(2)]
+    placed = ray.get([a.describe.remote() for a in actors])
+    assert {p["node_id"] for p in placed} == {h.node_id for h in hosts}  # one per host
+    victim = next(h for h in hosts if h.node_id == placed[1]["node_id"])
+
+    async def scenario() -> None:
+        found, pool = _followed(name)
+        pool.members[:] = []
+        found.attach(pool)
+        pool.watchers.append(found)
+        pool.start()
+        try:
+            await found.refresh()
+            assert sorted(m.id for m in pool.members) == sorted(p["url"] for p in placed)
+            assert await asyncio.gather(*(_count(pool, f"a{i}") for i in range(8))) == [8] * 8
+            assert all(m.served for m in pool.members)  # spread over both hosts
+            made.remove_node(victim)  # the host dies, with the actor and its replica
+            # Requests go on: one on the dead replica fails over before its first byte.
+            for i in range(6):
+                assert await _count(pool, f"b{i}") == 8
+            await _until(lambda: len(pool.members) == 2 and placed[1]["url"] not in
+                         {m.id for m in pool.members}, 60, "the restarted replica joins")
+            again = ray.get(actors[1].describe.remote())
+            assert again["node_id"] == placed[0]["node_id"]  # on the surviving host
+            await _until(lambda: all(m.healthy for m in pool.members), 10, "healthy")
+            before = {m.id: m.served for m in pool.members}
+            assert await asyncio.gather(*(_count(pool, f"c{i}") for i in range(8))) == [8] * 8
+            assert all(m.served > before[m.id] for m in pool.members)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+    _scale(name, 1)
+    hosts.append(made.add_node(num_cpus=1, resources={"replica_slot": 2, "host_c": 1}))
+    made.wait_for_nodes()  # a new host takes the dead one's place
+
+
+def test_scale_one_two_one_loses_no_request(cluster: Any) -> None:
+    name = "scaled"
+    assert _scale(name, 1) == [0]
+
+    async def scenario() -> None:
+        found, pool = _followed(name)
+        found.attach(pool)
+        pool.watchers.append(found)
+        await found.refresh()
+        stop = asyncio.Event()
+        done: list[int] = []
+
+        async def load(worker: int) -> None:
+            i = 0
+            while not stop.is_set():
+                done.append(await _count(pool, f"w{worker}-{i}", 16))
+                i += 1
+
+        workers = [asyncio.create_task(load(w)) for w in range(3)]
+        try:
+            await asyncio.to_thread(_scale, name, 2)
+            await _until(lambda: len(pool.members) == 2, 10, "the second replica joins")
+            await _until(lambda: all(m.served for m in pool.members), 10, "both serve")
+            await asyncio.to_thread(_scale, name, 1)
+            await _until(lambda: len(pool.members) == 1, 10, "the second replica leaves")
+            stop.set()
+            await asyncio.gather(*workers)
+        finally:
+            stop.set()
+            await pool.close()
+        assert done and all(n == 16 for n in done)
+        assert sum(m.failed for m in pool.members) == 0
+
+    asyncio.run(scenario())
