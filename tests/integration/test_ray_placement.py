@@ -15,6 +15,7 @@ Bounded: the cluster starts once for the module (about 30 s on 2 busy cores)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Iterator
@@ -165,3 +166,50 @@ def test_scale_one_two_one_loses_no_request(cluster: Any) -> None:
         assert sum(m.failed for m in pool.members) == 0
 
     asyncio.run(scenario())
+
+
+def test_serve_places_a_real_engine_replica_on_ray_and_serves_through_it(
+        cluster: Any) -> None:
+    """`serve`'s own path (`Fleet.served`): a fleet file's `placement = "ray"` deployment
+    gets its first replica placed as an actor running the real `tokenyard engine` (the
+    embedded model), found through the registry, and a request generates through it."""
+    import ray
+
+    from tokenyard.cli.fleet import Fleet
+    from tokenyard.config import ServeConfig, default_cache_dir
+    from tokenyard.deployments import parse_fleet
+    from tokenyard.wire.sampling_params import SamplingParams
+
+    name = "embedded"
+    fleet_spec = parse_fleet({"balancer": {"discovery_interval_s": INTERVAL_S}, "deployments": [
+        {"name": name, "placement": "ray", "replicas": 1, "engine_args": ["--threads", "1"],
+         "resources": {"num_cpus": 0, "custom": {"replica_slot": 1}}}]})
+    config = ServeConfig.from_env(replica_token="ray-test-token", replica_start_timeout_s=240)
+
+    async def unused_starter(*_: Any) -> Any:
+        raise AssertionError("a Ray-placed deployment starts no local child")
+
+    async def scenario() -> tuple[int, float]:
+        fleet = Fleet(fleet_spec, unused_starter, config, default_cache_dir())
+        served = await fleet.served(fleet_spec.deployments[name])
+        try:
+            assert not fleet.children
+            (member,) = served.pool.members
+            placed = ray.get(ray.get_actor(f"{name}/0", namespace="tokenyard")
+                             .describe.remote())
+            assert member.id == placed["url"]
+            count = 0
+            async for delta in served.pool.generate(
+                    "r1", list(range(100, 120)), SamplingParams(max_tokens=4, ignore_eos=True)):
+                count += len(delta.new_token_ids)
+            return count, placed["start_s"]
+        finally:
+            await served.pool.close()
+
+    try:
+        count, start_s = asyncio.run(scenario())
+        assert count == 4
+        print(f"replica start under Ray (actor created -> listening): {start_s:.1f} s")
+    finally:
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(f"{name}/0", namespace="tokenyard"), no_restart=True)
