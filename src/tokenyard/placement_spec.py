@@ -11,6 +11,10 @@ which calls `ray_placement` on each deployment's table).
     min_replicas = 1               # the range `tokenyard admin replicas scale` keeps to
     max_replicas = 4
     resources = { num_cpus = 2, num_gpus = 0, custom = { cpu_host = 1 } }
+    # Between min and max by the replicas' own figures (cli/ray_autoscale.py): queued plus
+    # running requests per replica, the fullest KV cache; looked at every interval_s, no
+    # change within cooldown_s of the last one.
+    autoscale = { target_work = 8, kv_target = 0.9, interval_s = 5, cooldown_s = 60 }
 """
 
 from __future__ import annotations
@@ -22,8 +26,22 @@ from typing import Any
 from tokenyard.fleet_values import FleetConfigError, a_table, a_weight, only_fields, opt_string
 
 PLACEMENTS = ("local", "ray")
-_FIELDS = ("placement", "ray_address", "min_replicas", "max_replicas", "resources")
+_FIELDS = ("placement", "ray_address", "min_replicas", "max_replicas", "resources",
+           "autoscale")
 MAX_REPLICAS = 64
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    """When a Ray-placed deployment grows or shrinks (`cli/ray_autoscale.py`)."""
+
+    #: Requests running or queued per replica the deployment aims at.
+    target_work: float = 8.0
+    #: The KV-cache use (0..1) of the fullest replica beyond which it grows (None: not
+    #: a signal).
+    kv_target: float | None = None
+    interval_s: float = 5.0
+    cooldown_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,7 @@ class RayPlacement:
     num_gpus: float = 0.0
     #: Custom resources one replica takes (a host class a cluster's nodes declare).
     custom: Mapping[str, float] = field(default_factory=dict)
+    autoscale: Autoscale | None = None
 
     def check(self, count: int) -> None:
         """ValueError unless `count` replicas are within the deployment's range."""
@@ -86,4 +105,17 @@ def ray_placement(item: Mapping[str, Any], where: str) -> tuple[dict[str, Any],
         replicas, low, high, opt_string(item.get("ray_address"), f"{where}.ray_address"),
         a_weight(resources.get("num_cpus", 1), f"{where}.resources.num_cpus"),
         a_weight(resources.get("num_gpus", 0), f"{where}.resources.num_gpus"),
-        {k: a_weight(v, f"{where}.resources.custom.{k}") for k, v in custom.items()})
+        {k: a_weight(v, f"{where}.resources.custom.{k}") for k, v in custom.items()},
+        _autoscale(item["autoscale"], f"{where}.autoscale") if "autoscale" in item else None)
+
+
+def _autoscale(value: Any, where: str) -> Autoscale:
+    table = a_table(value, where)
+    only_fields(table, set(Autoscale.__dataclass_fields__), where)
+    numbers = {k: a_weight(v, f"{where}.{k}") for k, v in table.items()}
+    rule = Autoscale(**numbers)
+    if not rule.target_work > 0 or not rule.interval_s > 0 or (
+            rule.kv_target is not None and not 0 < rule.kv_target <= 1):
+        raise FleetConfigError(f"{where}: target_work and interval_s above 0, kv_target "
+                               "in (0, 1]")
+    return rule

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,12 +30,12 @@ from tokenyard.balancer.discovery import Discovery
 from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.deployments import BalancerSpec
-from tokenyard.placement_spec import RayPlacement
+from tokenyard.placement_spec import Autoscale, RayPlacement
 
 pytestmark = pytest.mark.slow
 MOCK = [sys.executable, "-m", "tokenyard.bench.mock_replica", "--itl-ms", "5",
         "--output-len", "8"]
-#: Each "host" holds two replica slots: one replica of its own and room for a restart.
+#: Each "host" holds four replica slots: room for a restart and for the other tests.
 PLACEMENT = RayPlacement(2, 1, 3, num_cpus=0, custom={"replica_slot": 1})
 INTERVAL_S = 0.3
 
@@ -52,7 +53,7 @@ def cluster() -> Iterator[Any]:
     try:
         made = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 2, "include_dashboard": False})
-        hosts = [made.add_node(num_cpus=1, resources={"replica_slot": 2, f"host_{h}": 1})
+        hosts = [made.add_node(num_cpus=1, resources={"replica_slot": 4, f"host_{h}": 1})
                  for h in "ab"]
         made.wait_for_nodes()
     except Exception as exc:
@@ -87,6 +88,34 @@ async def _until(check: Any, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
         await asyncio.sleep(0.1)
+
+
+async def _under_load(name: str, tokens: int, steps: Callable[[Pool], Awaitable[None]]) -> None:
+    """Three clients send requests of `tokens` tokens without pause through a pool that
+    follows the deployment while `steps` runs; then none may have failed or come short."""
+    found, pool = _followed(name)
+    found.attach(pool)
+    pool.watchers.append(found)
+    await found.refresh()
+    stop = asyncio.Event()
+    done: list[int] = []
+
+    async def load(worker: int) -> None:
+        i = 0
+        while not stop.is_set():
+            done.append(await _count(pool, f"w{worker}-{i}", tokens))
+            i += 1
+
+    workers = [asyncio.create_task(load(w)) for w in range(3)]
+    try:
+        await steps(pool)
+        stop.set()
+        await asyncio.gather(*workers)
+    finally:
+        stop.set()
+        await pool.close()
+    assert done and all(n == tokens for n in done)
+    assert sum(m.failed for m in pool.members) == 0
 
 
 def test_one_replica_per_host_then_a_host_dies_and_ray_restarts_it(cluster: Any) -> None:
@@ -128,7 +157,7 @@ def test_one_replica_per_host_then_a_host_dies_and_ray_restarts_it(cluster: Any)
 
     asyncio.run(scenario())
     _scale(name, 1)
-    hosts.append(made.add_node(num_cpus=1, resources={"replica_slot": 2, "host_c": 1}))
+    hosts.append(made.add_node(num_cpus=1, resources={"replica_slot": 4, "host_c": 1}))
     made.wait_for_nodes()  # a new host takes the dead one's place
 
 
@@ -136,36 +165,14 @@ def test_scale_one_two_one_loses_no_request(cluster: Any) -> None:
     name = "scaled"
     assert _scale(name, 1) == [0]
 
-    async def scenario() -> None:
-        found, pool = _followed(name)
-        found.attach(pool)
-        pool.watchers.append(found)
-        await found.refresh()
-        stop = asyncio.Event()
-        done: list[int] = []
+    async def steps(pool: Pool) -> None:
+        await asyncio.to_thread(_scale, name, 2)
+        await _until(lambda: len(pool.members) == 2, 10, "the second replica joins")
+        await _until(lambda: all(m.served for m in pool.members), 10, "both serve")
+        await asyncio.to_thread(_scale, name, 1)
+        await _until(lambda: len(pool.members) == 1, 10, "the second replica leaves")
 
-        async def load(worker: int) -> None:
-            i = 0
-            while not stop.is_set():
-                done.append(await _count(pool, f"w{worker}-{i}", 16))
-                i += 1
-
-        workers = [asyncio.create_task(load(w)) for w in range(3)]
-        try:
-            await asyncio.to_thread(_scale, name, 2)
-            await _until(lambda: len(pool.members) == 2, 10, "the second replica joins")
-            await _until(lambda: all(m.served for m in pool.members), 10, "both serve")
-            await asyncio.to_thread(_scale, name, 1)
-            await _until(lambda: len(pool.members) == 1, 10, "the second replica leaves")
-            stop.set()
-            await asyncio.gather(*workers)
-        finally:
-            stop.set()
-            await pool.close()
-        assert done and all(n == 16 for n in done)
-        assert sum(m.failed for m in pool.members) == 0
-
-    asyncio.run(scenario())
+    asyncio.run(_under_load(name, 16, steps))
 
 
 def test_serve_places_a_real_engine_replica_on_ray_and_serves_through_it(
@@ -213,3 +220,44 @@ def test_serve_places_a_real_engine_replica_on_ray_and_serves_through_it(
     finally:
         with contextlib.suppress(ValueError):
             ray.kill(ray.get_actor(f"{name}/0", namespace="tokenyard"), no_restart=True)
+
+
+def test_autoscaler_grows_under_load_and_shrinks_after_without_a_failed_request(
+        cluster: Any) -> None:
+    """The autoscaler actor (`cli/ray_autoscale.py`): 3 requests at once on one replica
+    with a target of 1 each → 2 replicas (the most allowed); idle after the cooldown →
+    back to 1, draining."""
+    import ray
+
+    from tokenyard.cli import ray_autoscale
+
+    name = "auto"
+    rule = Autoscale(target_work=1, interval_s=INTERVAL_S, cooldown_s=1)
+    placement = dataclasses.replace(PLACEMENT, replicas=1, max_replicas=2, autoscale=rule)
+    assert _scale(name, 1) == [0]
+    timeouts = {"start_timeout_s": 60.0, "discovery_interval_s": INTERVAL_S * 3,
+                "drain_timeout_s": 10.0}
+    autoscaler = ray_autoscale.start(name, placement, MOCK, None, timeouts)
+
+    async def steps(pool: Pool) -> None:
+        await _until(lambda: len(pool.members) == 2, 30, "the autoscaler adds one")
+        # The load stops when this returns: then it is taken away again.
+
+    try:
+        asyncio.run(_under_load(name, 100, steps))
+        asyncio.run(_shrinks_to_one(name))
+        assert ray.get(autoscaler.history.remote()) == [(1, 2), (2, 1)]
+    finally:
+        ray.kill(autoscaler, no_restart=True)
+
+
+async def _shrinks_to_one(name: str) -> None:
+    from tokenyard.cli import ray_replicas
+
+    async def one() -> bool:
+        return len(await ray_replicas.urls(name)) == 1
+
+    deadline = time.monotonic() + 30
+    while not await one():
+        assert time.monotonic() < deadline, "the autoscaler did not take the replica away"
+        await asyncio.sleep(0.2)

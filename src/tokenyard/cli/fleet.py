@@ -153,13 +153,17 @@ class Fleet:
         ray = spec.ray
         assert ray is not None
         await asyncio.to_thread(ray_replicas.connect, ray)
+        command = ray_replicas.replica_command(spec.model, spec.engine_args,
+                                               self.config.drain_timeout_s)
+        timeouts = {"start_timeout_s": self.config.replica_start_timeout_s,
+                    "discovery_interval_s": self.spec.balancer.discovery_interval_s,
+                    "drain_timeout_s": self.config.drain_timeout_s}
         if not ray_replicas.existing(spec.name):
-            command = ray_replicas.replica_command(spec.model, spec.engine_args,
-                                                   self.config.drain_timeout_s)
-            await ray_replicas.scale(
-                spec.name, ray, ray.replicas, command, token,
-                start_timeout_s=self.config.replica_start_timeout_s,
-                discovery_interval_s=0, drain_timeout_s=self.config.drain_timeout_s)
+            await ray_replicas.scale(spec.name, ray, ray.replicas, command, token, **timeouts)
+        if ray.autoscale is not None:
+            from tokenyard.cli import ray_autoscale
+
+            ray_autoscale.start(spec.name, ray, command, token, timeouts)
         return Discovery(lambda: ray_replicas.urls(spec.name),
                          lambda url: self._client(spec, url, token),
                          interval_s=self.spec.balancer.discovery_interval_s,
