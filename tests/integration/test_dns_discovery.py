@@ -164,3 +164,42 @@ async def _count(pool: Pool, request_id: str, max_tokens: int = 8) -> int:
                                      SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
         count += len(delta.new_token_ids)
     return count
+
+
+def test_serve_fleet_file_with_a_dns_entry_follows_the_name(
+        dns_server: tuple[str, Zone]) -> None:
+    """`serve`'s own path (`Fleet.served`): the fleet file's `dns+http://` entry and
+    `balancer.dns_server` give the deployment a pool of every address, kept following."""
+    from tokenyard.cli.fleet import Fleet
+    from tokenyard.config import ServeConfig, default_cache_dir
+    from tokenyard.deployments import parse_fleet
+
+    server, zone = dns_server
+
+    async def unused_starter(*_: Any) -> Any:
+        raise AssertionError("a deployment found by DNS starts no local child")
+
+    async def scenario() -> None:
+        port = _free_port_on_both()
+        fleet_spec = parse_fleet({
+            "balancer": {"dns_server": server, "discovery_interval_s": 0.2},
+            "deployments": [{"name": "dep", "urls": [f"dns+http://{NAME}:{port}"]}]})
+        config = ServeConfig.from_env(replica_token="dns-test-token")
+        async with _replicas(port, MockConfig(output_len=8, itl_ms=1)):
+            fleet = Fleet(fleet_spec, unused_starter, config, default_cache_dir())
+            served = await fleet.served(fleet_spec.deployments["dep"])
+            try:
+                pool = served.pool
+                assert [m.id for m in pool.members] == [
+                    f"http://{a}:{port}" for a in ADDRESSES]
+                assert await _count(pool, "r1") == 8
+                zone.addresses = [ADDRESSES[1]]
+                for _ in range(100):
+                    if len(pool.members) == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                assert [m.id for m in pool.members] == [f"http://{ADDRESSES[1]}:{port}"]
+            finally:
+                await served.pool.close()
+
+    asyncio.run(scenario())
