@@ -152,6 +152,10 @@ class Fleet:
 
         ray = spec.ray
         assert ray is not None
+        if token is None:  # a replica beyond loopback refuses to start without one
+            raise FleetConfigError(f"deployment {spec.name}: placement = \"ray\" needs the "
+                                   "replica token every gateway shares: set "
+                                   "TOKENYARD_REPLICA_TOKEN (or the deployment's token_env)")
         await asyncio.to_thread(ray_replicas.connect, ray)
         command = ray_replicas.replica_command(spec.model, spec.engine_args,
                                                self.config.drain_timeout_s)
