@@ -164,6 +164,7 @@ class Fleet:
                     "drain_timeout_s": self.config.drain_timeout_s}
         if not ray_replicas.existing(spec.name):
             await ray_replicas.scale(spec.name, ray, ray.replicas, command, token, **timeouts)
+        await ray_replicas.serving(spec.name, self.config.replica_start_timeout_s)
         if ray.autoscale is not None:
             from tokenyard.cli import ray_autoscale
 

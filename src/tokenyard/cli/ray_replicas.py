@@ -188,6 +188,17 @@ async def urls(deployment: str) -> list[str]:
     return sorted(listing.values())
 
 
+async def serving(deployment: str, timeout_s: float) -> list[str]:
+    """The deployment's replica URLs once it has one (its actors may still be starting
+    their replicas: another gateway placed them); RuntimeError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := await urls(deployment)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{deployment}: no replica serves after {timeout_s:g} s")
+        await asyncio.sleep(0.5)
+    return found
+
+
 async def scale(deployment: str, placement: RayPlacement, count: int,
                 command: Sequence[str], token: str | None, *, start_timeout_s: float,
                 discovery_interval_s: float, drain_timeout_s: float) -> list[int]:
