@@ -93,3 +93,38 @@ def test_one_member_pools_hash_nothing_and_two_member_pools_do() -> None:
         assert len(pair.affinity) == len(PROMPT) // 16  # type: ignore[arg-type]
 
     asyncio.run(scenario())
+
+
+def test_requests_that_wait_for_the_price_list_wait_for_one_read(tmp_path: Any) -> None:
+    """At a cold start (and after a price change) the requests at once share one read of
+    the price list; the old code ran one per request (8 at 8 concurrent streams, each a
+    round trip through the database's thread: the `billing` stage's cold-start tens of
+    ms). Over a real SQLite store."""
+    from tokenyard.gateway.billing import Billing
+    from tokenyard.store import Database, LedgerWriter, Prices, Store
+
+    async def scenario() -> None:
+        db = await Database.open(f"sqlite+aiosqlite:///{tmp_path / 'p.db'}")
+        store = Store(db)
+        ledger = LedgerWriter(db, tmp_path / "journal")
+        try:
+            await store.set_price("m", input=1, cached_input=1, output=2)
+            reads: list[int] = []
+            read = store.prices
+
+            async def counted() -> Any:
+                reads.append(1)
+                return await read()
+
+            store.prices = counted  # type: ignore[method-assign]
+            billing = Billing(store, ledger)
+            first = await asyncio.gather(*(billing.prices("m") for _ in range(8)))
+            assert first == [Prices(1, 1, 2)] * 8 and len(reads) == 1
+            assert await billing.prices("m") == Prices(1, 1, 2) and len(reads) == 1
+            await store.set_price("m", input=3, cached_input=3, output=4)
+            changed = await asyncio.gather(*(billing.prices("m") for _ in range(8)))
+            assert changed == [Prices(3, 3, 4)] * 8 and len(reads) == 2
+        finally:
+            await db.close()
+
+    asyncio.run(scenario())

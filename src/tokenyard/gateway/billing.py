@@ -270,11 +270,18 @@ class Billing:
     async def prices(self, model: str) -> Prices:
         """The model's prices (micros per million tokens; none set: free). Read once, then
         refreshed in the background every `prices_refresh_s`; read again at once after a
-        price was set through this process's store (the admin API of this gateway)."""
-        if self._prices_version != self.store.prices_version:
-            await self._read_prices()
-        elif (self._clock() - self._prices_read_at > self.prices_refresh_s
-              and self._prices_task is None):
+        price was set through this process's store (the admin API of this gateway).
+        Requests that must wait for a read wait for the same one: at a cold start, 8
+        requests at once ran 8 reads of the whole list, each a round trip through the
+        database's thread."""
+        for _ in range(2):  # a read that began before the latest price change: once more
+            if self._prices_version == self.store.prices_version:
+                break
+            if self._prices_task is None:
+                self._prices_task = asyncio.create_task(self._read_prices())
+            await asyncio.shield(self._prices_task)
+        if (self._clock() - self._prices_read_at > self.prices_refresh_s
+                and self._prices_task is None):
             self._prices_task = asyncio.create_task(self._read_prices())
         return self._prices.get(model, Prices())
 

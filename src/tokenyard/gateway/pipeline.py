@@ -27,7 +27,13 @@ from tokenyard.errors import APIError, overloaded
 from tokenyard.gateway.auth import Authenticator, authorize
 from tokenyard.gateway.auth_throttle import FailedAuthThrottle
 from tokenyard.gateway.billing import Billing, Cost, Hold, Usage
-from tokenyard.gateway.limits import Admission, Limiter, RateLimited, Subject
+from tokenyard.gateway.limits import (
+    Admission,
+    InProcessLimiter,
+    Limiter,
+    RateLimited,
+    Subject,
+)
 from tokenyard.gateway.requests import RequestLog
 from tokenyard.gateway.responses import StoredResponses
 from tokenyard.store.db import Database
@@ -323,6 +329,14 @@ class Gateway:
             ticket.cost = Cost.of(ticket.prices, usage, record.cost_micros)
         self.billing.release(ticket.hold)  # the real cost, if any, is counted by now
         used = usage.total_tokens if usage is not None else 0
+        if isinstance(self.limiter, InProcessLimiter):  # no I/O: settled here, no task
+            try:
+                self.limiter.settle_now(ticket.admission, used)
+            except Exception:
+                logger.exception("settling a rate-limit reservation failed")
+            finally:
+                self.admissions_open -= 1
+            return
         task = asyncio.get_running_loop().create_task(self._settle(ticket.admission, used))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)

@@ -178,8 +178,13 @@ class Pipeline:
         for it."""
         fleet = self.fleet
         key = call.key
-        chosen = fleet.router.resolve(call.model, conversation_key(call.first_user_text),
-                                      key.allowed_regions if key is not None else None)
+        router = fleet.router
+        # The conversation's point only picks among an alias's routes: no hash for a
+        # deployment named directly (most requests).
+        point = (0.0 if call.model in router.fleet.deployments
+                 else conversation_key(call.first_user_text))
+        chosen = router.resolve(call.model, point,
+                                key.allowed_regions if key is not None else None)
         served = fleet.deployments[chosen.deployment]
         require(served.spec, call.capability)
         call.route, call.served = chosen, served
