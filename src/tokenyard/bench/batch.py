@@ -42,6 +42,7 @@ from tokenyard.bench.children import start_tokenyard
 from tokenyard.bench.host import cpu_model
 from tokenyard.bench.proctree import machine_busy_s, sample_tree
 from tokenyard.bench.stats import percentile
+from tokenyard.cli.processes import REPLICA_NICE_ENV
 
 TITLE = "## The Batch API (`tokenyard bench batch`)"
 LIVE_PROMPTS = ["the sea", "a compiler", "bread", "the moon", "a violin", "rain", "chess"]
@@ -220,15 +221,23 @@ async def run(args: argparse.Namespace) -> tuple[list[Round], str]:
 
     llm = LLM(show_progress=False)
     llm.generate([[100] * 8], greedy(4))  # warm-up
+    # The replica at the bench process's own priority: at its default nice +10 a busy,
+    # shared machine's other processes would starve it and not the engine alone.
     child, key = start_tokenyard(None, auth=True, env_extra={
-        "TOKENYARD_BATCH_CONCURRENCY": str(args.batch_concurrency)})
+        "TOKENYARD_BATCH_CONCURRENCY": str(args.batch_concurrency),
+        REPLICA_NICE_ENV: "0"})
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
             server = Server(s, child.url, key)
             model = (await server.call("GET", "/v1/models"))["data"][0]["id"]
             await server.live(model, 2, 1, 2)  # warm-up
-            rounds = [await one_round(args, llm, server, model, r)
-                      for r in range(args.rounds)]
+            rounds = []
+            for r in range(args.rounds):
+                rounds.append(x := await one_round(args, llm, server, model, r))
+                print(f"round {r + 1}: engine alone {x.offline_tps:.1f} tok/s, batch "
+                      f"{x.batch_tps:.1f} tok/s; live TTFT p50 {x.ttft_alone_ms:.0f} ms "
+                      f"alone, {x.ttft_beside_ms:.0f} ms beside a batch; others' CPU % "
+                      f"{x.others_pct}", file=sys.stderr, flush=True)
     finally:
         child.stop()
     return rounds, model
@@ -267,8 +276,9 @@ def render(rounds: list[Round], args: argparse.Namespace, command: str, model: s
     return "\n".join([
         TITLE, "",
         f"`{model}` behind `tokenyard serve` (gateway on, the lane running "
-        f"{args.batch_concurrency} lines at once) against the same engine alone in the "
-        f"bench's process. Batches of {args.lines} `/v1/completions` lines (random "
+        f"{args.batch_concurrency} lines at once, the replica at nice 0 like the bench) "
+        f"against the same engine alone in the bench's process. Batches of "
+        f"{args.lines} `/v1/completions` lines (random "
         f"token-id prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, greedy, "
         f"{args.output_len} out, ignore_eos), the engine alone on the same prompts; live: "
         f"{args.live_requests} streamed chat requests, {args.live_concurrency} at a time, "
