@@ -164,13 +164,20 @@ def test_medians_ranges_and_ratios_side_by_side() -> None:
     rounds = _rounds()
     values = {s: medians(rounds, s) for s in ("llama-server", "tokenyard")}
     assert values["tokenyard"]["decode_tok_s"] == [25.0, 20.0, 30.0]
-    table = figures_table(values, _Plan())
+    table = figures_table(values, _Plan(), rounds)
     decode = next(line for line in table.splitlines() if "decode tok/s" in line)
-    assert decode == ("| one stream, decode tok/s | 100 (90.0–110) | 25.0 (20.0–30.0) | "
-                      "0.25 (llama better) |")
+    # min / median / max per server; the ratio of the medians, then of each round's pair
+    # (25/100, 20/110, 30/90).
+    assert decode == ("| one stream, decode tok/s | 90.0 / **100** / 110 | "
+                      "20.0 / **25.0** / 30.0 | 0.25 (llama better); rounds 0.18–0.33 |")
     ttft = next(line for line in table.splitlines() if "~45-token" in line)
-    assert ttft.endswith("| 35.0 (30.0–40.0) | 0.50 (tokenyard better) |")
+    assert ttft.endswith("| 30.0 / **35.0** / 40.0 | 0.50 (tokenyard better); "
+                         "rounds 0.44–0.57 |")
     assert "| TTFT p99, 32 concurrent, ms | - | - | - |" in table  # not measured
+    # Without the rounds, no per-round range; one value is the median alone.
+    assert figures_table(values, _Plan()).count("rounds ") == 0
+    one = {s: medians(rounds[:1], s) for s in ("llama-server", "tokenyard")}
+    assert "| 100 | 25.0 | 0.25 (llama better) |" in figures_table(one, _Plan(), rounds[:1])
 
 
 def test_ratio_direction_follows_what_is_better() -> None:
@@ -185,14 +192,27 @@ def test_requests_table_counts_every_round_and_lists_failures() -> None:
     assert "- tokenyard, one stream, round 2: http_503: 1× busy" in table
 
 
-def _section(marker: str) -> str:
+def _section(marker: str, min_rounds: int = 3) -> str:
     rounds = _rounds()
     setup: dict[str, Any] = {
         "plan": _Plan(), "build_s": 0.0, "machine": "cpu", "date": marker, "rounds": 3,
+        "min_rounds": min_rounds,
         "measured_s": 600.0, "command": "tokenyard bench peers", "model": "m.gguf",
         "llama": "llama-server", "tokenyard": "tokenyard serve"}
     return render_section({s: medians(rounds, s) for s in ("llama-server", "tokenyard")},
                           rounds, setup)
+
+
+def test_a_run_short_of_the_minimum_rounds_says_so() -> None:
+    assert "**Only 3 rounds** (fewer than 5)" in _section("d", min_rounds=5)
+    assert "**Only" not in _section("d", min_rounds=3)
+
+
+def test_the_default_is_at_least_five_rounds() -> None:
+    from tokenyard.bench import peers
+    parser = argparse.ArgumentParser()
+    peers.add_arguments(parser)
+    assert parser.parse_args([]).rounds == peers.MIN_ROUNDS >= 5
 
 
 def test_the_section_is_appended_then_replaced_and_the_rest_kept(tmp_path: Path) -> None:

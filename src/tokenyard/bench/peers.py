@@ -7,7 +7,8 @@ Both servers get the same requests from the same client as `tokenyard bench serv
 (streamed OpenAI chat, ``ignore_eos``), one server at a time and alternating: each round
 runs every phase on one server, then on the other, and the next round starts with the
 other one, so a machine that slows down during the run hurts both alike. The table shows
-medians over the rounds (with their range) and the ratio tokenyard / llama-server.
+min / median / max over the rounds (at least `MIN_ROUNDS` of them by default) and the ratio
+of the medians tokenyard / llama-server, with the range of the per-round ratios beside it.
 
 Phases: one stream (short prompts), one ~1,000-token prompt and the same prompt again
 (the prefix cache), then 8 and then 32 streams at once, during which the server's process
@@ -47,6 +48,9 @@ from tokenyard.config import default_cache_dir
 from tokenyard.text.model_files import embedded_model_path
 
 SERVERS = ("llama-server", "tokenyard")
+#: Fewer alternating rounds than this and one lucky round can move a median: the default,
+#: and the budget never stops a run short of it.
+MIN_ROUNDS = 5
 _LLAMA_READY = re.compile(r"listening on (http://\S+)")
 
 
@@ -82,10 +86,11 @@ class PhaseRun:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tokenyard bench peers`."""
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
                         help="alternating rounds (each: every phase on each server)")
     parser.add_argument("--budget-min", type=float, default=15.0,
-                        help="start no new round after this many minutes of measuring")
+                        help=f"start no new round after this many minutes of measuring, "
+                             f"once {MIN_ROUNDS} rounds (or --rounds, if fewer) are done")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: one round of short phases")
     parser.add_argument("--write", type=Path, default=Path("docs/benchmarks.md"),
@@ -289,7 +294,8 @@ def llama_main(args: argparse.Namespace) -> int:
     started, load_before, others = time.monotonic(), os.getloadavg()[0], OtherLoad()
     rounds: list[dict[str, dict[str, PhaseRun]]] = []
     for r in range(rounds_wanted):
-        if rounds and time.monotonic() - started > args.budget_min * 60:
+        if (len(rounds) >= min(MIN_ROUNDS, rounds_wanted)
+                and time.monotonic() - started > args.budget_min * 60):
             print(f"budget spent: {len(rounds)} rounds", file=sys.stderr)
             break
         order = SERVERS if r % 2 == 0 else SERVERS[::-1]
@@ -316,7 +322,8 @@ def llama_main(args: argparse.Namespace) -> int:
         "oversubscribed": (load_before > (os.cpu_count() or 1)
                            or (other_share is not None and other_share > OTHER_SHARE_MAX)),
         "tokenyard": f"`tokenyard serve --no-auth --threads {args.threads}`",
-        "plan": plan, "rounds": len(rounds), "measured_s": measured_s, "build_s": build_s,
+        "plan": plan, "rounds": len(rounds), "min_rounds": MIN_ROUNDS,
+        "measured_s": measured_s, "build_s": build_s,
     }
     section = render_section(
         {s: medians(rounds, s) for s in SERVERS},

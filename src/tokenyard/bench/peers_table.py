@@ -19,6 +19,7 @@ LLAMA, TOKENYARD = "llama-server", "tokenyard"
 class PhaseLike(Protocol):
     """What the table reads of one phase's run (peers.PhaseRun)."""
 
+    figures: dict[str, float]
     sent: int
     failed: int
     retried: int
@@ -48,32 +49,51 @@ def _num(value: float) -> str:
 
 
 def cell(values: Sequence[float]) -> str:
-    """The median of `values`, with their range when there is more than one ("-": none)."""
+    """min / median / max of `values` (the median alone for one value; "-": none)."""
     if not values:
         return "-"
     mid = _num(statistics.median(values))
     if len(values) == 1:
         return mid
-    return f"{mid} ({_num(min(values))}–{_num(max(values))})"
+    return f"{_num(min(values))} / **{mid}** / {_num(max(values))}"
 
 
-def ratio(ours: Sequence[float], theirs: Sequence[float], higher_better: bool) -> str:
-    """tokenyard's median over llama-server's, and which side it favours."""
+def round_ratios(rounds: Sequence[Mapping[str, Mapping[str, PhaseLike]]],
+                 key: str) -> list[float]:
+    """tokenyard / llama-server for figure `key` in each round that measured it on both."""
+    out = []
+    for one in rounds:
+        ours, theirs = ([run.figures[key] for run in one.get(s, {}).values()
+                         if key in run.figures] for s in (TOKENYARD, LLAMA))
+        if ours and theirs and theirs[0]:
+            out.append(ours[0] / theirs[0])
+    return out
+
+
+def ratio(ours: Sequence[float], theirs: Sequence[float], higher_better: bool,
+          per_round: Sequence[float] = ()) -> str:
+    """tokenyard's median over llama-server's, and which side it favours; with the range
+    of the per-round ratios when there are several (does the lead hold in every round?)."""
     if not ours or not theirs or statistics.median(theirs) == 0:
         return "-"
     r = statistics.median(ours) / statistics.median(theirs)
     better = (r > 1) == higher_better
-    return f"{r:.2f} ({'tokenyard' if better else 'llama'} better)" if r != 1 else "1.00"
+    text = f"{r:.2f} ({'tokenyard' if better else 'llama'} better)" if r != 1 else "1.00"
+    if len(per_round) > 1:
+        text += f"; rounds {min(per_round):.2f}–{max(per_round):.2f}"
+    return text
 
 
-def figures_table(values: Mapping[str, Mapping[str, Sequence[float]]], plan: Any) -> str:
-    """Medians (range) per server and the ratio, one row per figure."""
-    lines = ["| figure | llama-server | tokenyard | tokenyard / llama |",
+def figures_table(values: Mapping[str, Mapping[str, Sequence[float]]], plan: Any,
+                  rounds: Sequence[Mapping[str, Mapping[str, PhaseLike]]] = ()) -> str:
+    """min / median / max per server and the ratio of the medians, one row per figure."""
+    lines = ["| figure | llama-server min / **median** / max | "
+             "tokenyard min / **median** / max | tokenyard / llama (medians) |",
              "|---|---|---|---|"]
     for key, label, higher in figure_rows(plan):
         ours, theirs = values[TOKENYARD].get(key, []), values[LLAMA].get(key, [])
         lines.append(f"| {label} | {cell(theirs)} | {cell(ours)} | "
-                     f"{ratio(ours, theirs, higher)} |")
+                     f"{ratio(ours, theirs, higher, round_ratios(rounds, key))} |")
     return "\n".join(lines)
 
 
@@ -109,6 +129,11 @@ _OVERSUBSCRIBED = (
     "server bears contention more than its speed on an idle machine.")
 
 
+def _few_rounds(done: int, wanted: int) -> str:
+    return (f"**Only {done} round{'' if done == 1 else 's'}** (fewer than {wanted}): one "
+            "lucky or unlucky round can move these medians; do not read a lead from them.")
+
+
 def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
                    rounds: Sequence[Mapping[str, Mapping[str, PhaseLike]]],
                    setup: Mapping[str, Any]) -> str:
@@ -122,8 +147,9 @@ def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
         "alternating: each round runs every phase on one server and then on the other, "
         "the next round in the other order. Streamed OpenAI chat requests with "
         f"`ignore_eos`, {plan.output} tokens out (the long prompt: {plan.long_output}), "
-        "from `tokenyard bench serve`'s client. Cells: the median over the rounds "
-        "(min–max). Ratios divide the medians; for times and memory below 1 favours "
+        "from `tokenyard bench serve`'s client. Cells: min / median / max over the "
+        "rounds. Ratios divide the medians (after them, the range of the ratio within "
+        "each round); for times and memory below 1 favours "
         "tokenyard, for tok/s above 1 does. RSS sums the server's process tree (for "
         "tokenyard the HTTP process and its engine replica), sampled every 0.25 s.",
         "",
@@ -141,7 +167,9 @@ def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
         f"sending after {plan.phase_cap_s:.0f} s)",
         "",
         *([_OVERSUBSCRIBED, ""] if setup.get("oversubscribed") else []),
-        figures_table(values, plan), "",
+        *([_few_rounds(setup["rounds"], setup["min_rounds"]), ""]
+          if setup["rounds"] < setup.get("min_rounds", 0) else []),
+        figures_table(values, plan, rounds), "",
         requests_table(rounds), "",
     ])
 
