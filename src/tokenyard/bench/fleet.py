@@ -1,8 +1,8 @@
 """`tokenyard bench fleet`: the balancer's policies side by side on a multi-tenant workload.
 
-For each policy (default: `precise`, `affinity` (the default policy), `round_robin` and
-`least`), `--replicas` fresh `tokenyard engine` replicas (one thread each and a small KV
-pool, `--kv-cache-gib`, so each starts empty and evicts under load; `precise` routes by
+For each policy (default: `precise`, `affinity` (the default policy) and `round_robin`;
+`least` on request), `--replicas` fresh `tokenyard engine` replicas (one thread and a small KV
+pool each, `--kv-cache-gib`, so each starts empty and evicts under load; `precise` routes by
 their KV-cache events) behind `tokenyard serve --config` with its gateway on: `--orgs`
 orgs, each with an API key of its own (`bench/tenants.py`, made with `tokenyard admin`),
 its own long system prompt and several multi-turn conversations, some of which go idle
@@ -30,7 +30,6 @@ import sys
 import tempfile
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +41,9 @@ from tokenyard.bench.tenants import Tenant, TenantShape, create_tenants, tenant_
 from tokenyard.wire.protocol import STATS_PATH
 
 DEPLOYMENT = "bench-fleet"
-POLICIES = ("precise", "affinity", "round_robin", "least")
+#: The default comparison; `least` (`--policies …,least`) is left out of it for time:
+#: on 2 shared cores it ran as long as round robin, and no goal names it.
+POLICIES = ("precise", "affinity", "round_robin")
 #: The policy a fleet file gets when it names none (`deployments.BalancerSpec`).
 DEFAULT_POLICY = "affinity"
 #: The issue's goals, against round robin: hit rate ≥ 3×, TTFT p50 ≤ 0.6×; and the
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="threads per replica")
     parser.add_argument("--replicas", type=int, default=4, help="engine replicas per policy")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.04,
+    parser.add_argument("--kv-cache-gib", type=float, default=0.03,
                         help="each replica's KV pool (small: the orgs' prefixes together "
                         "overflow one replica's)")
     parser.add_argument("--index-blocks", type=int, default=100_000,
@@ -154,15 +155,10 @@ def run_policy(policy: str, args: argparse.Namespace, state_dir: Path,
         try:
             engine = _cli("engine", "--host", "127.0.0.1", "--port", "0", "--threads",
                           str(args.threads), "--kv-cache-gib", str(args.kv_cache_gib))
-            # Started together (their model loads overlap); those that came up are kept
-            # for the `finally` to stop when another failed.
-            with ThreadPoolExecutor(args.replicas) as pool:
-                starts = [pool.submit(start_child, engine, _MOCK_READY, env=env)
-                          for _ in range(args.replicas)]
-            children.extend(f.result() for f in starts if f.exception() is None)
-            for f in starts:
-                if (error := f.exception()) is not None:
-                    raise error
+            # One at a time: started together on a busy 2-core machine, a replica's
+            # model load outlasted the start timeout.
+            for _ in range(args.replicas):
+                children.append(start_child(engine, _MOCK_READY, env=env))
             urls = [c.url for c in children]
             config = _fleet_file(Path(scratch), policy, urls)
             # The load generator is one address: the edge's per-address limits are off.

@@ -210,7 +210,8 @@ def fleet_section() -> str:
     cmd = _cli("bench", "fleet")
     intro = ("Several orgs, each with its own API key, system prompt and multi-turn "
              "conversations, over 4 replicas (one thread and a small KV pool each) behind one "
-             "`tokenyard serve --config` with its gateway on, under each balancer policy in "
+             "`tokenyard serve --config` with its gateway on, under the precise, affinity (the "
+             "default) and round-robin policies in "
              "alternating rounds; then the `precise` decision alone at 100,000 indexed "
              "blocks. Goals (issue 25), precise against round robin: hit rate ≥ 3×, TTFT p50 "
              "≤ 0.6×, the `balance` stage ≤ 0.2 ms p50 at 100,000 indexed blocks.")
