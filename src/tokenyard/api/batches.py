@@ -399,7 +399,8 @@ def install(app: web.Application) -> None:
         gateway.billing.fixed_batch_prices = functools.partial(fleet_batch_prices,
                                                                app[STATE])
         lane = app[LANE] = BatchLane(batches, {"openai": openai_dialect(app),
-                                               "anthropic": anthropic_dialect(app, busy_wait)})
+                                               "anthropic": anthropic_dialect(app, busy_wait)},
+                                     lambda: gateway.live_open)
         lane.start()
 
     async def stop(app: web.Application) -> None:

@@ -43,6 +43,10 @@ logger = logging.getLogger("tokenyard.gateway.batches")
 
 #: The one completion window both APIs offer.
 WINDOW = timedelta(hours=24)
+#: While live requests are in flight in this process, and this long after the last,
+#: the lane runs at most `YIELD_LINES` lines.
+YIELD_S = 2.0
+YIELD_LINES = 1
 
 
 @dataclass(frozen=True)
@@ -178,9 +182,17 @@ class Batches:
 
 
 class BatchLane:
-    """The batch worker of one gateway process (see the module's docstring)."""
+    """The batch worker of one gateway process (see the module's docstring).
 
-    def __init__(self, batches: Batches, dialects: Mapping[str, Dialect]) -> None:
+    It yields to live traffic: `live()` is this process's live requests in flight
+    (`Gateway.live_open`); while there are any, and for `YIELD_S` after, it keeps at most
+    `YIELD_LINES` lines running, so the engine's steps carry live requests, not a full
+    batch beside them."""
+
+    def __init__(self, batches: Batches, dialects: Mapping[str, Dialect],
+                 live: Callable[[], int] = lambda: 0) -> None:
+        self.live = live
+        self._live_seen = float("-inf")
         self.batches = batches
         self.db = batches.db
         self.settings = batches.settings
@@ -215,6 +227,11 @@ class BatchLane:
             try:
                 await self._end_due()
                 free = self.settings.concurrency - len(self._running)
+                now = asyncio.get_running_loop().time()
+                if self.live() > 0:
+                    self._live_seen = now
+                if now - self._live_seen < YIELD_S:
+                    free = min(free, YIELD_LINES - len(self._running))
                 claimed: list[Claimed] = []
                 if free > 0 and asyncio.get_running_loop().time() >= self._idle_until:
                     claimed = await rows.claim(self.db, self.worker, now=utcnow(),

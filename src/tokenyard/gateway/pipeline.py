@@ -166,6 +166,9 @@ class Gateway:
         #: concurrency slots until then). Read-only figure: once traffic stops it must come
         #: back to 0, which the reliability suite checks through the dashboard.
         self.admissions_open = 0
+        #: Live requests (not batch lines) admitted and not finished: the batch lane
+        #: yields to them.
+        self.live_open = 0
 
     @classmethod
     async def open(
@@ -271,6 +274,7 @@ class Gateway:
         timeline.mark("limited")
         ticket = Ticket(key, admission, model, endpoint, request_id, Prices(), region=region,
                         batch_id=batch)
+        self.live_open += batch is None
         try:
             ticket.prices = (await self.billing.prices(model) if batch is None
                              else await self.billing.batch_prices(model))
@@ -319,6 +323,7 @@ class Gateway:
         if ticket.finished:
             return
         ticket.finished = True
+        self.live_open -= ticket.batch_id is None
         ticket.usage, ticket.status = usage, status
         if usage is not None and (usage.output_tokens or status != FAILED):
             record = self.billing.meter(
