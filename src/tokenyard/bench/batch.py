@@ -42,7 +42,6 @@ from tokenyard.bench.children import start_tokenyard
 from tokenyard.bench.host import cpu_model
 from tokenyard.bench.proctree import machine_busy_s, sample_tree
 from tokenyard.bench.stats import percentile
-from tokenyard.cli.processes import REPLICA_NICE_ENV
 
 TITLE = "## The Batch API (`tokenyard bench batch`)"
 LIVE_PROMPTS = ["the sea", "a compiler", "bread", "the moon", "a violin", "rain", "chess"]
@@ -225,7 +224,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Round], str]:
     # shared machine's other processes would starve it and not the engine alone.
     child, key = start_tokenyard(None, auth=True, env_extra={
         "TOKENYARD_BATCH_CONCURRENCY": str(args.batch_concurrency),
-        REPLICA_NICE_ENV: "0"})
+        "TOKENYARD_REPLICA_NICE": "0"})  # cli.processes.REPLICA_NICE_ENV (bench !-> cli)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
             server = Server(s, child.url, key)
