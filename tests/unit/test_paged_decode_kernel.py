@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
 from tokenyard.engine.kernels.build import load_kernel, unavailable_reason
-from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, _gather_blocks
+from tokenyard.engine.paged_attention import (
+    KERNEL_TAIL_ROWS,
+    AttentionMetadata,
+    PagedAttention,
+    PrefillSpan,
+    _gather_blocks,
+)
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
@@ -136,6 +142,51 @@ def test_paged_attention_kernel_equals_torch_path(kernel: PagedDecodeFn) -> None
         )
         outs.append(att(0, q, new_k, new_v))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, KERNEL_TAIL_ROWS])
+def test_a_prefill_tail_over_a_cached_prefix_equals_the_torch_path(
+    kernel: PagedDecodeFn, rows: int
+) -> None:
+    """A prompt's last rows over its cached prefix (a prefix-cache hit): the kernel with the
+    rows folded into the query groups (causal among them; two chunks when even) against
+    gather + SDPA with a causal mask, rows not ending on a block boundary."""
+    groups, cached = 3, 1000
+    gen = torch.Generator().manual_seed(rows)
+    ctx = cached + rows
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[: -(-ctx // BLOCK_SIZE)]
+    k = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(rows, NUM_KV_HEADS * groups, HEAD_DIM, generator=gen)
+    new_k = torch.randn(rows, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    new_v = torch.randn(rows, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    pos = torch.arange(cached, ctx)
+    slots = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    outs = []
+    for use_kernel in (True, False):
+        att = PagedAttention(
+            num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+            num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, use_kernel=use_kernel,
+        )
+        att.k_cache[0].copy_(k)
+        att.v_cache[0].copy_(v)
+        att.metadata = AttentionMetadata(
+            slot_mapping=slots, num_decodes=0, decode_block_tables=None, decode_mask=None,
+            prefills=[PrefillSpan(start=0, num_tokens=rows, context_len=ctx,
+                                  block_table=table)],
+        )
+        outs.append(att(0, q, new_k, new_v))
+        if use_kernel:
+            assert att.metadata.prefills[0].kernel_rows is not None  # the kernel ran
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_refuses_a_tail_that_does_not_divide_the_group(
+    kernel: PagedDecodeFn,
+) -> None:
+    q, k, v, table, lens = _case(2, 3, seed=5)
+    with pytest.raises(RuntimeError, match="tail"):
+        kernel(q, k, v, table, lens, 0.125, tail=2)
 
 
 def test_unavailable_kernel_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

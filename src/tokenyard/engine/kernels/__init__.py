@@ -30,6 +30,7 @@ class PagedDecodeFn(Protocol):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        tail: int = 1,
     ) -> torch.Tensor: ...
 
 
@@ -38,6 +39,8 @@ def load_paged_decode(cache_dir: Path | None = None) -> PagedDecodeFn | None:
 
     out[N, H, D] = softmax(scale * q k^T) v over each row's first
     context_lens[i] cached tokens, addressed through block_tables [N, max_blocks].
+    With `tail` = t > 1 each row holds t consecutive query positions, heads ordered
+    [kv head][position][query group], the last at context_lens[i] (causal within them).
     """
     if cache_dir is None:
         from tokenyard.config import default_cache_dir

@@ -143,11 +143,16 @@ inline void weighted_sum32(const float* const* p, int64_t ctx, const float* cons
 // Work items [begin, end) of N * KVH (decode row, kv head): out[i, h] for the heads of the
 // item's query group. q [N, H, D] and out [N, H, D] contiguous; caches
 // [num_blocks, BS, KVH, D]; tables [N, max_blocks]; lens [N]; max_ctx = max(lens).
+// `tail` > 1 folds that many consecutive query positions into each row (a prefill's tail
+// over a cached prefix): row i's heads are [KVH][tail][G1], G1 = H / KVH / tail, position
+// r of the tail ending at lens[i] sees lens[i] - (tail - 1 - r) keys, so each K/V row is
+// read once for all of them.
 inline void attend_items(int64_t begin, int64_t end, const float* qp, const float* kp,
                          const float* vp, const int64_t* tables, const int64_t* lens,
                          int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
-                         int64_t max_ctx, float fscale, float* op) {
+                         int64_t max_ctx, float fscale, float* op, int64_t tail = 1) {
   const int64_t G = H / KVH;
+  const int64_t G1 = G / tail;  // the model's query group; G = tail * G1 (see below)
   const int64_t tok_stride = KVH * D;     // between tokens of a block
   const int64_t blk_stride = BS * KVH * D;  // between blocks
   std::vector<float> scores(static_cast<size_t>(G * max_ctx));
@@ -185,11 +190,16 @@ inline void attend_items(int64_t begin, int64_t end, const float* qp, const floa
     for (; t < ctx; ++t)
       for (int64_t g = 0; g < G; ++g) scores[g * max_ctx + t] = dot(qs.data() + g * D, krows[t], D);
     // Pass 2: softmax weights per query (unnormalised; 1/sum applied at the end).
+    // With `tail` > 1 the group holds the query groups of `tail` consecutive positions
+    // (query g is position r = g / G1 of them): position r sees ctx - (tail - 1 - r) keys,
+    // the weights of the keys past it are zero.
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores.data() + g * max_ctx;
+      const int64_t seen = ctx - (tail - 1 - g / G1);
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t u = 0; u < ctx; ++u) m = std::max(m, s[u]);
-      inv[g] = 1.0f / exp_sub_sum(s, m, ctx);
+      for (int64_t u = 0; u < seen; ++u) m = std::max(m, s[u]);
+      inv[g] = 1.0f / exp_sub_sum(s, m, seen);
+      std::fill(s + seen, s + ctx, 0.f);
     }
     // Pass 3: weighted sum of V.
 #if TY_AVX2

@@ -16,7 +16,8 @@ torch::Tensor paged_decode(
     const torch::Tensor& v_cache,       // [num_blocks, block_size, KVH, D]
     const torch::Tensor& block_tables,  // [N, max_blocks] int64
     const torch::Tensor& context_lens,  // [N] int64
-    double scale) {
+    double scale,
+    int64_t tail) {                     // query positions folded into each row (attention_core.h)
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -35,6 +36,7 @@ torch::Tensor paged_decode(
   const int64_t num_blocks = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D, "paged_decode: head_dim mismatch");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "paged_decode: heads not a multiple of kv heads");
+  TORCH_CHECK(tail >= 1 && (H / KVH) % tail == 0, "paged_decode: tail does not divide the group");
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == N && cl.dim() == 1 && cl.size(0) == N,
               "paged_decode: block table / context length shapes");
   const int64_t max_blocks = bt.size(1);
@@ -43,7 +45,7 @@ torch::Tensor paged_decode(
   const int64_t* tables = bt.data_ptr<int64_t>();
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < N; ++i) {
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * BS, "paged_decode: context length out of range");
+    TORCH_CHECK(lens[i] >= tail && lens[i] <= max_blocks * BS, "paged_decode: context length out of range");
     max_ctx = std::max(max_ctx, lens[i]);
   }
   for (int64_t i = 0; i < N; ++i) {
@@ -62,7 +64,7 @@ torch::Tensor paged_decode(
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
     tyk::attend_items(begin, end, qp, kp, vp, tables, lens, H, KVH, D, BS, max_blocks, max_ctx,
-                      fscale, op);
+                      fscale, op, tail);
   });
   return out;
 }
@@ -70,6 +72,8 @@ torch::Tensor paged_decode(
 bool has_avx2() { return TY_AVX2 != 0; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Decode attention over a paged KV cache (CPU, float32)");
+  m.def("paged_decode", &paged_decode, "Decode attention over a paged KV cache (CPU, float32)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("tail") = 1);
   m.def("has_avx2", &has_avx2, "Whether the AVX2/FMA path was compiled in");
 }

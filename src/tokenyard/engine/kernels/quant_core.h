@@ -199,18 +199,25 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const T* const* xq, const flo
 #endif
 }
 
+// Activation rows that share one unpacked weight block per pass: a prefill's tail of 5-6
+// rows is one pass, not 4 + the rest (one pass of 8 rows measured slower
+// than 4 + 4 on AVX2).
+constexpr int MAX_ROWS_PASS = 6;
+
 template <int64_t QT, typename T>
 void matmul_rows(const uint8_t* wp, int64_t row_bytes, int64_t nb, int64_t K, int64_t M,
                  int64_t N, const T* xq, const float* xd, const float* xs, float* op,
                  int64_t begin, int64_t end) {
-  const T* q[4];
-  const float* d[4];
-  const float* s[4];
-  float res[4];
+  const T* q[MAX_ROWS_PASS];
+  const float* d[MAX_ROWS_PASS];
+  const float* s[MAX_ROWS_PASS];
+  float res[MAX_ROWS_PASS];
   for (int64_t n0 = begin; n0 < end; n0 += ROW_TILE) {
     const int64_t n1 = std::min(end, n0 + ROW_TILE);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int rows = static_cast<int>(std::min<int64_t>(4, M - m0));
+    const int64_t passes = (M + MAX_ROWS_PASS - 1) / MAX_ROWS_PASS;
+    for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
+      // Rows spread evenly over the passes: 8 rows are 4 + 4, not 6 + 2.
+      const int rows = static_cast<int>((M - m0 + passes - pass - 1) / (passes - pass));
       for (int r = 0; r < rows; ++r) {
         q[r] = xq + (m0 + r) * K;
         d[r] = xd + (m0 + r) * nb;
@@ -219,6 +226,8 @@ void matmul_rows(const uint8_t* wp, int64_t row_bytes, int64_t nb, int64_t K, in
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wr = wp + n * row_bytes;
         switch (rows) {
+          case 6: dot_rows<6, QT, T>(wr, nb, q, d, s, res); break;
+          case 5: dot_rows<5, QT, T>(wr, nb, q, d, s, res); break;
           case 4: dot_rows<4, QT, T>(wr, nb, q, d, s, res); break;
           case 3: dot_rows<3, QT, T>(wr, nb, q, d, s, res); break;
           case 2: dot_rows<2, QT, T>(wr, nb, q, d, s, res); break;
@@ -226,6 +235,7 @@ void matmul_rows(const uint8_t* wp, int64_t row_bytes, int64_t nb, int64_t K, in
         }
         for (int r = 0; r < rows; ++r) op[(m0 + r) * N + n] = res[r];
       }
+      m0 += rows;
     }
   }
 }
