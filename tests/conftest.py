@@ -93,3 +93,13 @@ def server() -> Iterator[Server]:
 
     with running_server(embeddings=True) as (srv, _):
         yield srv
+
+
+@pytest.fixture(scope="session")
+def upstream_fleet() -> Iterator[tuple[Server, str]]:
+    """A gateway over two upstream deployments, a real tokenyard and the mock OpenAI
+    server (tests/integration/upstreams.py), shared by the modules that need it."""
+    from tests.integration.upstreams import upstream_fleet
+
+    with upstream_fleet() as pair:
+        yield pair

@@ -1,10 +1,10 @@
 """The unavailable class (OpenAI 503, Anthropic 529) and failures after the 200, through
 HTTP, against the published specs.
 
-A gateway serves one upstream deployment: the project's mock OpenAI-compatible server,
-whose failures are switched on through its config route. An upstream that answers 429
-(it is overloaded) makes every route answer the API's overloaded error before any byte
-of a stream: 503 in OpenAI's `ErrorResponse`, 529 `overloaded_error` in Anthropic's. An
+The gateway is tests/integration/upstreams.py's fleet; its mock OpenAI-compatible
+upstream's failures are switched on through the mock's config route. An upstream that
+answers 429 (it is overloaded) makes every route answer the API's overloaded error
+before any byte of a stream: 503 in OpenAI's `ErrorResponse`, 529 `overloaded_error` in Anthropic's. An
 upstream stream cut after its first tokens ends each API's stream the way its spec
 says: an `error` object on the chat and completions streams, Anthropic's `error` event,
 and the Responses stream's `response.failed` (after which nothing follows).
@@ -12,9 +12,7 @@ and the Responses stream's `response.failed` (after which nothing follows).
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,13 +20,12 @@ import pytest
 
 from tests.conformance.spec import Spec, sse_events
 from tests.conformance.test_anthropic import validate_event as validate_anthropic_event
-from tests.e2e.conftest import Server, running_server
-from tests.e2e.test_gateway import _mock_replica
-from tests.integration.test_upstream_served import _configure
+from tests.e2e.conftest import Server
+from tests.integration.upstreams import MOCK as MODEL
+from tests.integration.upstreams import configure_mock as _configure
 
 pytestmark = pytest.mark.slow
 
-MODEL = "mock-upstream"
 ASK = [{"role": "user", "content": "Hi"}]
 ROUTES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": ASK, "max_tokens": 8},
@@ -36,27 +33,6 @@ ROUTES: dict[str, dict[str, Any]] = {
     "/v1/responses": {"input": "Hi", "max_output_tokens": 8},
     "/v1/messages": {"messages": ASK, "max_tokens": 8},
 }
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[Server, str]]:
-    """A gateway whose only deployment is the mock upstream; its balancer never waits
-    and never ejects, so each injected failure reaches the client as it happens."""
-    with _mock_replica() as mock, tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "tokenyard.toml"
-        config.write_text(f"""
-[balancer]
-queue_timeout_s = 0
-eject_after = 1000
-
-[[deployments]]
-name = "{MODEL}"
-kind = "upstream"
-urls = ["{mock}/v1"]
-model = "mock"
-""")
-        with running_server("--config", str(config)) as (server, _):
-            yield server, mock
 
 
 def _openai() -> Spec:
@@ -79,8 +55,8 @@ def _post(server: Server, path: str, stream: bool) -> httpx.Response:
 
 
 @pytest.fixture()
-def overloaded(fleet: tuple[Server, str]) -> Iterator[Server]:
-    server, mock = fleet
+def overloaded(upstream_fleet: tuple[Server, str]) -> Iterator[Server]:
+    server, mock = upstream_fleet
     _configure(mock, inject_429=1.0)
     try:
         yield server
@@ -89,8 +65,8 @@ def overloaded(fleet: tuple[Server, str]) -> Iterator[Server]:
 
 
 @pytest.fixture()
-def cut(fleet: tuple[Server, str]) -> Iterator[Server]:
-    server, mock = fleet
+def cut(upstream_fleet: tuple[Server, str]) -> Iterator[Server]:
+    server, mock = upstream_fleet
     _configure(mock, inject_stream_error=1.0)
     try:
         yield server

@@ -11,61 +11,17 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 
-from tests.e2e.conftest import Server, running_server
-from tests.e2e.test_gateway import _mock_replica
+from tests.e2e.conftest import Server
+from tests.integration.upstreams import MOCK, REAL
+from tests.integration.upstreams import configure_mock as _configure
 
 pytestmark = pytest.mark.slow
 
-REAL = "tokenyard-upstream-2026-11-22"
-MOCK = "mock-upstream-2026-11-22"
-
-
-def _configure(mock_url: str, **changes: float) -> None:
-    base = {"inject_429": 0.0, "inject_503": 0.0, "inject_500": 0.0,
-            "inject_stream_error": 0.0}
-    request = urllib.request.Request(
-        mock_url + "/mock/config", data=json.dumps({**base, **changes}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=10) as response:
-        assert response.status == 200
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[Server, str]]:
-    with running_server("--no-auth") as (upstream, _), _mock_replica() as mock, \
-            tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "tokenyard.toml"
-        config.write_text(f"""
-[balancer]
-queue_timeout_s = 0
-eject_after = 1000
-
-[[deployments]]
-name = "{REAL}"
-kind = "upstream"
-urls = ["{upstream.base_url}/v1"]
-model = "{upstream.model}"
-
-[[deployments]]
-name = "{MOCK}"
-kind = "upstream"
-urls = ["{mock}/v1"]
-model = "mock"
-
-[aliases]
-up = "{REAL}"
-""")
-        with running_server("--config", str(config), "--no-embeddings") as (server, _):
-            yield server, mock
 
 
 def _openai(server: Server) -> openai.OpenAI:
@@ -79,8 +35,8 @@ def _anthropic(server: Server) -> anthropic.Anthropic:
 
 
 def test_a_real_tokenyard_upstream_through_the_openai_route(
-        fleet: tuple[Server, str]) -> None:
-    server, _ = fleet
+        upstream_fleet: tuple[Server, str]) -> None:
+    server, _ = upstream_fleet
     client = _openai(server)
     reply = client.chat.completions.create(
         model="up", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8,
@@ -103,8 +59,8 @@ def test_a_real_tokenyard_upstream_through_the_openai_route(
 
 
 def test_a_real_tokenyard_upstream_through_the_anthropic_route(
-        fleet: tuple[Server, str]) -> None:
-    server, _ = fleet
+        upstream_fleet: tuple[Server, str]) -> None:
+    server, _ = upstream_fleet
     client = _anthropic(server)
     message = client.messages.create(
         model="up", max_tokens=8, messages=[{"role": "user", "content": "Name a colour."}])
@@ -122,10 +78,10 @@ def test_a_real_tokenyard_upstream_through_the_anthropic_route(
 
 
 def test_structured_output_is_enforced_by_the_upstream_in_both_dialects(
-        fleet: tuple[Server, str]) -> None:
+        upstream_fleet: tuple[Server, str]) -> None:
     """The grammar goes on to the upstream (`response_format`, `guided_regex`): its
     answer follows it, never silently free text."""
-    server, _ = fleet
+    server, _ = upstream_fleet
     schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
               "required": ["colour"], "additionalProperties": False}
     reply = _openai(server).chat.completions.create(
@@ -144,8 +100,8 @@ def test_structured_output_is_enforced_by_the_upstream_in_both_dialects(
     assert set(json.loads(message.content[0].text)) == {"colour"}
 
 
-def test_the_upstreams_refusals_become_ours(fleet: tuple[Server, str]) -> None:
-    server, mock = fleet
+def test_the_upstreams_refusals_become_ours(upstream_fleet: tuple[Server, str]) -> None:
+    server, mock = upstream_fleet
     body = {"model": MOCK, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     try:
         _configure(mock, inject_429=1.0)

@@ -15,7 +15,7 @@ R = Redactor()
 
 
 @pytest.mark.parametrize(("text", "kind"), [
-    (new_secret(), "api_key"),  # ours: sk-ty-…
+    pytest.param(new_secret(), "api_key", id="ours-api_key"),  # sk-ty-…: a fresh one
     ("sk-proj-Ab3dEf6hIj9kLm2nOp5q", "api_key"),
     ("sk-ant-api03-AbCdEfGhIjKlMnOp", "api_key"),
     ("ty-0123456789abcdefXYZ", "api_key"),
