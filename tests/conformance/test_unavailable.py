@@ -4,8 +4,8 @@ HTTP, against the published specs.
 The gateway is tests/integration/upstreams.py's fleet; its mock OpenAI-compatible
 upstream's failures are switched on through the mock's config route. An upstream that
 answers 429 (it is overloaded) makes every route answer the API's overloaded error
-before any byte of a stream: 503 in OpenAI's `ErrorResponse`, 529 `overloaded_error` in Anthropic's. An
-upstream stream cut after its first tokens ends each API's stream the way its spec
+before any byte of a stream: 503 in OpenAI's `ErrorResponse`, 529 `overloaded_error` in
+Anthropic's. An upstream stream cut after its first tokens ends each API's stream the way its spec
 says: an `error` object on the chat and completions streams, Anthropic's `error` event,
 and the Responses stream's `response.failed` (after which nothing follows).
 """
