@@ -79,7 +79,7 @@ def _rows(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run_fleet_admin(args: argparse.Namespace) -> int:
     """Run `admin deployments` or `admin replicas drain`; 2 on a refusal or no server."""
-    if args.verb == "scale":
+    if getattr(args, "verb", None) == "scale":  # `deployments` has no verb
         return run_scale(args)
     try:
         status, body = asyncio.run(_call(args))
