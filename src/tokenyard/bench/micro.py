@@ -5,6 +5,8 @@
   and int8 activations against float32, and the kernel against dequantize + GEMM at
   prefill sizes (where `KERNEL_MAX_ROWS` comes from);
 - SDPA on a 1,000-token causal prefill with 3-D inputs (math kernel) against 4-D (flash);
+- the prefix-cache hit: a ~1,000-token prompt again, its cached prefix read in place by the
+  paged kernel against gathered for SDPA (`prefix_hit.py`);
 - quality of the block formats on the embedded model: teacher-forced next-token top-1
   agreement with float32, mean KL and perplexity over the public-domain text the package
   ships (`data/public_domain.txt`), every position through the decode kernel.
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tokenyard.bench import prefix_hit
 from tokenyard.engine.attention_backend import CausalAttention
 from tokenyard.engine.kernels import blocks, unavailable_reason
 from tokenyard.engine.models.llama import split_linear
@@ -197,6 +200,7 @@ def main(args: argparse.Namespace) -> int:
         three_d, four_d = sdpa_ms()
     print(f"\nSDPA, 1,000-token causal prefill, 9 heads: 3-D inputs {three_d:.0f} ms, "
           f"4-D inputs {four_d:.0f} ms ({three_d / four_d:.1f}x)")
+    print(prefix_hit.render(prefix_hit.measure(threads=parts), parts))
     if not blocks.kernel_available():
         print(f"\nblock kernels unavailable: {unavailable_reason('quant_matmul')}")
         return 0
