@@ -1,6 +1,7 @@
 """Batch lines in the store: two workers never claim the same line, a line whose lease
-ran out is claimed again and its first worker can no longer write its result, a batch
-ends once (its files with it), and a cancelled batch ends when nothing runs.
+ran out is claimed again and its first worker can no longer write its result (and keeps
+its batch open until then), a batch ends once (its files with it), and a cancelled batch
+ends when nothing runs.
 Backend-neutral: tests/integration/test_store_postgres.py runs it on PostgreSQL too."""
 
 from __future__ import annotations
@@ -105,6 +106,20 @@ def test_claims_leases_results_and_ending_once(database_url: str) -> None:
             await rows.create_batch(db, old, lines[:2])
             assert await rows.claim(db, "A", now=later, lease_s=60, limit=5) == []
             assert ("batch_3", "expired") in [(r.id, s) for r, s in await rows.due(db, later)]
+
+            # Its worker died with one line left, under a lease now past: the batch is not
+            # done (it ended "completed" with that line unrun before); another worker runs it.
+            await rows.create_batch(db, _batch("batch_4", 2), lines[:2])
+            held = await rows.claim(db, "D", now=later, lease_s=1, limit=2)
+            assert await rows.finish_line(db, "batch_4", held[0].line, "D", status_code=200,
+                                          result="one", now=later)
+            after = later + timedelta(seconds=2)
+            assert "batch_4" not in [r.id for r, _ in await rows.due(db, after)]
+            again = await rows.claim(db, "E", now=after, lease_s=60, limit=2)
+            assert [x.line for x in again] == [held[1].line]
+            assert await rows.finish_line(db, "batch_4", held[1].line, "E", status_code=200,
+                                          result="two", now=after)
+            assert ("batch_4", "completed") in [(r.id, s) for r, s in await rows.due(db, after)]
         finally:
             await db.close()
 

@@ -247,10 +247,10 @@ async def release(db: Database, batch_id: str, line: int, worker: str) -> None:
 async def due(db: Database, now: datetime) -> list[tuple[BatchRecord, str]]:
     """Batches ready to end, each with the status it ends in: in progress with every
     line done (completed) or past its window (expired); cancelling with no line running
-    under a live lease (cancelled)."""
+    under a live lease (cancelled). A line whose lease ran out (its worker died) is
+    still to run: another worker claims it, so it keeps an in-progress batch open."""
     t, b = batch_lines, batches
-    live = select(t.c.line).where(t.c.batch_id == b.c.id, or_(
-        t.c.state == "queued", and_(t.c.state == "running", t.c.lease_until >= now)))
+    live = select(t.c.line).where(t.c.batch_id == b.c.id, t.c.state.in_(("queued", "running")))
     running = select(t.c.line).where(t.c.batch_id == b.c.id, t.c.state == "running",
                                      t.c.lease_until >= now)
     query = select(*_FIELDS).where(or_(
