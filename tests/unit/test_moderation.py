@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.unit.test_store import database_url, run  # noqa: F401
-from tokenyard.deployments import FleetConfigError, ModerationSpec, parse_fleet
+from tokenyard.deployments import FleetConfigError, parse_fleet
 from tokenyard.gateway.admin import AdminError
 from tokenyard.gateway.moderate import _Held
 from tokenyard.gateway.moderation import (
@@ -22,6 +22,7 @@ from tokenyard.gateway.moderation import (
     org_moderation,
     stricter,
 )
+from tokenyard.moderation_spec import ModerationSpec
 from tokenyard.store.repo import DEFAULT_ORG_ID, Store
 from tokenyard.wire.outputs import CompletionDelta
 

@@ -28,11 +28,11 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from tokenyard.balancer.moderation_client import ModerationClient, ModerationUnavailable
-from tokenyard.deployments import MODERATION_MODES, ModerationSpec
 from tokenyard.errors import APIError, overloaded
 from tokenyard.fleet_values import a_blocklist_pattern
 from tokenyard.gateway.admin import AdminError
 from tokenyard.gateway.batch_writer import BatchWriter
+from tokenyard.moderation_spec import MODERATION_MODES, ModerationSpec
 from tokenyard.store.moderation import (
     ModerationEvent,
     insert_events,
