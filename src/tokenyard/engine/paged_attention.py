@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 #: prompt whose prefix was cached) goes through the paged decode kernel, its rows folded
 #: into the kv heads' query groups, each with its own causal length: reading the blocks
 #: in place costs less than gathering the whole context into one tensor for SDPA, once
-#: per layer (the embedded model, a 6-row tail over 1,024 cached tokens, one thread:
-#: 49.0 -> 45.7 ms to the first token, `tokenyard bench micro`).
+#: per layer (`tokenyard bench micro`'s prefix-hit case measures both paths side by
+#: side). 16 is not tuned: longer tails were not measured.
 KERNEL_TAIL_ROWS = 16
 
 
