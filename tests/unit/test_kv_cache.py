@@ -61,6 +61,18 @@ def test_freed_blocks_keep_their_hash_until_reused_lru_first() -> None:
     assert len(kv.find_cached_prefix(make_request("d", list(range(9))))) == 1
 
 
+def test_the_pool_counts_the_cached_blocks_it_evicts_to_make_room() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    first = make_request("a", list(range(9)))
+    assert kv.allocate_slots(first, 9)  # two full (cached) blocks and a partial one
+    kv.free(first)
+    assert kv.pool.num_evicted == 0
+    assert kv.allocate_slots(make_request("b", [50] * 8), 8)  # the free uncached ones
+    assert kv.pool.num_evicted == 0
+    assert kv.allocate_slots(make_request("c", [60] * 8), 8)  # both cached ones go
+    assert kv.pool.num_evicted == 2
+
+
 def test_allocation_fails_cleanly_when_the_pool_is_short() -> None:
     kv = KVCacheManager(num_blocks=2, block_size=4)
     request = make_request("a", list(range(12)))

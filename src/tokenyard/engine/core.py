@@ -271,6 +271,7 @@ class EngineCore:
             num_computed_tokens=self.scheduler.num_computed_tokens_total,
             num_pinned_kv_blocks=self.kv.num_pinned_blocks,
             num_overlapped_steps=self.num_overlapped_steps,
+            num_evicted_kv_blocks=self.kv.pool.num_evicted,
         )
 
 

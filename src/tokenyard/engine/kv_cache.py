@@ -70,6 +70,8 @@ class BlockPool:
         #: The KV events since the last `take_events` (`wire/kv_events.py`'s tuples), or
         #: None when nobody publishes them (then nothing is recorded).
         self.events: list[tuple[object, ...]] | None = None
+        #: Cached blocks whose hash `allocate` dropped to reuse them, since start.
+        self.num_evicted = 0
 
     def take_events(self) -> list[tuple[object, ...]]:
         """The events recorded since the last call (the step thread's, once a step)."""
@@ -113,6 +115,7 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            self.num_evicted += block.block_hash is not None
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -137,6 +137,8 @@ class EngineStats:
     num_pinned_kv_blocks: int = 0  # blocks kept by prompt-cache pins (cache_control)
     #: Steps planned while the step before still computed (async scheduling), since start.
     num_overlapped_steps: int = 0
+    #: Cached blocks evicted (their hash dropped) to make room, since start.
+    num_evicted_kv_blocks: int = 0
 
     @classmethod
     def summed(cls, parts: Sequence[EngineStats]) -> EngineStats:
