@@ -69,7 +69,7 @@ def _reply(value: Any, status: int = 200) -> web.Response:
                              status=status)
 
 
-async def _args(request: web.Request) -> dict[str, Any]:
+async def request_args(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     if not raw:
         return {}
@@ -168,4 +168,4 @@ def add_admin_routes(app: web.Application, admin_of: AdminOf) -> None:
 async def _with_args(
     request: web.Request, operation: Callable[[dict[str, Any]], Awaitable[Any]]
 ) -> Any:
-    return await operation(await _args(request))
+    return await operation(await request_args(request))

@@ -5,7 +5,7 @@ router), its pipeline, and the values the middleware and the pipeline put in eac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from tokenyard.api.edge import EdgeLimits
 from tokenyard.api.errors import parse_body
 from tokenyard.config import ServeConfig
-from tokenyard.deployments import FleetSpec
+from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import overloaded
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.pipeline import Ticket
@@ -22,6 +22,15 @@ from tokenyard.gateway.run import Pipeline
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.telemetry.tracing import TraceIds
+
+
+class ReplicaScaler(Protocol):
+    """Scales a deployment whose replicas Ray places (`cli/ray_admin.py`'s `RayScaler`);
+    each method answers the live replicas, as {"name", "url"}."""
+
+    async def scale(self, spec: DeploymentSpec, count: int) -> list[dict[str, str]]: ...
+
+    async def replicas(self, spec: DeploymentSpec) -> list[dict[str, str]]: ...
 
 
 @dataclass
@@ -36,6 +45,8 @@ class AppState(Fleet):
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     #: Embeddings deployments by name → what their route calls.
     embeddings: dict[str, Any] = field(default_factory=dict)
+    #: What scales the Ray-placed deployments (None: this process serves none).
+    scaler: ReplicaScaler | None = None
 
     @classmethod
     def single(cls, served: Served, created: int) -> AppState:

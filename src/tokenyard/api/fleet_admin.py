@@ -6,20 +6,22 @@
     POST /admin/v1/replicas/drain    {deployment, replica, drain?: bool (default true)}:
                                      stop (or resume) sending new work to one
                                      replica; running requests finish
+    GET, POST /admin/v1/deployments/{name}/replicas   a Ray-placed deployment's replicas,
+                                     and scaling it (`api/replica_scaling.py`)
 
 Admin scope required, as every `/admin/v1` route.
 """
 
 from __future__ import annotations
 
-import json
 from decimal import Decimal
 from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.admin import admin_of
+from tokenyard.api.admin import admin_of, request_args
 from tokenyard.api.context import STATE
+from tokenyard.api.replica_scaling import add_replica_routes
 from tokenyard.deployments import AliasSpec, PriceSpec
 from tokenyard.errors import invalid_request
 from tokenyard.gateway.admin import AdminError, flag
@@ -70,12 +72,7 @@ async def deployments(request: web.Request) -> web.Response:
 
 async def drain(request: web.Request) -> web.Response:
     admin_of(request)
-    try:
-        body = json.loads(await request.read() or b"{}")
-    except ValueError:
-        raise invalid_request("The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.")
+    body = await request_args(request)
     name, replica = body.get("deployment"), body.get("replica")
     served = request.app[STATE].deployments.get(name) if isinstance(name, str) else None
     if served is None:
@@ -96,3 +93,4 @@ def add_fleet_routes(app: web.Application) -> None:
     """Register the fleet's admin routes on `app`."""
     app.router.add_get("/admin/v1/deployments", deployments)
     app.router.add_post("/admin/v1/replicas/drain", drain)
+    add_replica_routes(app)

@@ -179,13 +179,18 @@ def place(deployment: str, placement: RayPlacement, index: int, command: Sequenc
              start_timeout_s)
 
 
-async def urls(deployment: str) -> list[str]:
-    """The deployment's live replica URLs (a discovery `Source`)."""
+async def listing(deployment: str) -> dict[str, str]:
+    """The deployment's live replicas: URL by actor name (the registry's)."""
     import ray
 
     registry = ray.get_actor(REGISTRY, namespace=NAMESPACE)
-    listing: dict[str, str] = await registry.listing.remote(deployment)
-    return sorted(listing.values())
+    found: dict[str, str] = await registry.listing.remote(deployment)
+    return found
+
+
+async def urls(deployment: str) -> list[str]:
+    """The deployment's live replica URLs (a discovery `Source`)."""
+    return sorted((await listing(deployment)).values())
 
 
 async def serving(deployment: str, timeout_s: float) -> list[str]:

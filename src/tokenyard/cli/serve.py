@@ -34,6 +34,7 @@ from tokenyard.balancer.replica_client import ReplicaError
 from tokenyard.cli.fleet import Fleet, Starter, reload
 from tokenyard.cli.gc_tuning import tune_gc
 from tokenyard.cli.processes import start_child
+from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
@@ -203,6 +204,7 @@ async def run(
         state.edge = EdgeLimits.of(config)
         state.embeddings = {n: s.pool for n, s in deployments.items()
                             if s.kind == "embeddings"}
+        state.scaler = ray_scaler(fleet.spec, config)
         if config.workers > 1:  # they serve; this process supervises (cli/workers.py)
             workers = WorkerPool(config.workers, host, port, fleet=fleet, state=state,
                                  config=config, cache_dir=cache_dir, auth=auth)

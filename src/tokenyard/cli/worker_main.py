@@ -19,6 +19,7 @@ from tokenyard.api.context import AppState
 from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.cli.fleet import Fleet
 from tokenyard.cli.gc_tuning import tune_gc
+from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import READY_MARK, WORKER_HEADER, WORKER_SPEC_ENV, WorkerSpec
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import DeploymentSpec
@@ -80,6 +81,7 @@ async def run_worker(spec: WorkerSpec) -> int:
         state.edge = EdgeLimits.of(config)
         state.embeddings = {n: s.pool for n, s in deployments.items()
                             if s.kind == "embeddings"}
+        state.scaler = ray_scaler(fleet.spec, config)
         app = make_app(state)
         pid = str(os.getpid())
 
