@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tokenyard.bench import fleet_decision
+from tokenyard.bench import fleet_decision, fleet_profile
 from tokenyard.bench.fleet import PolicyResult, table
+from tokenyard.bench.stats import RequestRecord
 from tokenyard.bench.tenants import TenantShape, create_tenants, tenant_conversations
 
 
@@ -79,3 +80,39 @@ def test_the_table_gives_medians_with_their_range_and_the_ratios() -> None:
     assert "| precise | round_robin | 3.50× | 0.44× |" in text
     assert "| precise | affinity | 1.75× | 0.55× |" in text
     assert "| affinity | round_robin | 2.00× | 0.80× |" in text
+
+
+def test_the_miss_profile_splits_first_turns_from_what_later_turns_could_hit() -> None:
+    shape = TenantShape(system_len=4, input_len=2, output_len=1, turns=3, conversations=2,
+                        idle_p=0.0)
+    specs = list(itertools.islice(tenant_conversations(shape, seed=5), 8))
+    records: list[RequestRecord] = []
+    prompts: dict[int | None, int] = {}
+    for i, spec in enumerate(specs):
+        # A first turn is 40 tokens, of which a 32-token system prompt; each later turn
+        # adds 20 to its conversation's last prompt.
+        prompt = 40 if spec.turn == 0 else prompts[spec.conversation] + 20
+        reachable = 0 if spec.turn == 0 else prompts[spec.conversation] // 16 * 16
+        cached = (32 if i else 0) if spec.turn == 0 else reachable
+        if i == len(specs) - 1 and spec.turn:
+            cached = 0  # the last request's prefix was evicted
+        prompts[spec.conversation] = prompt
+        records.append(RequestRecord(i, 0.0, 0.0, ok=True, prompt_tokens=prompt,
+                                     cached_tokens=cached))
+    result = fleet_profile.profile("precise", [(iter(specs), records)], block_size=16,
+                                   turns=3, evicted_blocks=7)
+    firsts = [s for s in specs if s.turn == 0]
+    assert result.first_tokens == 40 * len(firsts)
+    assert result.first_cached == 32 * (len(firsts) - 1)  # the org's first found nothing
+    last = records[-1].prompt_tokens or 0
+    assert result.later_reachable_missed == (0 if specs[-1].turn == 0 else
+                                             (last - 20) // 16 * 16)
+    assert result.prompt_tokens == sum(r.prompt_tokens or 0 for r in records)
+    # The ceiling: every reachable token hit, first turns after the org's first included.
+    best = result.later_reachable + 32 * (len(firsts) - 1)
+    assert result.ceiling({0: 32}) == best / result.prompt_tokens
+    # The live set: two open conversations at most, sharing one 32-token system prompt.
+    biggest = max(r.prompt_tokens or 0 for r in records)
+    assert 40 <= fleet_profile.working_set_tokens([result]) <= 2 * biggest - 32
+    text = fleet_profile.table([result, result])
+    assert text.splitlines()[2].startswith("| precise |") and text.endswith("| 14 |")

@@ -121,6 +121,11 @@ def test_openai_chunks_carry_content_usage_and_the_terminator() -> None:
                                   "timings": {"decode": 1.5, "queue": 0.25}}))
     assert (usage.prompt_tokens, usage.output_tokens) == (7, 3)
     assert usage.timings == {"decode": 1.5, "queue": 0.25}
+    assert usage.cached_tokens is None  # no prompt_tokens_details: unknown, not 0
+    cached = interpret_openai(_ev({"choices": [], "usage": {
+        "prompt_tokens": 40, "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 32}}}))
+    assert (cached.prompt_tokens, cached.cached_tokens) == (40, 32)
     assert interpret_openai(_ev("[DONE]")).done
 
 

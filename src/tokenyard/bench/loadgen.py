@@ -102,6 +102,8 @@ class StreamEvent:
     content: str = ""
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    #: ``usage.prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served.
+    cached_tokens: int | None = None
     #: The error type, when the event reports an error.
     error: str | None = None
     error_detail: str | None = None
@@ -149,7 +151,14 @@ def interpret_openai(event: SSEEvent) -> StreamEvent:
     if isinstance(usage, dict):
         out.prompt_tokens = usage.get("prompt_tokens")
         out.output_tokens = usage.get("completion_tokens")
+        out.cached_tokens = _cached_tokens(usage)
     return out
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None
 
 
 def interpret_anthropic(event: SSEEvent) -> StreamEvent:
@@ -298,6 +307,8 @@ async def read_stream(
                 last = now
             if info.prompt_tokens is not None:
                 record.prompt_tokens = info.prompt_tokens
+            if info.cached_tokens is not None:
+                record.cached_tokens = info.cached_tokens
             if info.output_tokens is not None:
                 record.output_tokens = info.output_tokens
             if info.timings:
@@ -319,6 +330,7 @@ def _read_whole(obj: Any, target: Target, record: RequestRecord, start: float) -
     else:
         record.prompt_tokens = usage.get("prompt_tokens")
         record.output_tokens = usage.get("completion_tokens") or 0
+        record.cached_tokens = _cached_tokens(usage)
 
 
 # ---------------------------------------------------------------------------- a run

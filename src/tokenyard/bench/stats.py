@@ -38,6 +38,9 @@ class RequestRecord:
     e2e_s: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    #: Of those, the ones the server's prefix cache served (OpenAI's usage
+    #: ``prompt_tokens_details.cached_tokens``), when it says.
+    cached_tokens: int | None = None
     #: Why it failed: ``http_<status>``, ``stream_<error type>``, ``incomplete_stream``, or
     #: the exception's class name. None when it succeeded.
     error: str | None = None

@@ -93,14 +93,18 @@ def _run(cmd: list[str]) -> str:
     return done.stdout.strip()
 
 
-def _machine() -> str:
+def _machine(load: float | None = None) -> str:
+    """The machine; `load`: the 1-minute load average before the section ran (default:
+    now)."""
+    load = os.getloadavg()[0] if load is None else load
     return (f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"aiohttp {version('aiohttp')}, tokenyard {version('tokenyard')}; 1-minute load "
-            f"average {os.getloadavg()[0]:.2f} before the section ran")
+            f"average {load:.2f} before the section ran")
 
 
-def _section(title: str, runs: list[tuple[str, list[str], str]], intro: str) -> str:
-    lines = [f"## {title}", "", intro, "", f"- machine: {_machine()}",
+def _section(title: str, runs: list[tuple[str, list[str], str]], intro: str,
+             load: float | None = None) -> str:
+    lines = [f"## {title}", "", intro, "", f"- machine: {_machine(load)}",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
     for name, cmd, output in runs:
         lines += [f"### {name}", "", f"`{_shown(cmd)}`", "", output, ""]
@@ -205,18 +209,23 @@ def gateway_section() -> str:
                       _run(telemetry))], intro)
 
 
-def fleet_section() -> str:
-    """bench fleet: the balancer's policies over 4 replicas and several orgs, side by side."""
+def fleet_section(output: str | None = None, load: float | None = None) -> str:
+    """bench fleet: the balancer's policies over 4 replicas and several orgs, side by side;
+    `output`: its report, from a run already made (`bench fleet --write`, whose load
+    average before it is `load`), else it runs here."""
     cmd = _cli("bench", "fleet")
     intro = ("Several orgs, each with its own API key, system prompt and multi-turn "
-             "conversations, over 4 replicas (one thread and a small KV pool each) behind one "
+             "conversations, over 4 replicas (one thread and a small KV pool each: the "
+             "orgs' live prompts exceed one replica's pool and fit the four's) behind one "
              "`tokenyard serve --config` with its gateway on, under the precise, affinity (the "
-             "default) and round-robin policies in "
-             "alternating rounds; then the `precise` decision alone at 100,000 indexed "
-             "blocks. Goals (issue 25), precise against round robin: hit rate ≥ 3×, TTFT p50 "
-             "≤ 0.6×, the `balance` stage ≤ 0.2 ms p50 at 100,000 indexed blocks.")
+             "default), least-loaded and round-robin policies in "
+             "alternating rounds, with where each policy's misses come from; then the "
+             "`precise` decision alone at 100,000 indexed blocks. Goals (issue 25), precise "
+             "against round robin: hit rate ≥ 3×, TTFT p50 ≤ 0.6×, the `balance` stage ≤ 0.2 "
+             "ms p50 at 100,000 indexed blocks.")
     return _section("The balancer (`tokenyard bench fleet`)",
-                    [("Policies side by side, several orgs", cmd, _run(cmd))], intro)
+                    [("Policies side by side, several orgs", cmd,
+                      _run(cmd) if output is None else output)], intro, load)
 
 
 def grammar_section() -> str:
@@ -355,10 +364,10 @@ def main(args: argparse.Namespace) -> int:
         unknown = [n for n in args.only if n not in SECTIONS]
         if unknown:
             raise SystemExit(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
-        text = page.read_text()
         for name in args.only:
-            text = replace_section(text, SECTIONS[name](args))
-        page.write_text(text)
+            section = SECTIONS[name](args)
+            # Read after the run (which can take long): edits made meanwhile stay.
+            page.write_text(replace_section(page.read_text(), section))
         print(f"wrote {page}")
         return 0
     if not args.skip_offline:
