@@ -29,6 +29,8 @@ def kernels_disabled() -> bool:
 #: (the last three CPU only). auto: q4_1 for a GGUF whose projections are Q4_0 / Q4_1 on
 #: the CPU, float32 otherwise (engine/models/quant.py `resolve_weights`).
 WEIGHT_FORMATS = ("auto", "float32", "q8_0", "q4_1", "int8")
+#: The KV pool's element types (`EngineConfig.kv_cache_dtype`).
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 
 
 def parse_on_off(raw: str) -> bool:
@@ -85,6 +87,10 @@ class EngineConfig(Settings):
     cache_dir: Path = field(default_factory=default_cache_dir)
     block_size: int = 16  # tokens per KV block
     kv_cache_gib: float = 1.0  # KV pool size; ignored when num_kv_blocks is set
+    # The pool's element type: "auto" (the model's: float32 on the CPU, bfloat16 on CUDA)
+    # or "float16" (half the bytes a token; llama.cpp's default). Queries and the
+    # attention's arithmetic stay in the model's dtype.
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunk size)
     # Prompt tokens per step while more than one request is in flight (None: the whole
@@ -105,6 +111,7 @@ class EngineConfig(Settings):
         "weights": "TOKENYARD_WEIGHTS",
         "device": "TOKENYARD_DEVICE",
         "kv_cache_gib": "TOKENYARD_KV_CACHE_GIB",
+        "kv_cache_dtype": "TOKENYARD_KV_CACHE_DTYPE",
         "max_num_batched_tokens": "TOKENYARD_MAX_NUM_BATCHED_TOKENS",
         "prefill_chunk": "TOKENYARD_PREFILL_CHUNK",
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
@@ -115,6 +122,9 @@ class EngineConfig(Settings):
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
                              f"not {self.weights!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -320,6 +330,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "quantized (q4_1: the GGUF's own blocks), int8 is fbgemm's")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
+                        help="the KV pool's element type (default auto: the model's; "
+                        "float16 halves the pool's bytes a token)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
     parser.add_argument("--prefill-chunk", type=int,
                         help="prefill tokens per step while other requests decode")
@@ -333,7 +346,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as `EngineConfig` keyword arguments."""
-    names = ["model", "weights", "device", "kv_cache_gib", "max_num_batched_tokens",
+    names = ["model", "weights", "device", "kv_cache_gib", "kv_cache_dtype",
+             "max_num_batched_tokens",
              "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads",
              "async_scheduling"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenyard.config import default_cache_dir
 from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
 from tokenyard.engine.kernels.build import load_kernel, unavailable_reason
 from tokenyard.engine.paged_attention import (
@@ -54,8 +55,8 @@ def _reference(
     nd, num_heads, head_dim = q.shape
     kvh = k.shape[2]
     qd = q.view(nd, kvh, num_heads // kvh, head_dim)
-    kd = _gather_blocks(k, table).transpose(1, 2)
-    vd = _gather_blocks(v, table).transpose(1, 2)
+    kd = _gather_blocks(k, table, q.dtype).transpose(1, 2)
+    vd = _gather_blocks(v, table, q.dtype).transpose(1, 2)
     visible = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None]
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
@@ -76,6 +77,18 @@ def _case(batch: int, groups: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, table, torch.tensor(lens, dtype=torch.long)
 
 
+def _decode_step(table: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A decode step's inputs: each row's new token goes to its last context position
+    (its slot), new random k/v, and the torch path's padding mask."""
+    batch, last = len(lens), lens - 1
+    slots = table.gather(1, (last // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + last % BLOCK_SIZE
+    new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM)
+    new_v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM)
+    visible = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    return slots, new_k, new_v, mask
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("batch", [1, 5, 37])
 def test_kernel_matches_torch_path(kernel: PagedDecodeFn, batch: int, groups: int) -> None:
@@ -84,6 +97,40 @@ def test_kernel_matches_torch_path(kernel: PagedDecodeFn, batch: int, groups: in
     ref = _reference(q, k, v, table, lens)
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 12])
+def test_a_float16_cache_reads_as_its_float32_values(kernel: PagedDecodeFn,
+                                                      head_dim: int) -> None:
+    """A float16 cache: the same output as the float32 cache of the same (rounded) values;
+    a head_dim of 12 runs the scalar tails (the portable half -> float conversion)."""
+    q, k, v, table, lens = _case(37, 3, seed=21)
+    q, k, v = q[..., :head_dim], k[..., :head_dim], v[..., :head_dim]
+    kh, vh = k.contiguous().half(), v.contiguous().half()
+    out = kernel(q, kh, vh, table, lens, 1 / math.sqrt(head_dim))
+    ref = _reference(q.contiguous(), kh.float(), vh.float(), table, lens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_portable_half_conversions_equal_torchs() -> None:
+    """float <-> binary16 without F16C: bit for bit what torch does, on normals,
+    subnormals, ties, overflow, zeros and infinities."""
+    module = load_kernel("paged_decode", default_cache_dir())
+    if module is None:
+        pytest.skip(f"paged_decode kernel unavailable: {unavailable_reason('paged_decode')}")
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
+                            6.1035156e-05, 5.9604645e-08, 2.9802322e-08, 2.98e-08, 1e-9,
+                            float("inf"), float("-inf"), 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11])
+    x = torch.cat([special, torch.randn(20_000, generator=gen) * 10.0 ** torch.randint(
+        -9, 6, (20_000,), generator=gen)])
+    bits = module.to_half_bits(x)
+    assert torch.equal(bits, x.half().view(torch.int16))
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    finite = ~torch.isnan(every.view(torch.float16))
+    back = module.from_half_bits(every)
+    assert torch.equal(back[finite], every.view(torch.float16).float()[finite])
+    assert torch.isnan(back[~finite]).all()
 
 
 def test_kernel_single_lengths(kernel: PagedDecodeFn) -> None:
@@ -126,13 +173,7 @@ def test_paged_attention_kernel_equals_torch_path(kernel: PagedDecodeFn) -> None
         att.k_cache[0].copy_(k)
         att.v_cache[0].copy_(v)
         layers.append(att)
-    # This step's token of each row goes to its last context position.
-    last = lens - 1
-    slots = table.gather(1, (last // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + last % BLOCK_SIZE
-    new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM)
-    new_v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM)
-    visible = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None]
-    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    slots, new_k, new_v, mask = _decode_step(table, lens)
     outs = []
     for att in layers:
         att.metadata = AttentionMetadata(
@@ -142,6 +183,46 @@ def test_paged_attention_kernel_equals_torch_path(kernel: PagedDecodeFn) -> None
         )
         outs.append(att(0, q, new_k, new_v))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_float16_pool_under_a_float32_model() -> None:
+    """PagedAttention with `cache_dtype` float16: keys and values written rounded, the
+    kernel and the torch path (decode and a prefill over the cached prefix) read the same
+    values, and the pool takes half the bytes."""
+    batch, groups = 9, 3
+    q, k, v, table, lens = _case(batch, groups, seed=13)
+    slots, new_k, new_v, mask = _decode_step(table, lens)
+    outs = []
+    for use_kernel in (True, False):
+        att = PagedAttention(
+            num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+            num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, use_kernel=use_kernel,
+            cache_dtype=torch.float16,
+        )
+        assert att.k_cache.dtype == torch.float16
+        assert att.nbytes == 2 * NUM_BLOCKS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
+        if use_kernel and att.decode_kernel is None:
+            pytest.skip(f"paged_decode kernel unavailable: {unavailable_reason('paged_decode')}")
+        att.k_cache[0].copy_(k)
+        att.v_cache[0].copy_(v)
+        att.metadata = AttentionMetadata(
+            slot_mapping=slots, num_decodes=batch, decode_block_tables=table,
+            decode_mask=None if att.decode_kernel else mask, prefills=[],
+            decode_context_lens=lens if att.decode_kernel else None,
+        )
+        outs.append(att(0, q, new_k, new_v))
+        flat = att.k_cache[0].view(-1, NUM_KV_HEADS, HEAD_DIM)
+        assert torch.equal(flat[slots], new_k.half())
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    # The float32 reference over the same values rounded to float16 agrees exactly; over
+    # the values themselves, within the rounding's effect.
+    full_k, full_v = k.clone(), v.clone()
+    full_k.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = new_k
+    full_v.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = new_v
+    rounded = _reference(q, full_k.half().float(), full_v.half().float(), table, lens)
+    torch.testing.assert_close(outs[0], rounded, atol=1e-5, rtol=1e-5)
+    exact = _reference(q, full_k, full_v, table, lens)
+    assert 0 < (outs[0] - exact).abs().max() < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, KERNEL_TAIL_ROWS])

@@ -55,6 +55,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for `EngineConfig.kv_cache_dtype` ("auto": the model's)."""
+    return model_dtype if name == "auto" else getattr(torch, name)
+
+
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -84,9 +89,10 @@ class EngineCore:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_gib * 2**30) // kv_block_bytes(
-                model_config, config.block_size, dtype
+                model_config, config.block_size, cache_dtype
             )
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -99,7 +105,8 @@ class EngineCore:
             max_waiting_tokens=config.max_waiting_tokens,
         )
         self.runner = ModelRunner(
-            model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir
+            model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir,
+            cache_dtype=cache_dtype,
         )
         self.grammars: GrammarCompiler | None = None
         if tokenizer is not None:

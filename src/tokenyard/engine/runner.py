@@ -54,7 +54,9 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
         kernel_cache_dir: Path | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """`cache_dtype`: the KV pool's elements (None: `dtype`)."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -68,6 +70,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
             kernel_cache_dir=kernel_cache_dir,
+            cache_dtype=cache_dtype,
         )
         # Pure decode steps in one C++ op where the model and cache allow it (CPU, block
         # weights); None: every step runs the eager model (see models/decode_step.py).

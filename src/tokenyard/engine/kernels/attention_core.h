@@ -1,10 +1,12 @@
-// Decode attention over a paged float32 KV cache, shared by paged_decode.cpp and
-// decode_step.cpp (see paged_decode.cpp for the method). Header-only, in namespace tyk.
+// Decode attention over a paged KV cache of float32 or float16 elements, shared by
+// paged_decode.cpp and decode_step.cpp (see paged_decode.cpp for the method). Queries,
+// scores and sums are float32 whatever the cache holds. Header-only, in namespace tyk.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -12,7 +14,73 @@
 
 namespace tyk {
 
+// A float16 cache element, as its IEEE binary16 bits.
+using half_t = uint16_t;
+
+// binary16 <-> float32 without F16C (the scalar tails of builds without AVX2): exact for
+// every half, round to nearest even the other way, overflow to infinity.
+inline float half_to_float(half_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { man <<= 1; ++e; } while ((man & 0x400u) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline half_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<half_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+  if (ax >= 0x477ff000u) return static_cast<half_t>(sign | 0x7c00u);  // rounds past 65504
+  if (ax < 0x38800000u) {  // below the smallest normal half: a subnormal or zero
+    if (ax < 0x33000000u) return static_cast<half_t>(sign);
+    const uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // 14..24
+    uint32_t v = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (v & 1u))) ++v;
+    return static_cast<half_t>(sign | v);
+  }
+  uint32_t v = ((ax >> 13) - (112u << 10));
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (v & 1u))) ++v;
+  return static_cast<half_t>(sign | v);
+}
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const half_t* p) { return half_to_float(*p); }
+
+// dst[:n] = src[:n] as the cache's element type.
+inline void store_row(float* dst, const float* src, int64_t n) { std::copy_n(src, n, dst); }
+inline void store_row(half_t* dst, const float* src, int64_t n) {
+  int64_t d = 0;
 #if TY_AVX2
+  for (; d + 8 <= n; d += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; d < n; ++d) dst[d] = float_to_half(src[d]);
+}
+
+#if TY_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const half_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // exp(x) for x <= 0 (scores minus their max): x = n*ln2 + r, |r| <= ln2/2, degree-6
 // polynomial for exp(r), 2^n through the exponent bits. Relative error ~1e-7.
 inline __m256 exp256(__m256 x) {
@@ -38,34 +106,36 @@ inline __m256 exp256(__m256 x) {
 }
 #endif
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   int64_t d = 0;
   float s = 0.f;
 #if TY_AVX2
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (; d + 16 <= n; d += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b + d + 8), acc1);
   }
   for (; d + 8 <= n; d += 8) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc0);
   }
   s = hsum256(_mm256_add_ps(acc0, acc1));
 #endif
-  for (; d < n; ++d) s += a[d] * b[d];
+  for (; d < n; ++d) s += a[d] * load1(b + d);
   return s;
 }
 
 // acc[:n] += w * v[:n]
-inline void axpy(float* acc, float w, const float* v, int64_t n) {
+template <typename T>
+inline void axpy(float* acc, float w, const T* v, int64_t n) {
   int64_t d = 0;
 #if TY_AVX2
   const __m256 wv = _mm256_set1_ps(w);
   for (; d + 8 <= n; d += 8) {
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(acc + d)));
   }
 #endif
-  for (; d < n; ++d) acc[d] += w * v[d];
+  for (; d < n; ++d) acc[d] += w * load1(v + d);
 }
 
 // p[:n] = exp(p[:n] - m); returns the sum.
@@ -103,28 +173,29 @@ inline __m256 reduce8(const __m256* a) {
 }
 
 // scores[t..t+8) = q . rows[t..t+8), D a multiple of 8.
-inline void dot8(const float* q, const float* const* rows, int64_t D, float* scores) {
+template <typename T>
+inline void dot8(const float* q, const T* const* rows, int64_t D, float* scores) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + d), acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(rows[j] + d), acc[j]);
   }
   _mm256_storeu_ps(scores, reduce8(acc));
 }
 
 // out[g][c*32 .. +32) = sum_t p[g][t] * rows[t][c*32 .. +32) for NG queries, accumulators
 // held in registers (NG * 4 of them).
-template <int NG>
-inline void weighted_sum32(const float* const* p, int64_t ctx, const float* const* rows,
+template <int NG, typename T>
+inline void weighted_sum32(const float* const* p, int64_t ctx, const T* const* rows,
                            int64_t off, const float* inv, float* const* out) {
   __m256 acc[NG][4];
   for (int g = 0; g < NG; ++g)
     for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
-    const float* r = rows[t] + off;
-    const __m256 v0 = _mm256_loadu_ps(r), v1 = _mm256_loadu_ps(r + 8);
-    const __m256 v2 = _mm256_loadu_ps(r + 16), v3 = _mm256_loadu_ps(r + 24);
+    const T* r = rows[t] + off;
+    const __m256 v0 = load8(r), v1 = load8(r + 8);
+    const __m256 v2 = load8(r + 16), v3 = load8(r + 24);
     for (int g = 0; g < NG; ++g) {
       const __m256 w = _mm256_broadcast_ss(p[g] + t);
       acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
@@ -147,8 +218,9 @@ inline void weighted_sum32(const float* const* p, int64_t ctx, const float* cons
 // over a cached prefix): row i's heads are [KVH][tail][G1], G1 = H / KVH / tail, position
 // r of the tail ending at lens[i] sees lens[i] - (tail - 1 - r) keys, so each K/V row is
 // read once for all of them.
-inline void attend_items(int64_t begin, int64_t end, const float* qp, const float* kp,
-                         const float* vp, const int64_t* tables, const int64_t* lens,
+template <typename T>
+inline void attend_items(int64_t begin, int64_t end, const float* qp, const T* kp,
+                         const T* vp, const int64_t* tables, const int64_t* lens,
                          int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
                          int64_t max_ctx, float fscale, float* op, int64_t tail = 1) {
   const int64_t G = H / KVH;
@@ -159,8 +231,8 @@ inline void attend_items(int64_t begin, int64_t end, const float* qp, const floa
   std::vector<float> acc(static_cast<size_t>(G * D));
   std::vector<float> qs(static_cast<size_t>(G * D));
   std::vector<float> inv(static_cast<size_t>(G));
-  std::vector<const float*> krows(static_cast<size_t>(max_ctx));
-  std::vector<const float*> vrows(static_cast<size_t>(max_ctx));
+  std::vector<const T*> krows(static_cast<size_t>(max_ctx));
+  std::vector<const T*> vrows(static_cast<size_t>(max_ctx));
   std::vector<const float*> prow(static_cast<size_t>(G));
   std::vector<float*> orow(static_cast<size_t>(G));
   for (int64_t item = begin; item < end; ++item) {

@@ -98,8 +98,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
               "decode_layers: per-layer lists of inconsistent lengths");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == L &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "decode_layers: caches must be contiguous float32 [layers, blocks, BS, KVH, D]");
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "decode_layers: caches must be contiguous float32 or float16 [layers, blocks, BS, "
+              "KVH, D]");
   const int64_t M = x_in.size(0), Hd = x_in.size(1);
   const int64_t NB = k_cache.size(1), BS = k_cache.size(2), KVH = k_cache.size(3),
                 D = k_cache.size(4);
@@ -160,48 +162,58 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
 
-  for (int64_t l = 0; l < L; ++l) {
-    float* kl = k_cache.data_ptr<float>() + l * layer_stride;
-    float* vl = v_cache.data_ptr<float>() + l * layer_stride;
-    const float* nin = norms[2 * l].data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], nin, Hd, eps, &h[m * Hd]);
-    matmul(h.data(), M, Hd, weights[4 * l], qtypes[4 * l], act_bits, qkv.data());
-    add_bias(qkv.data(), biases[2 * l], M, QKV);
-    const float* qkn = present(qk_norms[l]) ? qk_norms[l].data_ptr<float>() : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      float* row = &qkv[m * QKV];
-      if (qkn != nullptr) {
-        for (int64_t hh = 0; hh < H + KVH; ++hh) rms_norm(row + hh * D, qkn + hh * D, D, eps, row + hh * D);
+  std::vector<float> krow(static_cast<size_t>(D));
+  // Every layer, over a cache of float32 or float16 (tyk::half_t) elements.
+  auto run_layers = [&](auto* kc, auto* vc) {
+    for (int64_t l = 0; l < L; ++l) {
+      auto* kl = kc + l * layer_stride;
+      auto* vl = vc + l * layer_stride;
+      const float* nin = norms[2 * l].data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], nin, Hd, eps, &h[m * Hd]);
+      matmul(h.data(), M, Hd, weights[4 * l], qtypes[4 * l], act_bits, qkv.data());
+      add_bias(qkv.data(), biases[2 * l], M, QKV);
+      const float* qkn = present(qk_norms[l]) ? qk_norms[l].data_ptr<float>() : nullptr;
+      for (int64_t m = 0; m < M; ++m) {
+        float* row = &qkv[m * QKV];
+        if (qkn != nullptr) {
+          for (int64_t hh = 0; hh < H + KVH; ++hh) rms_norm(row + hh * D, qkn + hh * D, D, eps, row + hh * D);
+        }
+        const float* c = cp + pp[m] * half;
+        const float* s = snp + pp[m] * half;
+        for (int64_t hh = 0; hh < H; ++hh) rope(row + hh * D, c, s, D, &q[(m * H + hh) * D]);
+        const int64_t slot = (sp[m] / BS) * BS * KVH * D + (sp[m] % BS) * KVH * D;
+        for (int64_t hh = 0; hh < KVH; ++hh) {
+          rope(row + (H + hh) * D, c, s, D, krow.data());
+          tyk::store_row(kl + slot + hh * D, krow.data(), D);
+          tyk::store_row(vl + slot + hh * D, row + (H + KVH + hh) * D, D);
+        }
       }
-      const float* c = cp + pp[m] * half;
-      const float* s = snp + pp[m] * half;
-      for (int64_t hh = 0; hh < H; ++hh) rope(row + hh * D, c, s, D, &q[(m * H + hh) * D]);
-      const int64_t slot = (sp[m] / BS) * BS * KVH * D + (sp[m] % BS) * KVH * D;
-      for (int64_t hh = 0; hh < KVH; ++hh) {
-        rope(row + (H + hh) * D, c, s, D, kl + slot + hh * D);
-        std::copy_n(row + (H + KVH + hh) * D, D, vl + slot + hh * D);
-      }
-    }
-    at::parallel_for(0, M * KVH, 1, [&](int64_t begin, int64_t end) {
-      tyk::attend_items(begin, end, q.data(), kl, vl, tp, lp, H, KVH, D, BS, W, max_ctx, scale,
-                        attn.data());
-    });
-    matmul(attn.data(), M, H * D, weights[4 * l + 1], qtypes[4 * l + 1], act_bits, y.data());
-    add_bias(y.data(), biases[2 * l + 1], M, Hd);
-    for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
+      at::parallel_for(0, M * KVH, 1, [&](int64_t begin, int64_t end) {
+        tyk::attend_items(begin, end, q.data(), kl, vl, tp, lp, H, KVH, D, BS, W, max_ctx, scale,
+                          attn.data());
+      });
+      matmul(attn.data(), M, H * D, weights[4 * l + 1], qtypes[4 * l + 1], act_bits, y.data());
+      add_bias(y.data(), biases[2 * l + 1], M, Hd);
+      for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
 
-    const float* npost = norms[2 * l + 1].data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], npost, Hd, eps, &h[m * Hd]);
-    matmul(h.data(), M, Hd, weights[4 * l + 2], qtypes[4 * l + 2], act_bits, gu.data());
-    at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        std::copy_n(&gu[m * 2 * I], I, &act[m * I]);
-        silu_mul(&act[m * I], &gu[m * 2 * I + I], I);
-      }
-    });
-    matmul(act.data(), M, I, weights[4 * l + 3], qtypes[4 * l + 3], act_bits, y.data());
-    for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
-  }
+      const float* npost = norms[2 * l + 1].data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], npost, Hd, eps, &h[m * Hd]);
+      matmul(h.data(), M, Hd, weights[4 * l + 2], qtypes[4 * l + 2], act_bits, gu.data());
+      at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m) {
+          std::copy_n(&gu[m * 2 * I], I, &act[m * I]);
+          silu_mul(&act[m * I], &gu[m * 2 * I + I], I);
+        }
+      });
+      matmul(act.data(), M, I, weights[4 * l + 3], qtypes[4 * l + 3], act_bits, y.data());
+      for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
+    }
+  };
+  if (k_cache.scalar_type() == at::kHalf)
+    run_layers(static_cast<tyk::half_t*>(k_cache.data_ptr()),
+               static_cast<tyk::half_t*>(v_cache.data_ptr()));
+  else
+    run_layers(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   const float* nfin = norms[2 * L].data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], nfin, Hd, eps, op + m * Hd);
