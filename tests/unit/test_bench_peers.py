@@ -10,6 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,7 +24,13 @@ from aiohttp import web
 
 from tokenyard.bench import serve as bench_serve
 from tokenyard.bench.loadgen import LoadResult, Target, run_load
-from tokenyard.bench.peers import PhaseRun, medians
+from tokenyard.bench.peers import (
+    PhaseRun,
+    engine_pid,
+    llama_context,
+    medians,
+    tokenyard_kv_flags,
+)
 from tokenyard.bench.peers_table import (
     PAGE_SECTION,
     figures_table,
@@ -28,9 +39,11 @@ from tokenyard.bench.peers_table import (
     requests_table,
     write_section,
 )
+from tokenyard.bench.proctree import child_pids
 from tokenyard.bench.serve import Level, LevelResult, render_table
 from tokenyard.bench.stats import RequestRecord, summarize
 from tokenyard.bench.workloads import LengthDist, synthetic
+from tokenyard.text.model_files import embedded_model_path
 
 
 class OneResponsePerConnection:
@@ -228,3 +241,35 @@ def test_the_section_is_appended_then_replaced_and_the_rest_kept(tmp_path: Path)
     assert text.count(PAGE_SECTION) == 1
     assert "date: first" not in text and "date: second" in text
     assert text.endswith("## Later\n\nkept\n") and "engine table" in text
+
+
+def test_tokenyard_gets_llama_servers_kv_cache() -> None:
+    """float16 elements, and the bytes llama-server's 32-slot context takes (SmolLM2-135M:
+    30 layers x 2 x 3 kv heads x 64 x 2 bytes = 23,040 bytes a token)."""
+    flags = tokenyard_kv_flags(embedded_model_path())
+    assert flags[:2] == ["--kv-cache-dtype", "float16"]
+    assert float(flags[3]) == round(23_040 * llama_context(32) / 2**30, 4)
+
+
+def test_the_model_process_is_the_engine_child_else_the_server() -> None:
+    sleeper = "import time; time.sleep(30)"
+    spawn = ("import subprocess, sys, time; "
+             f"subprocess.Popen([sys.executable, '-c', {sleeper!r}, 'engine']); "
+             "time.sleep(30)")
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
+    alone = subprocess.Popen([sys.executable, "-c", sleeper])
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 10
+        while not children and time.monotonic() < deadline:
+            children = child_pids(parent.pid)
+            time.sleep(0.05)
+        assert len(children) == 1
+        assert engine_pid(parent.pid) == children[0]
+        assert engine_pid(alone.pid) == alone.pid
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        for p in (parent, alone):
+            p.kill()
+            p.wait()

@@ -14,7 +14,10 @@ Phases: one stream (short prompts), one ~1,000-token prompt and the same prompt 
 (the prefix cache), then 8 and then 32 streams at once, during which the server's process
 tree is sampled for its resident memory. `llama-server` runs with ``-t 2 -np N
 --cont-batching`` (N the phase's concurrency, so it is restarted per phase);
-`tokenyard serve --no-auth --threads 2` once per round.
+`tokenyard serve --no-auth --threads 2` once per round, with llama-server's KV cache: float16
+elements and a pool of the bytes llama-server's largest context takes (`tokenyard_kv_flags`).
+Besides each server's whole tree, the RSS of the process that holds the model is sampled
+alone (tokenyard's engine replica; llama-server itself).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from tokenyard.bench.litellm_table import PAGE_SECTION as LITELLM_SECTION
 from tokenyard.bench.llama_build import LLAMA_CPP_PYTHON, ensure_llama_server
 from tokenyard.bench.loadgen import Target, list_models, run_load
 from tokenyard.bench.peers_table import PAGE_SECTION, render_section, write_section
-from tokenyard.bench.proctree import sample_tree
+from tokenyard.bench.proctree import child_pids, sample_tree
 from tokenyard.bench.stats import summarize
 from tokenyard.bench.workloads import LengthDist, RequestSpec, synthetic
 from tokenyard.config import default_cache_dir
@@ -132,17 +135,48 @@ def start_llama(binary: Path, model: Path, slots: int, threads: int) -> Child:
     ], _LLAMA_READY)
 
 
+def tokenyard_kv_flags(model: Path) -> list[str]:
+    """Serve flags giving tokenyard llama-server's KV cache: float16 elements (its default
+    type) and the bytes its largest context (`llama_context(32)` tokens) takes."""
+    import torch
+
+    from tokenyard.engine.core import kv_block_bytes
+    from tokenyard.engine.models.gguf_loader import open_gguf, read_gguf_config
+
+    per_token = kv_block_bytes(read_gguf_config(open_gguf(model)), 1, torch.float16)
+    gib = per_token * llama_context(32) / 2**30
+    return ["--kv-cache-dtype", "float16", "--kv-cache-gib", f"{gib:.4f}"]
+
+
+def engine_pid(root: int) -> int:
+    """The process holding the model: `tokenyard serve`'s engine replica child, else the
+    server itself (llama-server)."""
+    for pid in child_pids(root):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"engine" in argv:
+            return pid
+    return root
+
+
 class RssPeak:
-    """The largest summed RSS (MiB) of a process tree, sampled by a thread meanwhile."""
+    """The largest summed RSS (MiB) of a process tree, and of the process in it holding
+    the model (`engine_pid`), sampled by a thread meanwhile."""
 
     def __init__(self, pid: int, every_s: float = 0.25) -> None:
         self.pid, self.every_s, self.peak_mib = pid, every_s, 0.0
+        self.engine_peak_mib = 0.0
+        self._engine = engine_pid(pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.peak_mib = max(self.peak_mib, sample_tree(self.pid).rss_mib)
+            self.engine_peak_mib = max(self.engine_peak_mib,
+                                       sample_tree(self._engine).rss_mib)
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> RssPeak:
@@ -202,6 +236,7 @@ async def many_streams(target: Target, plan: Plan, seed: int, concurrency: int,
         run.figures[f"ttft_{concurrency}_p50_ms"] = report.ttft_ms.p50
         run.figures[f"ttft_{concurrency}_p99_ms"] = report.ttft_ms.p99
     run.figures[f"rss_{concurrency}_mib"] = rss.peak_mib
+    run.figures[f"rss_{concurrency}_engine_mib"] = rss.engine_peak_mib
     return run
 
 
@@ -227,7 +262,8 @@ def run_server(name: str, binary: Path | None, model: Path, plan: Plan, seed: in
     """Every phase on server `name` (llama-server restarted per phase for its -np)."""
     phases: dict[str, PhaseRun] = {}
     if name == "tokenyard":
-        child, _ = start_tokenyard(None, auth=False, extra=["--threads", str(threads)])
+        child, _ = start_tokenyard(None, auth=False,
+                                   extra=["--threads", str(threads), *tokenyard_kv_flags(model)])
         try:
             target = asyncio.run(_target(child))
             phases.update(asyncio.run(one_stream(target, plan, seed)))
@@ -321,7 +357,9 @@ def llama_main(args: argparse.Namespace) -> int:
                  "at N = 1, else 512·N)",
         "oversubscribed": (load_before > (os.cpu_count() or 1)
                            or (other_share is not None and other_share > OTHER_SHARE_MAX)),
-        "tokenyard": f"`tokenyard serve --no-auth --threads {args.threads}`",
+        "tokenyard": f"`tokenyard serve --no-auth --threads {args.threads} "
+                     + " ".join(tokenyard_kv_flags(model)) + "` (llama-server's KV cache: "
+                     "float16, the bytes of its 32-slot context)",
         "plan": plan, "rounds": len(rounds), "min_rounds": MIN_ROUNDS,
         "measured_s": measured_s, "build_s": build_s,
     }

@@ -41,6 +41,9 @@ def figure_rows(plan: Any) -> list[tuple[str, str, bool]]:
         ("ttft_32_p99_ms", "TTFT p99, 32 concurrent, ms", False),
         ("rss_8_mib", "server RSS peak, 8 concurrent, MiB", False),
         ("rss_32_mib", "server RSS peak, 32 concurrent, MiB", False),
+        ("rss_8_engine_mib", "RSS peak of the process holding the model (tokenyard: its "
+         "replica), 8 concurrent, MiB", False),
+        ("rss_32_engine_mib", "the same, 32 concurrent, MiB", False),
     ]
 
 
