@@ -341,6 +341,7 @@ SECTIONS: dict[str, Any] = {
     "moderation": lambda args: moderation_section(),
     "async": lambda args: async_scheduling_section(),
     "batch": lambda args: _run(_cli("bench", "batch")) + "\n",
+    "ray": lambda args: _run(_cli("bench", "ray")) + "\n",  # cli/ray_bench.py
 }
 
 

@@ -141,6 +141,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.batch import main as batch_main
 
         return batch_main(args)
+    if args.bench_command == "ray":
+        from tokenyard.cli.ray_bench import main as ray_bench_main
+
+        return ray_bench_main(args)
     from tokenyard.bench.offline import main as offline_main
 
     return offline_main(args)
@@ -327,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_batch.add_arguments(bench_sub.add_parser(
         "batch", help="the Batch API's lane against the engine alone and beside live "
                       "traffic"))
+    from tokenyard.cli import ray_bench
+
+    ray_bench.add_arguments(bench_sub.add_parser(
+        "ray", help="a replica's start under Ray: actor created -> healthy"))
     from tokenyard.bench import suite as bench_suite
 
     bench_suite.add_arguments(bench_sub.add_parser(
