@@ -108,6 +108,13 @@ class Batches:
         self.store = store
         self.db: Database = store.db
         self.settings = settings
+        #: Called when this process creates or cancels a batch: its lane looks at the
+        #: store now, not after up to `poll_s` (a batch's first lines then start at once).
+        self.changed: list[Callable[[], None]] = []
+
+    def _changed(self) -> None:
+        for call in self.changed:
+            call()
 
     # -- files
     async def add_file(self, key: KeyContext, filename: str, purpose: str, content: bytes,
@@ -158,6 +165,7 @@ class Batches:
             output_file_id=None, error_file_id=None, created_at=now, in_progress_at=now,
             expires_at=now + WINDOW, cancelling_at=None, ended_at=None)
         await rows.create_batch(self.db, record, lines)
+        self._changed()
         return record
 
     async def get(self, key: KeyContext, batch_id: str, dialect: str) -> BatchRecord | None:
@@ -172,7 +180,9 @@ class Batches:
         return await rows.line_counts(self.db, batch_id)
 
     async def cancel(self, key: KeyContext, batch_id: str, dialect: str) -> bool:
-        return await rows.cancel_batch(self.db, batch_id, key.org_id, dialect, utcnow())
+        cancelled = await rows.cancel_batch(self.db, batch_id, key.org_id, dialect, utcnow())
+        self._changed()
+        return cancelled
 
     async def delete(self, key: KeyContext, batch_id: str, dialect: str) -> bool:
         return await rows.delete_batch(self.db, batch_id, key.org_id, dialect)
@@ -201,6 +211,7 @@ class BatchLane:
         self._running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        batches.changed.append(self._wake.set)
         self._idle_until = 0.0  # a line came back busy: nothing is claimed until then
 
     def start(self) -> None:
@@ -210,6 +221,8 @@ class BatchLane:
         """Stop claiming and give the lines still running `grace_s` to finish; those cut
         then go back to the queue when their leases run out (another worker, or this one
         after a restart, runs them again; the ledger keeps the first row of a line)."""
+        with contextlib.suppress(ValueError):
+            self.batches.changed.remove(self._wake.set)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
