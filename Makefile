@@ -50,11 +50,16 @@ bench: venv
 	$(VENV)/bin/tokenyard bench suite --write docs/benchmarks.md
 
 # tokenyard beside llama.cpp's llama-server on the same GGUF, alternating rounds (about 15
-# minutes); the first run builds llama-server into the cache (about 10 minutes on 2 cores,
-# needs cmake and a C++ compiler). PEERS_ARGS=--quick for a smoke run.
+# minutes); the first run builds llama-server and llama-quantize into the cache (about 10
+# minutes on 2 cores, needs cmake and a C++ compiler). Then the same on a model of
+# SmolLM2-1.7B's shape with random weights (about 20 minutes; built into the cache the first
+# time: transformers, llama.cpp's converter and quantizer, a few minutes and ~5 GB of disk).
+# PEERS_ARGS=--quick for a smoke run.
 PEERS_ARGS ?=
 bench-peers: venv
 	$(VENV)/bin/tokenyard bench peers --write docs/benchmarks.md $(PEERS_ARGS)
+	$(VENV)/bin/tokenyard bench peers --model 1.7b --peers llama-server \
+		--write docs/benchmarks.md $(PEERS_ARGS)
 
 # The reliability suite at full scale, then its report (with the run's total time). Bounded:
 # at 19 minutes pytest gets SIGINT (its fixtures stop the servers), 30 s later SIGKILL.

@@ -225,7 +225,9 @@ def test_the_default_is_at_least_five_rounds() -> None:
     from tokenyard.bench import peers
     parser = argparse.ArgumentParser()
     peers.add_arguments(parser)
-    assert parser.parse_args([]).rounds == peers.MIN_ROUNDS >= 5
+    args = parser.parse_args([])
+    assert args.rounds is None and args.model == "embedded"  # the plan's rounds, then
+    assert peers.Plan().rounds == peers.MIN_ROUNDS >= 5
 
 
 def test_the_section_is_appended_then_replaced_and_the_rest_kept(tmp_path: Path) -> None:

@@ -18,6 +18,13 @@ tree is sampled for its resident memory. `llama-server` runs with ``-t 2 -np N
 elements and a pool of the bytes llama-server's largest context takes (`tokenyard_kv_flags`).
 Besides each server's whole tree, the RSS of the process that holds the model is sampled
 alone (tokenyard's engine replica; llama-server itself).
+
+`--model` picks the GGUF: the embedded SmolLM2-135M (the default), a model of SmolLM2-1.7B's
+shape with random weights (``1.7b``: built once by `bench_model.py`, Q4_1; ``1.7b-q4_0`` and
+``1.7b-q8_0`` too), or a path. Before the rounds the machine's memory bandwidth is measured,
+and the section reports both servers' one-stream decode against the roofline it allows for
+the model (`roofline.py`). The 1.7B model gets its own page section and smaller phases
+(`PLAN_1_7B`).
 """
 
 from __future__ import annotations
@@ -37,13 +44,24 @@ from typing import Any
 
 import aiohttp
 
-from tokenyard.bench import litellm_peer
+from tokenyard.bench import litellm_peer, roofline
+from tokenyard.bench.bench_model import (
+    MODEL_CHOICES,
+    describe,
+    ensure_bench_model,
+    model_quant,
+)
 from tokenyard.bench.children import Child, free_port, start_child, start_tokenyard
 from tokenyard.bench.host import OtherLoad, cpu_model
 from tokenyard.bench.litellm_table import PAGE_SECTION as LITELLM_SECTION
 from tokenyard.bench.llama_build import LLAMA_CPP_PYTHON, ensure_llama_server
 from tokenyard.bench.loadgen import Target, list_models, run_load
-from tokenyard.bench.peers_table import PAGE_SECTION, render_section, write_section
+from tokenyard.bench.peers_table import (
+    PAGE_SECTION,
+    PAGE_SECTION_1_7B,
+    render_section,
+    write_section,
+)
 from tokenyard.bench.proctree import child_pids, sample_tree
 from tokenyard.bench.stats import summarize
 from tokenyard.bench.workloads import LengthDist, RequestSpec, synthetic
@@ -70,10 +88,18 @@ class Plan:
     requests_32: int = 32
     #: A phase stops sending after this many seconds (those in flight still finish).
     phase_cap_s: float = 60.0
+    #: Alternating rounds when `--rounds` is not given.
+    rounds: int = MIN_ROUNDS
 
 
 QUICK = Plan(short_input=45, long_input=300, output=32, long_output=8, one_stream_requests=2,
-             requests_8=8, requests_32=32, phase_cap_s=30.0)
+             requests_8=8, requests_32=32, phase_cap_s=30.0, rounds=1)
+#: The 1.7B model on two cores: ~13x the embedded model's bytes and FLOPs a token, so fewer
+#: and shorter requests (one request per stream at 32) and 3 rounds keep a run near 20
+#: minutes; the section then says that fewer rounds than `MIN_ROUNDS` ran.
+PLAN_1_7B = Plan(short_input=45, long_input=1000, output=32, long_output=4,
+                 one_stream_requests=2, requests_8=8, requests_32=32, phase_cap_s=60.0,
+                 rounds=3)
 
 
 @dataclass
@@ -89,8 +115,13 @@ class PhaseRun:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tokenyard bench peers`."""
-    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
-                        help="alternating rounds (each: every phase on each server)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"alternating rounds (each: every phase on each server; default "
+                             f"{MIN_ROUNDS}, {PLAN_1_7B.rounds} on the 1.7B model)")
+    parser.add_argument("--model", default="embedded",
+                        help=f"the GGUF both servers load: {', '.join(MODEL_CHOICES)} (1.7b: "
+                             "SmolLM2-1.7B's shape, random weights, Q4_1; built once into "
+                             "the cache) or a path")
     parser.add_argument("--budget-min", type=float, default=15.0,
                         help=f"start no new round after this many minutes of measuring, "
                              f"once {MIN_ROUNDS} rounds (or --rounds, if fewer) are done")
@@ -257,13 +288,17 @@ async def _target(child: Child) -> Target:
     return target
 
 
+def tokenyard_flags(model: Path, threads: int) -> list[str]:
+    """`tokenyard serve`'s flags in this benchmark."""
+    return ["--model", str(model), "--threads", str(threads), *tokenyard_kv_flags(model)]
+
+
 def run_server(name: str, binary: Path | None, model: Path, plan: Plan, seed: int,
                threads: int) -> dict[str, PhaseRun]:
     """Every phase on server `name` (llama-server restarted per phase for its -np)."""
     phases: dict[str, PhaseRun] = {}
     if name == "tokenyard":
-        child, _ = start_tokenyard(None, auth=False,
-                                   extra=["--threads", str(threads), *tokenyard_kv_flags(model)])
+        child, _ = start_tokenyard(None, auth=False, extra=tokenyard_flags(model, threads))
         try:
             target = asyncio.run(_target(child))
             phases.update(asyncio.run(one_stream(target, plan, seed)))
@@ -318,15 +353,25 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def llama_main(args: argparse.Namespace) -> int:
     """tokenyard beside llama-server (alternating rounds), the section written."""
-    plan = QUICK if args.quick else Plan()
-    rounds_wanted = 1 if args.quick else args.rounds
-    model = embedded_model_path()
+    quant = model_quant(args.model)
+    plan = QUICK if args.quick else PLAN_1_7B if quant else Plan()
+    rounds_wanted = plan.rounds if args.quick or args.rounds is None else args.rounds
     build_started = time.monotonic()
-    binary = ensure_llama_server(default_cache_dir(), args.build_jobs,
-                                 say=lambda s: print(s, file=sys.stderr))
+    binary = ensure_llama_server(default_cache_dir(), args.build_jobs, say=_say)
+    model = (ensure_bench_model(default_cache_dir(), quant, say=_say) if quant
+             else embedded_model_path() if args.model == "embedded" else Path(args.model))
+    if not model.is_file():
+        raise SystemExit(f"--model: no such file {model} (or one of {', '.join(MODEL_CHOICES)})")
     build_s = time.monotonic() - build_started
+    _say("measuring the memory bandwidth")
+    bandwidth = roofline.measure_bandwidth(args.threads)
+    roof = roofline.model_roofline(model, bandwidth, plan.short_input + plan.output // 2)
     started, load_before, others = time.monotonic(), os.getloadavg()[0], OtherLoad()
     rounds: list[dict[str, dict[str, PhaseRun]]] = []
     for r in range(rounds_wanted):
@@ -351,29 +396,32 @@ def llama_main(args: argparse.Namespace) -> int:
                    + ("an unknown share" if other_share is None else f"{other_share:.1%}")
                    + " of the CPU while it measured",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": command.strip(), "model": model.name,
+        "command": command.strip(), "model": describe(model, quant) if quant else model.name,
         "llama": f"llama-server from llama_cpp_python {LLAMA_CPP_PYTHON}'s vendored "
                  f"llama.cpp, `-t {args.threads} -np N -c C --cont-batching` (C: 2,048 "
                  "at N = 1, else 512·N)",
         "oversubscribed": (load_before > (os.cpu_count() or 1)
                            or (other_share is not None and other_share > OTHER_SHARE_MAX)),
-        "tokenyard": f"`tokenyard serve --no-auth --threads {args.threads} "
-                     + " ".join(tokenyard_kv_flags(model)) + "` (llama-server's KV cache: "
-                     "float16, the bytes of its 32-slot context)",
+        "tokenyard": "`tokenyard serve --no-auth "
+                     + " ".join(tokenyard_flags(model, args.threads)).replace(str(model), "MODEL")
+                     + "` (llama-server's KV cache: float16, the bytes of its 32-slot context)",
         "plan": plan, "rounds": len(rounds), "min_rounds": MIN_ROUNDS,
         "measured_s": measured_s, "build_s": build_s,
     }
-    section = render_section(
-        {s: medians(rounds, s) for s in SERVERS},
-        [{s: one.get(s, {}) for s in SERVERS} for one in rounds], setup)
+    values = {s: medians(rounds, s) for s in SERVERS}
+    setup["roofline"] = roofline.roofline_table(
+        roof, {s: values[s].get("decode_tok_s", []) for s in SERVERS})
+    heading = PAGE_SECTION_1_7B if quant else PAGE_SECTION
+    section = render_section(values, [{s: one.get(s, {}) for s in SERVERS} for one in rounds],
+                             setup, heading)
     print(section)
     if args.json:
         args.json.write_text(json.dumps(
             [{s: {p: vars(run) for p, run in one[s].items()} for s in one} for one in rounds],
             indent=2))
     if not args.no_write:
-        write_section(args.write, section)
-        print(f"wrote the {PAGE_SECTION!r} section of {args.write}", file=sys.stderr)
+        write_section(args.write, section, heading)
+        print(f"wrote the {heading!r} section of {args.write}", file=sys.stderr)
     ok = all(run.sent > run.failed for one in rounds for s in one.values()
              for run in s.values())
     return 0 if ok else 1

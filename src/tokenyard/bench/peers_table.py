@@ -13,6 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 PAGE_SECTION = "## Side by side with llama.cpp's llama-server (`make bench-peers`)"
+#: `--model 1.7b`'s section (not a prefix of the embedded model's, nor it of this).
+PAGE_SECTION_1_7B = ("## Side by side with llama-server on a 1.7B-parameter model "
+                     "(`make bench-peers`)")
 LLAMA, TOKENYARD = "llama-server", "tokenyard"
 
 
@@ -139,13 +142,14 @@ def _few_rounds(done: int, wanted: int) -> str:
 
 def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
                    rounds: Sequence[Mapping[str, Mapping[str, PhaseLike]]],
-                   setup: Mapping[str, Any]) -> str:
-    """The page section: how it was measured, the figures, the requests."""
+                   setup: Mapping[str, Any], heading: str = PAGE_SECTION) -> str:
+    """The page section under `heading`: how it was measured, the figures, the roofline
+    (`setup["roofline"]`, markdown, where given), the requests."""
     plan = setup["plan"]
     build = ("the binary was cached" if setup["build_s"] < 60
              else f"it was built first, in {setup['build_s'] / 60:.1f} min")
     return "\n".join([
-        PAGE_SECTION, "",
+        heading, "",
         "Written by `make bench-peers`. Both servers on the same GGUF file, one at a time, "
         "alternating: each round runs every phase on one server and then on the other, "
         "the next round in the other order. Streamed OpenAI chat requests with "
@@ -173,6 +177,7 @@ def render_section(values: Mapping[str, Mapping[str, Sequence[float]]],
         *([_few_rounds(setup["rounds"], setup["min_rounds"]), ""]
           if setup["rounds"] < setup.get("min_rounds", 0) else []),
         figures_table(values, plan, rounds), "",
+        *([setup["roofline"], ""] if setup.get("roofline") else []),
         requests_table(rounds), "",
     ])
 
