@@ -276,7 +276,8 @@ def render(rounds: list[Round], args: argparse.Namespace, command: str, model: s
         TITLE, "",
         f"`{model}` behind `tokenyard serve` (gateway on, the lane running "
         f"{args.batch_concurrency} lines at once, the replica at nice 0 like the bench) "
-        f"against the same engine alone in the bench's process. Batches of "
+        f"against the same engine alone in the bench's process, given all of a round's "
+        f"prompts at once (at most `max_num_seqs` running). Batches of "
         f"{args.lines} `/v1/completions` lines (random "
         f"token-id prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, greedy, "
         f"{args.output_len} out, ignore_eos), the engine alone on the same prompts; live: "
