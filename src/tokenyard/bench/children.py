@@ -123,7 +123,7 @@ def start_mock(config: MockConfig, seed: int = 0) -> Child:
 def start_tokenyard(
     replica_url: str | None, auth: bool = True, *, workers: int = 1, embeddings: bool = False,
     extra: Sequence[str] = (), env_extra: dict[str, str] | None = None,
-    python: Sequence[str] = (),
+    python: Sequence[str] = (), start_timeout_s: float = START_TIMEOUT_S,
 ) -> tuple[Child, str | None]:
     """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model; with
     `replica_url` None it starts its own replica of the embedded model), and the API key
@@ -153,7 +153,7 @@ def start_tokenyard(
            *([] if auth else ["--no-auth"]), *([] if embeddings else ["--no-embeddings"]),
            *extra]
     try:
-        child = start_child(cmd, _TOKENYARD_READY, _TOKENYARD_URL, env)
+        child = start_child(cmd, _TOKENYARD_READY, _TOKENYARD_URL, env, start_timeout_s)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise

@@ -73,6 +73,9 @@ SERVERS = ("llama-server", "tokenyard")
 #: and the budget never stops a run short of it.
 MIN_ROUNDS = 5
 _LLAMA_READY = re.compile(r"listening on (http://\S+)")
+#: How long a server may take to load the model and listen: the 1.7B model's ~1 GB of
+#: blocks on a shared machine take minutes (the start helpers' default is 2).
+LOAD_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def start_llama(binary: Path, model: Path, slots: int, threads: int) -> Child:
         str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
         "-t", str(threads), "-np", str(slots), "-c", str(llama_context(slots)),
         "--cont-batching",
-    ], _LLAMA_READY)
+    ], _LLAMA_READY, timeout_s=LOAD_TIMEOUT_S)
 
 
 def tokenyard_kv_flags(model: Path) -> list[str]:
@@ -298,7 +301,8 @@ def run_server(name: str, binary: Path | None, model: Path, plan: Plan, seed: in
     """Every phase on server `name` (llama-server restarted per phase for its -np)."""
     phases: dict[str, PhaseRun] = {}
     if name == "tokenyard":
-        child, _ = start_tokenyard(None, auth=False, extra=tokenyard_flags(model, threads))
+        child, _ = start_tokenyard(None, auth=False, extra=tokenyard_flags(model, threads),
+                                   start_timeout_s=LOAD_TIMEOUT_S)
         try:
             target = asyncio.run(_target(child))
             phases.update(asyncio.run(one_stream(target, plan, seed)))
