@@ -5,11 +5,13 @@ prefill-tail kernel."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from tokenyard.bench.offline import agreement_prompts, greedy
-from tokenyard.config import EngineConfig
+from tokenyard.config import EngineConfig, add_engine_args, engine_kwargs
 from tokenyard.engine.core import kv_block_bytes
 from tokenyard.engine.llm import LLM
 
@@ -69,3 +71,20 @@ def test_a_prefix_hit_over_a_float16_pool_repeats_the_uncached_answer(
 def test_an_unknown_kv_cache_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig.from_env(kv_cache_dtype="int4")
+
+
+def test_serve_passes_the_flag_to_its_replicas_and_the_env_sets_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--kv-cache-dtype` is an engine flag of `serve` and `engine` (the operator's, never
+    a request's): parsed, it reaches the replica's EngineConfig; TOKENYARD_KV_CACHE_DTYPE
+    is its default; a value outside the choices is an argparse error."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--kv-cache-dtype", "float16"]))
+    assert kwargs == {"kv_cache_dtype": "float16"}
+    assert EngineConfig.from_env(**kwargs).kv_cache_dtype == "float16"
+    monkeypatch.setenv("TOKENYARD_KV_CACHE_DTYPE", "float16")
+    assert EngineConfig.from_env().kv_cache_dtype == "float16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int4"])

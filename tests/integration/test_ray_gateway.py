@@ -147,6 +147,11 @@ def test_admin_route_scales_one_two_one_under_load_without_a_failed_request(
                     return set(view) == urls and all(r["served"] for r in view.values())
 
                 await until(both_serve, 20, "the second replica joins and serves")
+                # The listing joins Ray's registry with this gateway's balancer rows.
+                got, listed = await admin(session, server, "GET", path)
+                assert got == 200 and {r["url"] for r in listed["data"]} == urls
+                assert all(r["balancer"] is not None and r["balancer"]["id"] == r["url"]
+                           and r["balancer"]["served"] > 0 for r in listed["data"]), listed
                 got, shrunk = await admin(session, server, "POST", path, {"replicas": 1})
                 assert got == 200, shrunk
                 assert [r["name"] for r in shrunk["data"]] == [f"{name}/0"]
