@@ -1,8 +1,11 @@
+import random
+
 import pytest
 
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.request import Request, RequestStatus
 from tokenyard.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from tokenyard.wire.outputs import Completion
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -153,3 +156,142 @@ def test_a_token_in_flight_for_a_finished_or_preempted_request_is_dropped() -> N
     assert again.starts == {"b": 4} and again.sampling == {"b"}
     s.update(again, {"b": 5})
     assert b.output_token_ids == [5] and s.kv.pool.num_free_blocks == 64 - 2
+
+
+# -- classes: prompt order and priority preemption ---------------------------------------------
+
+def ids(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def run_all(s: Scheduler, limit: int = 200) -> list[SchedulerOutput]:
+    steps = []
+    while s.has_work and len(steps) < limit:
+        steps.append(run_step(s))
+    assert not s.has_work
+    return steps
+
+
+def test_a_waiting_higher_class_prompt_goes_ahead_of_running_lower_class_chunks() -> None:
+    s = Scheduler(KVCacheManager(256, 4), max_num_batched_tokens=64, prefill_chunk=8)
+    s.add_request(req("b1", 20, priority=2))
+    s.add_request(req("b2", 20, priority=2))
+    assert ids(run_step(s)) == [("b1", 8)]
+    s.add_request(req("l", 6, priority=0))
+    # The live prompt first, then what the chunk cap leaves goes on with b1's prompt.
+    assert ids(run_step(s)) == [("l", 6), ("b1", 2)]
+    assert ids(run_step(s)) == [("l", 1), ("b1", 8)]
+    assert s.num_preemptions == 0
+
+
+def test_with_the_seats_full_a_higher_class_arrival_preempts_the_latest_lower_one() -> None:
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=64, max_num_seqs=2)
+    b1, b2 = req("b1", 5, max_tokens=10, priority=2), req("b2", 5, max_tokens=10, priority=2)
+    s.add_request(b1)
+    s.add_request(b2)
+    run_step(s)
+    live = req("l", 6, max_tokens=3, priority=0)
+    s.add_request(live)
+    step = run_step(s)
+    # b2 (the latest) gives back its decode and its seat; the live prompt runs at once.
+    assert ids(step) == [("b1", 1), ("l", 6)] and step.preempted == [b2]
+    assert b2.status is RequestStatus.PREEMPTED and b2.num_computed_tokens == 0
+    assert (s.num_preemptions, b2.num_preemptions) == (1, 1)
+    assert live.output_token_ids == [7]
+    run_all(s)
+    # b2 comes back once a seat is free, recomputes, and finishes; nobody preempts back.
+    assert [r.num_output_tokens for r in (b1, b2, live)] == [10, 10, 3]
+    assert s.num_preemptions == 1 and live.num_preemptions == 0
+    assert s.kv.pool.num_free_blocks == 64
+
+
+def test_equal_or_higher_classes_are_never_preempted_for_a_waiting_request() -> None:
+    s = Scheduler(KVCacheManager(64, 4), max_num_batched_tokens=64, max_num_seqs=2)
+    s.add_request(req("a", 5, max_tokens=6, priority=1))
+    s.add_request(req("b", 5, max_tokens=6, priority=1))
+    run_step(s)
+    s.add_request(req("c", 5, priority=1))
+    s.add_request(req("dd", 5, priority=2))
+    assert ids(run_step(s)) == [("a", 1), ("b", 1)]
+    run_all(s)
+    assert s.num_preemptions == 0
+
+
+def test_a_higher_class_preempts_lower_ones_for_the_pool_only_if_it_then_fits() -> None:
+    # 8 blocks of 4 tokens: b1 and b2 (class 2) hold 3 blocks each, 2 are free.
+    s = Scheduler(KVCacheManager(8, 4, enable_caching=False), max_num_batched_tokens=64)
+    b1, b2 = req("b1", 10, max_tokens=4, priority=2), req("b2", 10, max_tokens=4, priority=2)
+    s.add_request(b1)
+    s.add_request(b2)
+    run_step(s)
+    live = req("l", 14, max_tokens=2, priority=0)  # 4 blocks: b2's 3 make room
+    s.add_request(live)
+    step = run_step(s)
+    assert ids(step) == [("b1", 1), ("l", 14)] and step.preempted == [b2]
+    run_all(s)
+    assert [r.num_output_tokens for r in (b1, b2, live)] == [4, 4, 2]
+    # A prompt that would not fit even with every lower class gone preempts nobody.
+    s2 = Scheduler(KVCacheManager(8, 4, enable_caching=False), max_num_batched_tokens=64)
+    a, b = req("a", 14, max_tokens=4, priority=0), req("b", 6, max_tokens=4, priority=2)
+    s2.add_request(a)
+    s2.add_request(b)
+    run_step(s2)
+    s2.add_request(req("l", 18, max_tokens=2, priority=0))  # 5 blocks: 2 free + b's 2
+    assert ids(run_step(s2)) == [("a", 1), ("b", 1)]
+    assert s2.num_preemptions == 0
+
+
+def test_the_pool_running_out_never_preempts_a_higher_class() -> None:
+    """A live prompt chunk short of blocks takes them from a batch line already given
+    its decode this step (which gives the token back), not from itself."""
+    s = Scheduler(KVCacheManager(6, 4, enable_caching=False), max_num_batched_tokens=64,
+                  prefill_chunk=4)
+    b = req("b", 7, max_tokens=12, priority=2)
+    s.add_request(b)
+    run_step(s)  # alone: the whole prompt, 2 blocks
+    live = req("l", 16, max_tokens=2, priority=0)
+    s.add_request(live)
+    for _ in range(3):  # the live prompt in 4-token chunks beside b's decodes
+        run_step(s)
+    step = run_step(s)  # l's last chunk needs a 4th block and none is free
+    assert b in step.preempted and live.num_preemptions == 0
+    assert ids(step) == [("l", 4)]
+    run_all(s)
+    assert (b.num_output_tokens, live.num_output_tokens) == (12, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_preempted_for_a_higher_class_ends_with_its_greedy_tokens(
+    async_scheduling: bool,
+) -> None:
+    from tokenyard.engine.llm import LLM
+
+    llm = LLM(weights="float32", max_num_seqs=2, async_scheduling=async_scheduling)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))]
+               for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [r.token_ids for r in llm.generate(prompts, params)]
+    assert llm.core.stats().num_preemptions == 0
+    got = {name: Completion(0) for name in ("b0", "b1", "live")}
+    for name, prompt in zip(("b0", "b1"), prompts, strict=False):
+        llm.frontend.add_request(name, prompt, params, priority=2)
+
+    def step() -> None:
+        for out in llm.frontend.step():
+            for delta in out.deltas:
+                got[out.request_id].add(delta)
+
+    for _ in range(4):
+        step()
+    llm.frontend.add_request("live", prompts[2], params, priority=0)
+    step()  # plans the step that seats the live request (async: after the one in flight)
+    assert llm.core.stats().num_preemptions == 1
+    if not async_scheduling:
+        assert len(got["live"].token_ids) == 1  # its first token in the step it arrived at
+    while llm.frontend.has_work:
+        step()
+    assert [got[name].token_ids for name in ("b0", "b1", "live")] == expected
+    assert llm.core.stats().num_preemptions == 1
+    llm.core.close()

@@ -1,20 +1,35 @@
 """Which tokens of which requests go into the next step.
 
-Continuous batching: every step, running requests are served first (decodes ahead of prefill
-chunks so a long prompt never stalls the streams), then waiting requests join while the
-token budget and the KV pool allow. A long prompt is prefilled in budget-sized chunks. While
-more than one request is in the scheduler, a step's prompt tokens are capped at
+Continuous batching: every step, running requests' decodes are served first (a prompt
+never stalls the streams), then prompt tokens go by (priority, arrival), lower priority
+numbers first as in vLLM, whether the request already runs (its next chunk) or still waits
+(its first): a live request that arrives while batch lines are prefilling gets its prompt
+in ahead of their remaining chunks. A long prompt is prefilled in budget-sized chunks.
+While more than one request is in the scheduler, a step's prompt tokens are capped at
 `prefill_chunk`: a burst of new prompts then costs each decode a bounded wait per step
 (not one step as long as the whole budget), and the prompts get their first tokens one after
 another instead of all at the end of one long step. A request alone keeps the whole budget,
-so a single long prompt is not cut into more steps than it needs. When
-the pool runs out, the lowest-priority running request is preempted: its blocks are freed
-and it is recomputed later (its freed blocks keep their hashes, so the recompute is often
-a prefix-cache hit; a constrained request drops its grammar matcher and replays it from its
-output tokens). A constrained request whose grammar is still compiling stays in the waiting
-queue, passed over by those behind it, so a compile never stalls a step. Pinned prefix
-blocks give way only to a request that could not run at all otherwise: one alone in the
-running batch, or at the head of the queue while nothing runs.
+so a single long prompt is not cut into more steps than it needs.
+
+Preemption frees a request's blocks and recomputes it later (its freed blocks keep their
+hashes, so the recompute is often a prefix-cache hit; a constrained request drops its
+grammar matcher and replays it from its output tokens). It happens two ways, and a request
+never preempts one of a higher class (a smaller priority number):
+- the pool runs out under a running request: the lowest-priority, latest running request
+  gives way (one already given tokens this step only if its class is lower than the
+  requester's; possibly the requester itself), and then only a waiting request that
+  outranks a running one is admitted in that step;
+- a waiting request cannot start (the `max_num_seqs` seats are taken, or the pool is
+  short) while running requests of a lower class hold what it needs: the lowest-priority,
+  latest of them are preempted, one at a time, and only if the pool can hold it once they
+  are all gone. Since only a strictly lower class is preempted this way, a preempted
+  request can never preempt back the one that displaced it, and it is not admitted again
+  in the step that preempted it.
+
+A constrained request whose grammar is still compiling stays in the waiting queue, passed
+over by those behind it, so a compile never stalls a step. Pinned prefix blocks give way
+only to a request that could not run at all otherwise: one alone in the running batch, or
+at the head of the queue while nothing runs.
 
 A request's computed count advances when it is scheduled, as in vLLM: a step that completes
 a request's tokens leaves one token pending until `update` appends it. That lets the next
@@ -29,35 +44,15 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tokenyard.engine.kv_cache import KVCacheManager
+from tokenyard.engine.kv_cache import KVBlock, KVCacheManager
 from tokenyard.engine.request import Request, RequestStatus
+from tokenyard.engine.step_plan import SchedulerOutput, StepPlan, room_after_preempting
+
+__all__ = ["QueueFullError", "Scheduler", "SchedulerOutput"]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is over its bound; the caller should shed the request."""
-
-
-@dataclass
-class SchedulerOutput:
-    """The step's work: (request, number of tokens to compute) in batch order."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    #: Per request id: the first position this step computes.
-    starts: dict[str, int] = field(default_factory=dict)
-    #: The requests whose last computed position gets a sampled token this step.
-    sampling: set[str] = field(default_factory=set)
-    #: Requests that only score their prompt (max_tokens 0), whose last prompt token is
-    #: computed this step: they finish after it with no token.
-    scored: set[str] = field(default_factory=set)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass
@@ -156,66 +151,102 @@ class Scheduler:
         return out
 
     def _plan(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
-        # Decodes first, then prefill chunks; within each, priority then arrival.
-        order = sorted(
-            self.running,
-            key=lambda r: (r.num_tokens_with_pending - r.num_computed_tokens > 1, r.sort_key),
-        )
-        prefill = self._prefill_budget()
-        for request in order:
+        plan = StepPlan(SchedulerOutput(), self.max_num_batched_tokens, self._prefill_budget())
+        # Decodes first, by priority then arrival: a prompt never stalls the streams.
+        chunks: list[Request] = []  # running requests with prompt tokens left
+        for request in sorted(self.running, key=lambda r: r.sort_key):
             if request.status is not RequestStatus.RUNNING or request.ends_by_length_with_pending:
                 continue  # preempted earlier in this loop, or its last token is in flight
             left = request.num_tokens_with_pending - request.num_computed_tokens
-            num_new = min(left, budget if left == 1 else min(budget, prefill))
-            if num_new <= 0:
-                continue
-            # Alone, the request cannot wait for anyone to finish: pins give way.
-            while not self.kv.allocate_slots(request, num_new, unpin=len(self.running) == 1):
-                victim = self._choose_victim(scheduled_ids)
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append((request, num_new))
-                scheduled_ids.add(request.request_id)
-                budget -= num_new
-                prefill -= num_new if left > 1 else 0
+            if left > 1:
+                chunks.append(request)
+            elif left == 1 and plan.budget > 0:
+                self._serve(request, 1, plan, prompt=False)
+        self._prompts(chunks, plan)
+        return plan.out
 
-        if out.preempted:
-            return out  # admitting new work now would only thrash the pool
-
+    def _prompts(self, chunks: list[Request], plan: StepPlan) -> None:
+        """Prompt tokens by (priority, arrival), whether the request already runs (its
+        next chunk) or waits (its first): a waiting live request's prompt goes ahead of
+        the running batch lines' remaining chunks."""
         deferred: list[Request] = []  # grammars still compiling: back in the queue after
-        while min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs:
-            head = self._peek_waiting()
-            if head is None:
+        admitting = True
+        i = 0
+        while plan.room > 0:
+            head = self._peek_waiting() if admitting else None
+            if i < len(chunks) and (head is None or chunks[i].sort_key <= head.sort_key):
+                request = chunks[i]
+                i += 1
+                if request.status is RequestStatus.RUNNING:  # not preempted this step
+                    left = request.num_tokens_with_pending - request.num_computed_tokens
+                    self._serve(request, min(left, plan.room), plan, prompt=True)
+            elif head is None:
                 break
-            request = head
-            if request.guided is not None and not request.guided.ready:
+            elif head.guided is not None and not head.guided.ready:
                 deferred.append(self._pop_waiting())
-                continue
-            cached = [] if request.scores_prompt else self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget, prefill)
-            request.num_computed_tokens = num_cached
-            if not self.kv.allocate_slots(request, num_new, cached, unpin=not self.running):
-                request.num_computed_tokens = 0
-                break
-            self._pop_waiting()
-            self.kv.record_lookup(request.num_tokens, num_cached)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-                request.scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append((request, num_new))
-            budget -= num_new
-            prefill -= num_new
+            else:
+                admitting = self._admit(head, plan)
         for request in deferred:
             self._push_waiting(request)
-        return out
+
+    def _serve(self, request: Request, num_new: int, plan: StepPlan, *, prompt: bool) -> None:
+        """Give a running request `num_new` tokens, preempting while the pool is short."""
+        # Alone, the request cannot wait for anyone to finish: pins give way.
+        while not self.kv.allocate_slots(request, num_new, unpin=len(self.running) == 1):
+            plan.exhausted = True
+            victim = self._choose_victim(request, plan)
+            self._preempt(victim, plan.out)
+            plan.take_back(victim)
+            if victim is request:
+                return
+        plan.give(request, num_new, prompt=prompt)
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        """Start the waiting head, preempting running requests of a lower class (a larger
+        priority number) when the seats or the pool are full. False: it cannot start
+        now, and nothing behind it in the queue is admitted this step."""
+        if request.request_id in plan.preempted_ids:
+            return False  # preempted in this step: it does not come straight back
+        victims = self._outranked_by(request)
+        if plan.exhausted and not victims:
+            return False
+        while not (len(self.running) < self.max_num_seqs and self._start(request, plan)):
+            # The pool must hold it once the victims are gone, or none is preempted.
+            cached, num_cached, num_new = self._first_chunk(request, plan)
+            if not victims or not room_after_preempting(
+                    self.kv, victims, cached, num_cached + num_new):
+                return False
+            victim = victims.pop()
+            self._preempt(victim, plan.out)
+            plan.take_back(victim)
+        return True
+
+    def _start(self, request: Request, plan: StepPlan) -> bool:
+        """Move the waiting head into the running batch with its first prompt chunk;
+        False (nothing changed) if the pool cannot hold it."""
+        cached, num_cached, num_new = self._first_chunk(request, plan)
+        request.num_computed_tokens = num_cached
+        if not self.kv.allocate_slots(request, num_new, cached, unpin=not self.running):
+            request.num_computed_tokens = 0
+            return False
+        popped = self._pop_waiting()
+        assert popped is request, "the head of the queue is the request started"
+        self.kv.record_lookup(request.num_tokens, num_cached)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+            request.scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.give(request, num_new, prompt=True)
+        return True
+
+    def _first_chunk(self, request: Request,
+                     plan: StepPlan) -> tuple[list[KVBlock], int, int]:
+        """A waiting request's prefix hits, the tokens they cover, and the tokens its
+        first chunk computes after them."""
+        cached = [] if request.scores_prompt else self.kv.find_cached_prefix(request)
+        num_cached = len(cached) * self.kv.block_size
+        return cached, num_cached, min(request.num_tokens - num_cached, plan.room)
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may compute: `prefill_chunk` while more than one request
@@ -225,13 +256,22 @@ class Scheduler:
             return self.max_num_batched_tokens
         return self.prefill_chunk
 
-    def _choose_victim(self, scheduled_ids: set[str]) -> Request:
-        """The lowest-priority, latest running request not yet given tokens this step."""
+    def _choose_victim(self, request: Request, plan: StepPlan) -> Request:
+        """Whom `request` preempts when the pool is short: the lowest-priority, latest
+        running request not yet given tokens this step, or one given tokens whose class
+        is lower than `request`'s (it gives them back). Possibly `request` itself."""
         candidates = [
             r for r in self.running
-            if r.request_id not in scheduled_ids and r.status is RequestStatus.RUNNING
+            if r.status is RequestStatus.RUNNING
+            and (not plan.is_scheduled(r) or r.priority > request.priority)
         ]
         return max(candidates, key=lambda r: r.sort_key)
+
+    def _outranked_by(self, request: Request) -> list[Request]:
+        """Running requests of a lower class than `request`'s, the first to preempt last."""
+        return sorted((r for r in self.running
+                       if r.status is RequestStatus.RUNNING and r.priority > request.priority),
+                      key=lambda r: r.sort_key)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
