@@ -203,8 +203,11 @@ class ServeConfig(Settings):
     #: The Batch API's lane (gateway/batches.py): lines one gateway process runs at
     #: once; how long a claimed line stays its worker's without a renewal; the estimated
     #: tokens an org's batches at work may hold (an org's own value, set through the
-    #: admin API's limits, wins over this default).
-    batch_concurrency: int = 4
+    #: admin API's limits, wins over this default). 128 lines, a replica's default
+    #: `max_num_seqs`, fill its idle seats as the engine alone fills them: a live
+    #: request's prompt still goes first, and it takes a batch line's seat or KV blocks
+    #: when it needs them, since the scheduler preempts a lower class for a higher one.
+    batch_concurrency: int = 128
     batch_lease_s: float = 60.0
     batch_enqueued_tokens: int = 20_000_000
 

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-prompt-len", type=int, default=50)
     parser.add_argument("--max-prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--batch-concurrency", type=int, default=32,
+    parser.add_argument("--batch-concurrency", type=int, default=128,
                         help="lines the server's lane runs at once "
                         "(TOKENYARD_BATCH_CONCURRENCY)")
     parser.add_argument("--live-requests", type=int, default=16)

@@ -5,10 +5,14 @@ quota, lookups, cancel); `BatchLane` is the worker. It claims a few lines at a t
 the store (`store/batches.claim`: a lease, so a line whose gateway died is claimed again
 once the lease is past), runs each through the dialect's `LineRunner` — the same
 `Pipeline.run` a live request takes, under the batch owner's key, at `BATCH_PRIORITY`
-and the batch price — with at most `concurrency` lines in flight in this process, so
-the scheduler and the balancer's queue give live traffic the replicas first; writes each
-result only while it still holds the line; and ends batches whose lines are done (or
-that were cancelled, or outlived their window), writing their result files once.
+and the batch price — with at most `concurrency` lines in flight in this process (by
+default 128, a replica's `max_num_seqs`: the lane fills a replica's idle seats as the
+engine alone would). Live traffic still gets the replicas first: the balancer's queue
+and the engine's scheduler serve lower priority numbers first, so a live prompt goes
+ahead of the batch lines' prompts in a step, and takes a batch line's seat or KV blocks
+by preempting it when they are full. The lane writes each result only while it still
+holds the line, and ends batches whose lines are done (or that were cancelled, or
+outlived their window), writing their result files once.
 
 Exactly once: a line's request id is its batch id and line number, and the ledger keeps
 one row per request id (`ON CONFLICT DO NOTHING`, the journal replayed after a crash), so
@@ -51,8 +55,8 @@ YIELD_LINES = 1
 
 @dataclass(frozen=True)
 class BatchSettings:
-    #: Lines one gateway process runs at once (live traffic keeps the rest).
-    concurrency: int = 4
+    #: Lines one gateway process runs at once (live traffic preempts them in the engine).
+    concurrency: int = ServeConfig.batch_concurrency
     #: How long a claimed line stays its worker's without a renewal.
     lease_s: float = 60.0
     #: Between looks at the store when there is nothing to claim.
