@@ -12,7 +12,13 @@ from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.decode_step import DecodeStep
 from tokenyard.engine.models.llama import LlamaForCausalLM
 from tokenyard.engine.models.quant import quantize_blocks
-from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention
+from tokenyard.engine.paged_attention import (
+    ONE_OP_TAIL_ROWS,
+    AttentionMetadata,
+    PagedAttention,
+    PrefillSpan,
+    as_decode_rows,
+)
 from tokenyard.wire.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -134,3 +140,87 @@ def test_embedded_model_greedy_tokens_are_the_eager_paths(embedded_gguf_path: ob
     finally:
         runner.decode_step = step
     assert fused == eager
+
+
+def _tail_meta(cached: int, rows: int, gen: torch.Generator,
+               decode_lens: tuple[int, ...] = ()) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A step of decode rows (contexts of `decode_lens`) then one sequence's last `rows`
+    prompt tokens over its `cached` cached ones, in scattered blocks; with the positions."""
+    meta = _decode_meta(list(decode_lens), gen) if decode_lens else AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=0,
+        decode_block_tables=None, decode_mask=None, prefills=[])
+    used = {int(b) for b in meta.decode_block_tables.flatten()} if decode_lens else set()
+    free = [b for b in torch.randperm(NUM_BLOCKS, generator=gen).tolist() if b not in used]
+    ctx = cached + rows
+    table = torch.tensor(free[: -(-ctx // BLOCK_SIZE)])
+    pos = torch.arange(cached, ctx)
+    meta.slot_mapping = torch.cat([meta.slot_mapping,
+                                   table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE])
+    meta.prefills = [PrefillSpan(start=len(decode_lens), num_tokens=rows, context_len=ctx,
+                                 block_table=table)]
+    positions = torch.cat([torch.tensor(decode_lens, dtype=torch.long) - 1, pos])
+    return meta, positions
+
+
+@pytest.mark.parametrize(("rows", "decode_lens"), [(8, ()), (5, ()), (2, ()), (6, (3, 17))])
+def test_a_prompt_tail_over_its_cached_prefix_matches_the_eager_layers(
+    rows: int, decode_lens: tuple[int, ...]
+) -> None:
+    """A prefix-cache hit's tail as rows of the op (each token its own context length;
+    consecutive rows attended as folded chunks), beside decode rows or alone, against the
+    eager model with the paged kernel over the span."""
+    model = _model(2, "q4_1")
+    eager, fused = _attention(model), _attention(model)
+    if eager.decode_kernel is None:
+        pytest.skip("paged decode kernel unavailable")
+    step = DecodeStep.build(model, fused)
+    assert step is not None, unavailable_reason("decode_step")
+    gen = torch.Generator().manual_seed(rows)
+    fused.k_cache.copy_(torch.randn(eager.k_cache.shape, generator=gen))
+    fused.v_cache.copy_(torch.randn(eager.v_cache.shape, generator=gen))
+    eager.k_cache.copy_(fused.k_cache)
+    eager.v_cache.copy_(fused.v_cache)
+    meta, positions = _tail_meta(37, rows, gen, decode_lens)
+    ids = torch.randint(0, 512, (len(positions),), generator=gen)
+    as_rows = as_decode_rows(meta, positions)
+    assert as_rows is not None and as_rows.num_decodes == len(positions)
+    assert as_rows.decode_context_lens.tolist() == (positions + 1).tolist()
+
+    eager.metadata = meta
+    expected = model(ids, positions, eager)
+    got = step(ids, positions, as_rows)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    for mine, theirs in ((fused.k_cache, eager.k_cache), (fused.v_cache, eager.v_cache)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-3)
+
+
+def test_only_short_tails_over_a_cached_prefix_become_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    meta, positions = _tail_meta(10, ONE_OP_TAIL_ROWS + 1, gen)
+    assert as_decode_rows(meta, positions) is None  # too long: the eager path
+    meta, positions = _tail_meta(10, 4, gen)
+    meta.prefills[0].block_table = None  # nothing cached before: a whole prompt
+    assert as_decode_rows(meta, positions) is None
+
+
+def test_embedded_model_prefix_hit_gives_the_uncached_greedy_tokens(
+    embedded_gguf_path: object,
+) -> None:
+    """The same chat prompt again (its prefix cached, its tail through the op) generates the
+    tokens it generated uncached, and those of the eager path over the cached prefix."""
+    llm = LLM(str(embedded_gguf_path))
+    runner = llm.core.runner
+    if runner.decode_step is None:
+        pytest.skip("the decode step op is unavailable here")
+    prompt = [{"role": "user", "content": " ".join(["the river and the stone"] * 30)}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cold = llm.generate(prompt, params)[0]
+    hit = llm.generate(prompt, params)[0]
+    assert hit.num_cached_tokens > 0
+    step, runner.decode_step = runner.decode_step, None
+    try:
+        eager = llm.generate(prompt, params)[0]
+    finally:
+        runner.decode_step = step
+    assert hit.completions[0].token_ids == cold.completions[0].token_ids
+    assert eager.completions[0].token_ids == cold.completions[0].token_ids

@@ -46,7 +46,10 @@ def _acts(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", [Q8_0, Q4_1])
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize(("n", "k", "m"), [(960, 576, 1), (70, 64, 3), (129, 1536, 5),
-                                           (200, 576, 17), (64, 96, 64)])
+                                           (200, 576, 17), (64, 96, 64),
+                                           # groups of 4 rows (AVX2): whole, partial, passes
+                                           (130, 576, 4), (67, 1536, 8), (96, 64, 7),
+                                           (65, 576, 16), (33, 96, 21), (40, 64, 36)])
 def test_kernel_matches_the_torch_reference(
     ops: object, qtype: int, bits: int, n: int, k: int, m: int
 ) -> None:

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 #: per layer (`tokenyard bench micro`'s prefix-hit case measures both paths side by
 #: side). 16 is not tuned: longer tails were not measured.
 KERNEL_TAIL_ROWS = 16
+#: Where the model has the one-op decode step (models/decode_step.py), a step whose spans
+#: are all tails over a cached prefix of at most this many rows runs through it instead,
+#: each tail token a row with its own context length (`as_decode_rows`): the same kernels
+#: without ~25 dispatched torch ops a layer. 0 turns it off (the eager path above).
+ONE_OP_TAIL_ROWS = KERNEL_TAIL_ROWS
 
 
 def lazy_zeros(
@@ -226,6 +231,40 @@ class PagedAttention:
             mask = visible[:, None, None, :].to(meta.decode_block_tables.device)
         self._window_masks[window] = mask
         return mask
+
+
+def as_decode_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata | None:
+    """The step as decode rows for the one-op step (kernels/decode_step.cpp), or None.
+
+    Every prefill span must be a tail of at most `ONE_OP_TAIL_ROWS` rows over a cached
+    prefix, and decode rows (if any) must carry context lengths (the CPU kernel path).
+    Each tail token becomes a row with its sequence's block table and its own context
+    length, position + 1 (a decode row's too): the op attends consecutive rows of one
+    sequence together, reading the cached blocks once per chunk.
+    """
+    spans = meta.prefills
+    if not spans or any(s.block_table is None or s.num_tokens > ONE_OP_TAIL_ROWS
+                        for s in spans):
+        return None
+    nd = meta.num_decodes
+    if nd and (meta.decode_context_lens is None or meta.decode_block_tables is None):
+        return None
+    widths = [int(s.block_table.shape[0]) for s in spans if s.block_table is not None]
+    if meta.decode_block_tables is not None:
+        widths.append(int(meta.decode_block_tables.shape[1]))
+    tables = torch.zeros(len(positions), max(widths), dtype=torch.long)
+    if nd:
+        assert meta.decode_block_tables is not None
+        tables[:nd, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+    for span in spans:
+        assert span.block_table is not None
+        tables[span.start:span.start + span.num_tokens, : span.block_table.shape[0]] = \
+            span.block_table
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping, num_decodes=len(positions),
+        decode_block_tables=tables, decode_mask=None, prefills=[],
+        decode_context_lens=positions + 1,
+    )
 
 
 def _kernel_rows(span: PrefillSpan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,12 @@ from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.decode_step import DecodeStep
 from tokenyard.engine.models.loader import CausalLM
-from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
+from tokenyard.engine.paged_attention import (
+    AttentionMetadata,
+    PagedAttention,
+    PrefillSpan,
+    as_decode_rows,
+)
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.sample.grammar import fill_bitmask
@@ -118,8 +123,13 @@ class ModelRunner:
             input_ids[list(rows)] = torch.tensor(
                 [self._last_sampled[i] for i in ids], dtype=torch.long, device=self.device
             )
-        if self.decode_step is not None and meta.num_decodes == len(prepared.positions):
-            hidden = self.decode_step(input_ids, prepared.positions, meta)
+        # Pure decode steps, and tails over a cached prefix as decode rows: the one op.
+        one_op: AttentionMetadata | None = None
+        if self.decode_step is not None:
+            one_op = (meta if meta.num_decodes == len(prepared.positions)
+                      else as_decode_rows(meta, prepared.positions))
+        if self.decode_step is not None and one_op is not None:
+            hidden = self.decode_step(input_ids, prepared.positions, one_op)
         else:
             self.attention.metadata = meta
             hidden = self.model(input_ids, prepared.positions, self.attention)

@@ -138,6 +138,23 @@ inline void axpy(float* acc, float w, const T* v, int64_t n) {
   for (; d < n; ++d) acc[d] += w * load1(v + d);
 }
 
+// max(p[:n]) (-inf when n = 0), eight lanes at a time.
+inline float max_of(const float* p, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#if TY_AVX2
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(p);
+    for (t = 8; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  }
+#endif
+  for (; t < n; ++t) m = std::max(m, p[t]);
+  return m;
+}
+
 // p[:n] = exp(p[:n] - m); returns the sum.
 inline float exp_sub_sum(float* p, float m, int64_t n) {
   int64_t t = 0;
@@ -161,6 +178,13 @@ inline float exp_sub_sum(float* p, float m, int64_t n) {
 
 
 #if TY_AVX2
+// Asks for the cache lines of a row of n elements (into L2 and up).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+
 // Sums of each of 8 vectors, as one vector: out[j] = sum(a[j]).
 inline __m256 reduce8(const __m256* a) {
   const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
@@ -255,8 +279,17 @@ inline void attend_items(int64_t begin, int64_t end, const float* qp, const T* k
     int64_t t = 0;
 #if TY_AVX2
     if (D % 8 == 0) {
-      for (; t + 8 <= ctx; t += 8)
+      for (; t + 8 <= ctx; t += 8) {
+        // The rows 16 keys on (K now, V for pass 3) start coming in while these compute:
+        // a cached context is read from memory once, in the first of its passes.
+        if (t + 24 <= ctx) {
+          for (int64_t j = 16; j < 24; ++j) {
+            prefetch_row(krows[t + j], D);
+            prefetch_row(vrows[t + j], D);
+          }
+        }
         for (int64_t g = 0; g < G; ++g) dot8(qs.data() + g * D, krows.data() + t, D, scores.data() + g * max_ctx + t);
+      }
     }
 #endif
     for (; t < ctx; ++t)
@@ -268,9 +301,7 @@ inline void attend_items(int64_t begin, int64_t end, const float* qp, const T* k
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores.data() + g * max_ctx;
       const int64_t seen = ctx - (tail - 1 - g / G1);
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t u = 0; u < seen; ++u) m = std::max(m, s[u]);
-      inv[g] = 1.0f / exp_sub_sum(s, m, seen);
+      inv[g] = 1.0f / exp_sub_sum(s, max_of(s, seen), seen);
       std::fill(s + seen, s + ctx, 0.f);
     }
     // Pass 3: weighted sum of V.

@@ -7,12 +7,19 @@
 // (quant_core.h, attention_core.h), so this op computes what the eager torch path
 // computes op by op (models/llama.py with PagedAttention), without ~25 dispatched ops a
 // layer between them. The matmuls and the attention are parallel over output rows and
-// (row, kv head) items with at::parallel_for; the element-wise work is small and serial.
+// (chunk, kv head) items with at::parallel_for; the element-wise work is small and serial.
+//
+// A row is one token with its own context length, so a prompt's tail over its cached
+// prefix (a prefix-cache hit) runs here too, each tail token a row: consecutive rows of
+// one sequence (the same blocks, positions and lengths one apart) are attended as chunks
+// whose positions fold into the kv heads' query groups (attention_core.h's `tail`), so a
+// cached K/V row is read once per chunk, not once per row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -64,6 +71,47 @@ void add_bias(float* y, const at::Tensor& bias, int64_t M, int64_t N) {
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+// Rows [first, first + rows) attended as one folded row (their query positions in the kv
+// heads' query groups), the last row's block table and context length standing for all.
+struct Chunk {
+  int64_t first, rows;
+};
+
+// Runs of rows of one sequence at consecutive positions, each cut into chunks: two when
+// its length is even (the work items are (chunk, kv head): with 3 kv heads one chunk
+// would leave a second thread a third of the work; paged_attention._tail_chunks cuts the
+// eager path's tails alike), else one. A decode row is a chunk of one.
+std::vector<Chunk> fold_chunks(const int64_t* tables, const int64_t* lens, const int64_t* pos,
+                               int64_t M, int64_t W, int64_t BS) {
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < M;) {
+    int64_t j = i + 1;
+    while (j < M && lens[j] == lens[j - 1] + 1 && pos[j] == pos[j - 1] + 1 &&
+           std::equal(tables + (j - 1) * W, tables + (j - 1) * W + (lens[j - 1] + BS - 1) / BS,
+                      tables + j * W))
+      ++j;
+    const int64_t n = j - i, parts = n % 2 == 0 ? 2 : 1;
+    for (int64_t p = 0; p < parts; ++p) chunks.push_back({i + p * (n / parts), n / parts});
+    i = j;
+  }
+  return chunks;
+}
+
+// A chunk's queries [rows][H][D] -> its folded row [KVH][rows][G1][D] (G1 = H / KVH),
+// or back (to_folded false).
+void fold(const float* src, int64_t rows, int64_t H, int64_t KVH, int64_t D, float* dst,
+          bool to_folded) {
+  const int64_t G1 = H / KVH;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      const int64_t plain = (r * H + kvh * G1) * D, folded = ((kvh * rows + r) * G1) * D;
+      if (to_folded)
+        std::copy_n(src + plain, G1 * D, dst + folded);
+      else
+        std::copy_n(src + folded, G1 * D, dst + plain);
+    }
+}
+
 void check_float(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                   t.numel() == numel,
@@ -71,7 +119,9 @@ void check_float(const at::Tensor& t, int64_t numel, const char* what) {
               " values");
 }
 
-// Final-normed hidden states [M, hidden] of M decode tokens (one per sequence).
+// Final-normed hidden states [M, hidden] of M tokens, each a row with its own context: one
+// per sequence (a decode step), or a few consecutive ones of a sequence whose earlier
+// tokens are cached (a prompt's tail; its rows' k/v are all written before any attends).
 //   x: [M, hidden] embeddings; norms: 2 per layer (input, post-attention) then the final
 //   norm; weights / qtypes: 4 per layer (qkv, o, gate_up, down) as quant_matmul takes
 //   them; biases: 2 per layer (qkv, o; empty when none); qk_norms: 1 per layer
@@ -155,6 +205,9 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   std::vector<float> x(static_cast<size_t>(M * Hd)), h(x.size()), y(x.size());
   std::vector<float> qkv(static_cast<size_t>(M * QKV)), q(static_cast<size_t>(M * H * D));
   std::vector<float> attn(q.size()), gu(static_cast<size_t>(M * 2 * I)), act(static_cast<size_t>(M * I));
+  std::vector<float> qf(q.size()), af(q.size());  // queries and outputs of folded chunks
+  const std::vector<Chunk> chunks = fold_chunks(tp, lp, pp, M, W, BS);
+  const int64_t n_chunks = static_cast<int64_t>(chunks.size());
   std::copy_n(x_in.contiguous().data_ptr<float>(), M * Hd, x.data());
   const float eps = static_cast<float>(eps_in);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -188,10 +241,16 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
           tyk::store_row(vl + slot + hh * D, row + (H + KVH + hh) * D, D);
         }
       }
-      at::parallel_for(0, M * KVH, 1, [&](int64_t begin, int64_t end) {
-        tyk::attend_items(begin, end, q.data(), kl, vl, tp, lp, H, KVH, D, BS, W, max_ctx, scale,
-                          attn.data());
+      for (const Chunk& c : chunks) fold(&q[c.first * H * D], c.rows, H, KVH, D, &qf[c.first * H * D], true);
+      at::parallel_for(0, n_chunks * KVH, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const Chunk& c = chunks[item / KVH];
+          const int64_t kvh = item % KVH, last = c.first + c.rows - 1, off = c.first * H * D;
+          tyk::attend_items(kvh, kvh + 1, &qf[off], kl, vl, tp + last * W, lp + last,
+                            H * c.rows, KVH, D, BS, W, max_ctx, scale, &af[off], c.rows);
+        }
       });
+      for (const Chunk& c : chunks) fold(&af[c.first * H * D], c.rows, H, KVH, D, &attn[c.first * H * D], false);
       matmul(attn.data(), M, H * D, weights[4 * l + 1], qtypes[4 * l + 1], act_bits, y.data());
       add_bias(y.data(), biases[2 * l + 1], M, Hd);
       for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];

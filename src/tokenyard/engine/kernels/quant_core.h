@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -199,44 +200,172 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const T* const* xq, const flo
 #endif
 }
 
-// Activation rows that share one unpacked weight block per pass: a prefill's tail of 5-6
-// rows is one pass, not 4 + the rest (one pass of 8 rows measured slower
-// than 4 + 4 on AVX2).
+#if TY_AVX2
+// out[4g + r] = dot(weight row w, activation row 4g + r) for G groups of 4 activation rows,
+// the last group holding `last` (1..4) rows. Each block's integer dot products are summed
+// across their lanes first (exact: hadd puts row r's partial sums in lanes r and r + 4),
+// so a block costs one conversion and one multiply-add per 4 rows, where dot_rows spends
+// them per row and keeps a register per row: up to 12 rows share each unpacked weight
+// block here without spilling.
+// sd / ss [nb][G][8]: the rows' activation scales d (lanes 4g..4g+3 twice) and, for Q4_1,
+// d * sum(q) (low four lanes; zeros above and for missing rows), from `group_scales`.
+template <int G, int64_t QT, typename T>
+inline void dot_groups(const uint8_t* w, int64_t nb, const T* const* xq, int last,
+                       const float* sd, const float* ss, float* out) {
+  constexpr int64_t BB = QT == Q8_0 ? 34 : 20;
+  constexpr bool S = QT == Q8_0;
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    const __m256 dw = _mm256_set1_ps(fp16_to_fp32(blk));
+    const __m256i wv = S ? q8_0_values(blk) : q4_1_values(blk);
+    const float* sdb = sd + b * G * 8;
+    const int64_t o = b * QK;
+    for (int g = 0; g < G; ++g) {
+      const T* const* x = xq + 4 * g;
+      __m256i p01, p23;
+      if (g < G - 1 || last == 4) {
+        p01 = _mm256_hadd_epi32(block_dot(wv, S, x[0] + o), block_dot(wv, S, x[1] + o));
+        p23 = _mm256_hadd_epi32(block_dot(wv, S, x[2] + o), block_dot(wv, S, x[3] + o));
+      } else {
+        p01 = _mm256_hadd_epi32(block_dot(wv, S, x[0] + o),
+                                last > 1 ? block_dot(wv, S, x[1] + o) : zero);
+        p23 = last > 2 ? _mm256_hadd_epi32(block_dot(wv, S, x[2] + o), zero) : zero;
+      }
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(p01, p23));
+      acc[g] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, _mm256_loadu_ps(sdb + g * 8)), acc[g]);
+    }
+    if (QT == Q4_1) {
+      const __m256 mw = _mm256_set1_ps(fp16_to_fp32(blk + 2));
+      const float* ssb = ss + b * G * 8;
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(ssb + g * 8), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m128 lanes = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
+    _mm_storeu_ps(out + 4 * g, lanes);
+  }
+}
+#endif
+
+// Up to this many activation rows share one unpacked weight block per pass of dot_rows
+// (1-3, 5 or 6 rows with AVX2; any number without).
 constexpr int MAX_ROWS_PASS = 6;
 
+// Rows [m0, m0 + rows) against weight rows [n0, n1) in passes of dot_rows, spread evenly
+// over the passes (8 rows are 4 + 4, not 6 + 2).
 template <int64_t QT, typename T>
-void matmul_rows(const uint8_t* wp, int64_t row_bytes, int64_t nb, int64_t K, int64_t M,
-                 int64_t N, const T* xq, const float* xd, const float* xs, float* op,
-                 int64_t begin, int64_t end) {
+void rows_in_passes(const uint8_t* wp, int64_t row_bytes, int64_t nb, int64_t K, int64_t m0,
+                    int64_t rows_in, int64_t N, const T* xq, const float* xd, const float* xs,
+                    float* op, int64_t n0, int64_t n1) {
   const T* q[MAX_ROWS_PASS];
   const float* d[MAX_ROWS_PASS];
   const float* s[MAX_ROWS_PASS];
   float res[MAX_ROWS_PASS];
-  for (int64_t n0 = begin; n0 < end; n0 += ROW_TILE) {
-    const int64_t n1 = std::min(end, n0 + ROW_TILE);
-    const int64_t passes = (M + MAX_ROWS_PASS - 1) / MAX_ROWS_PASS;
-    for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
-      // Rows spread evenly over the passes: 8 rows are 4 + 4, not 6 + 2.
-      const int rows = static_cast<int>((M - m0 + passes - pass - 1) / (passes - pass));
-      for (int r = 0; r < rows; ++r) {
-        q[r] = xq + (m0 + r) * K;
-        d[r] = xd + (m0 + r) * nb;
-        s[r] = xs + (m0 + r) * nb;
+  const int64_t end_row = m0 + rows_in;
+  const int64_t passes = (rows_in + MAX_ROWS_PASS - 1) / MAX_ROWS_PASS;
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const int rows = static_cast<int>((end_row - m0 + passes - pass - 1) / (passes - pass));
+    for (int r = 0; r < rows; ++r) {
+      q[r] = xq + (m0 + r) * K;
+      d[r] = xd + (m0 + r) * nb;
+      s[r] = xs + (m0 + r) * nb;
+    }
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = wp + n * row_bytes;
+      switch (rows) {
+        case 6: dot_rows<6, QT, T>(wr, nb, q, d, s, res); break;
+        case 5: dot_rows<5, QT, T>(wr, nb, q, d, s, res); break;
+        case 4: dot_rows<4, QT, T>(wr, nb, q, d, s, res); break;
+        case 3: dot_rows<3, QT, T>(wr, nb, q, d, s, res); break;
+        case 2: dot_rows<2, QT, T>(wr, nb, q, d, s, res); break;
+        default: dot_rows<1, QT, T>(wr, nb, q, d, s, res); break;
       }
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* wr = wp + n * row_bytes;
-        switch (rows) {
-          case 6: dot_rows<6, QT, T>(wr, nb, q, d, s, res); break;
-          case 5: dot_rows<5, QT, T>(wr, nb, q, d, s, res); break;
-          case 4: dot_rows<4, QT, T>(wr, nb, q, d, s, res); break;
-          case 3: dot_rows<3, QT, T>(wr, nb, q, d, s, res); break;
-          case 2: dot_rows<2, QT, T>(wr, nb, q, d, s, res); break;
-          default: dot_rows<1, QT, T>(wr, nb, q, d, s, res); break;
-        }
-        for (int r = 0; r < rows; ++r) op[(m0 + r) * N + n] = res[r];
+      for (int r = 0; r < rows; ++r) op[(m0 + r) * N + n] = res[r];
+    }
+    m0 += rows;
+  }
+}
+
+#if TY_AVX2
+// Rows a pass of dot_groups takes at most (16 in one pass measured slower than 8 + 8).
+constexpr int64_t MAX_GROUP_ROWS = 12;
+
+// The scales of rows [m0, m0 + rows) as dot_groups reads them: sd / ss [nb][G][8],
+// G = ceil(rows / 4), zeros for the missing rows of the last group.
+inline void group_scales(const float* xd, const float* xs, int64_t nb, int64_t m0,
+                         int64_t rows, float* sd, float* ss) {
+  const int64_t G = (rows + 3) / 4;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < 4; ++r) {
+        const int64_t i = (b * G + g) * 8 + r, m = m0 + 4 * g + r;
+        const bool real = 4 * g + r < rows;
+        sd[i] = sd[i + 4] = real ? xd[m * nb + b] : 0.f;
+        ss[i] = real ? xs[m * nb + b] : 0.f;
+        ss[i + 4] = 0.f;
       }
+}
+#endif
+
+// out rows [begin, end) of x[M, K] @ W^T: weight rows in tiles of ROW_TILE kept hot while
+// the activation rows pass over them. With AVX2, 4 or 8 rows or more than 6 go in passes
+// of up to 12 (spread evenly, each a multiple of 4 but the last) through dot_groups;
+// otherwise passes of dot_rows.
+template <int64_t QT, typename T>
+void matmul_rows(const uint8_t* wp, int64_t row_bytes, int64_t nb, int64_t K, int64_t M,
+                 int64_t N, const T* xq, const float* xd, const float* xs, float* op,
+                 int64_t begin, int64_t end) {
+#if TY_AVX2
+  // Rows that one pass of dot_rows takes (up to 6) stay there unless they make whole
+  // groups: a partial group costs more than dot_rows's per-row work (M = 5 measured).
+  if (M % 4 == 0 || M > MAX_ROWS_PASS) {
+    // (first row, rows) of each pass.
+    std::vector<std::pair<int64_t, int64_t>> passes;
+    const int64_t n_passes = (M + MAX_GROUP_ROWS - 1) / MAX_GROUP_ROWS;
+    for (int64_t m0 = 0, p = 0; m0 < M; ++p) {
+      const int64_t even = (M - m0 + n_passes - p - 1) / (n_passes - p);
+      const int64_t rows = std::min(M - m0, (even + 3) / 4 * 4);
+      passes.emplace_back(m0, rows);
       m0 += rows;
     }
+    std::vector<int64_t> scale_off;  // where each pass's scales start in sd / ss
+    int64_t scale_len = 0;
+    for (const auto& pass : passes) {
+      scale_off.push_back(scale_len);
+      scale_len += (pass.second + 3) / 4 * 8 * nb;
+    }
+    std::vector<float> sd(static_cast<size_t>(scale_len)), ss(sd.size());
+    for (size_t p = 0; p < passes.size(); ++p)
+      group_scales(xd, xs, nb, passes[p].first, passes[p].second, &sd[scale_off[p]], &ss[scale_off[p]]);
+    const T* q[MAX_GROUP_ROWS];
+    float res[MAX_GROUP_ROWS];
+    for (int64_t n0 = begin; n0 < end; n0 += ROW_TILE) {
+      const int64_t n1 = std::min(end, n0 + ROW_TILE);
+      for (size_t p = 0; p < passes.size(); ++p) {
+        const auto [m0, rows] = passes[p];
+        const int G = static_cast<int>((rows + 3) / 4), last = static_cast<int>(rows - 4 * (G - 1));
+        for (int64_t r = 0; r < rows; ++r) q[r] = xq + (m0 + r) * K;
+        const float* sdp = &sd[scale_off[p]];
+        const float* ssp = &ss[scale_off[p]];
+        for (int64_t n = n0; n < n1; ++n) {
+          const uint8_t* wr = wp + n * row_bytes;
+          switch (G) {
+            case 3: dot_groups<3, QT, T>(wr, nb, q, last, sdp, ssp, res); break;
+            case 2: dot_groups<2, QT, T>(wr, nb, q, last, sdp, ssp, res); break;
+            default: dot_groups<1, QT, T>(wr, nb, q, last, sdp, ssp, res); break;
+          }
+          for (int64_t r = 0; r < rows; ++r) op[(m0 + r) * N + n] = res[r];
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t n0 = begin; n0 < end; n0 += ROW_TILE) {
+    rows_in_passes<QT, T>(wp, row_bytes, nb, K, 0, M, N, xq, xd, xs, op, n0, std::min(end, n0 + ROW_TILE));
   }
 }
 

@@ -10,8 +10,10 @@
 // Each block's dot product is an integer one (AVX2: maddubs + madd for int8, madd for
 // int16), scaled by the two scales in float (FMA); for Q4_1 the weight's offset adds
 // m * d_x * sum(q_x), kept per activation block. Work is split over output rows
-// (at::parallel_for, torch's intra-op threads); up to 6 activation rows share each
-// unpacked weight block. Without AVX2/FMA/F16C a scalar path computes the same.
+// (at::parallel_for, torch's intra-op threads); with AVX2 up to 12 activation rows (in
+// groups of 4 whose integer sums are reduced together, quant_core.h's dot_groups) share
+// each unpacked weight block, and 1-3, 5 or 6 rows take one pass of dot_rows. Without
+// AVX2/FMA/F16C a scalar path computes the same.
 // Registered as torch ops (torch.ops.tokenyard_quant.*) with the light ATen headers
 // only: torch/extension.h would quadruple the compile time (~50 s against ~12 s here).
 #include <ATen/ops/empty.h>
