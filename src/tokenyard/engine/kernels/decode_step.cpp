@@ -205,9 +205,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   std::vector<float> x(static_cast<size_t>(M * Hd)), h(x.size()), y(x.size());
   std::vector<float> qkv(static_cast<size_t>(M * QKV)), q(static_cast<size_t>(M * H * D));
   std::vector<float> attn(q.size()), gu(static_cast<size_t>(M * 2 * I)), act(static_cast<size_t>(M * I));
-  std::vector<float> qf(q.size()), af(q.size());  // queries and outputs of folded chunks
   const std::vector<Chunk> chunks = fold_chunks(tp, lp, pp, M, W, BS);
   const int64_t n_chunks = static_cast<int64_t>(chunks.size());
+  // Queries and outputs of folded chunks (none in a step of decode rows only).
+  std::vector<float> qf(n_chunks < M ? q.size() : 0), af(qf.size());
   std::copy_n(x_in.contiguous().data_ptr<float>(), M * Hd, x.data());
   const float eps = static_cast<float>(eps_in);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -241,16 +242,23 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
           tyk::store_row(vl + slot + hh * D, row + (H + KVH + hh) * D, D);
         }
       }
-      for (const Chunk& c : chunks) fold(&q[c.first * H * D], c.rows, H, KVH, D, &qf[c.first * H * D], true);
-      at::parallel_for(0, n_chunks * KVH, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t item = begin; item < end; ++item) {
-          const Chunk& c = chunks[item / KVH];
-          const int64_t kvh = item % KVH, last = c.first + c.rows - 1, off = c.first * H * D;
-          tyk::attend_items(kvh, kvh + 1, &qf[off], kl, vl, tp + last * W, lp + last,
-                            H * c.rows, KVH, D, BS, W, max_ctx, scale, &af[off], c.rows);
-        }
-      });
-      for (const Chunk& c : chunks) fold(&af[c.first * H * D], c.rows, H, KVH, D, &attn[c.first * H * D], false);
+      if (n_chunks == M) {  // decode rows only: (row, kv head) items, nothing to fold
+        at::parallel_for(0, M * KVH, 1, [&](int64_t begin, int64_t end) {
+          tyk::attend_items(begin, end, q.data(), kl, vl, tp, lp, H, KVH, D, BS, W, max_ctx,
+                            scale, attn.data());
+        });
+      } else {
+        for (const Chunk& c : chunks) fold(&q[c.first * H * D], c.rows, H, KVH, D, &qf[c.first * H * D], true);
+        at::parallel_for(0, n_chunks * KVH, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t item = begin; item < end; ++item) {
+            const Chunk& c = chunks[item / KVH];
+            const int64_t kvh = item % KVH, last = c.first + c.rows - 1, off = c.first * H * D;
+            tyk::attend_items(kvh, kvh + 1, &qf[off], kl, vl, tp + last * W, lp + last,
+                              H * c.rows, KVH, D, BS, W, max_ctx, scale, &af[off], c.rows);
+          }
+        });
+        for (const Chunk& c : chunks) fold(&af[c.first * H * D], c.rows, H, KVH, D, &attn[c.first * H * D], false);
+      }
       matmul(attn.data(), M, H * D, weights[4 * l + 1], qtypes[4 * l + 1], act_bits, y.data());
       add_bias(y.data(), biases[2 * l + 1], M, Hd);
       for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
