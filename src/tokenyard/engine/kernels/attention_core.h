@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "simd.h"
@@ -235,6 +236,15 @@ inline void weighted_sum32(const float* const* p, int64_t ctx, const T* const* r
 }
 #endif
 
+// An uninitialised buffer of n elements (std::vector would zero it).
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> p;
+  explicit Scratch(size_t n) : p(new T[n]) {}
+  T* data() { return p.get(); }
+  T& operator[](size_t i) { return p[i]; }
+};
+
 // Work items [begin, end) of N * KVH (decode row, kv head): out[i, h] for the heads of the
 // item's query group. q [N, H, D] and out [N, H, D] contiguous; caches
 // [num_blocks, BS, KVH, D]; tables [N, max_blocks]; lens [N]; max_ctx = max(lens).
@@ -251,12 +261,14 @@ inline void attend_items(int64_t begin, int64_t end, const float* qp, const T* k
   const int64_t G1 = G / tail;  // the model's query group; G = tail * G1 (see below)
   const int64_t tok_stride = KVH * D;     // between tokens of a block
   const int64_t blk_stride = BS * KVH * D;  // between blocks
-  std::vector<float> scores(static_cast<size_t>(G * max_ctx));
+  // Written before read (scores up to each item's context), so left uninitialised:
+  // zeroing G * max_ctx floats per call cost a tail's step ~1 % in memset.
+  Scratch<float> scores(static_cast<size_t>(G * max_ctx));
   std::vector<float> acc(static_cast<size_t>(G * D));
   std::vector<float> qs(static_cast<size_t>(G * D));
   std::vector<float> inv(static_cast<size_t>(G));
-  std::vector<const T*> krows(static_cast<size_t>(max_ctx));
-  std::vector<const T*> vrows(static_cast<size_t>(max_ctx));
+  Scratch<const T*> krows(static_cast<size_t>(max_ctx));
+  Scratch<const T*> vrows(static_cast<size_t>(max_ctx));
   std::vector<const float*> prow(static_cast<size_t>(G));
   std::vector<float*> orow(static_cast<size_t>(G));
   for (int64_t item = begin; item < end; ++item) {

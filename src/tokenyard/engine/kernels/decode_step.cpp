@@ -250,11 +250,14 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
       } else {
         for (const Chunk& c : chunks) fold(&q[c.first * H * D], c.rows, H, KVH, D, &qf[c.first * H * D], true);
         at::parallel_for(0, n_chunks * KVH, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t item = begin; item < end; ++item) {
+          // The thread's items of each chunk in one call (its kv heads kvh0..kvh1).
+          for (int64_t item = begin; item < end;) {
             const Chunk& c = chunks[item / KVH];
-            const int64_t kvh = item % KVH, last = c.first + c.rows - 1, off = c.first * H * D;
-            tyk::attend_items(kvh, kvh + 1, &qf[off], kl, vl, tp + last * W, lp + last,
+            const int64_t kvh0 = item % KVH, kvh1 = std::min(KVH, kvh0 + end - item);
+            const int64_t last = c.first + c.rows - 1, off = c.first * H * D;
+            tyk::attend_items(kvh0, kvh1, &qf[off], kl, vl, tp + last * W, lp + last,
                               H * c.rows, KVH, D, BS, W, max_ctx, scale, &af[off], c.rows);
+            item += kvh1 - kvh0;
           }
         });
         for (const Chunk& c : chunks) fold(&af[c.first * H * D], c.rows, H, KVH, D, &attn[c.first * H * D], false);
