@@ -4,11 +4,13 @@
 (RMSNorm, RoPE, the KV writes, residual adds, SiLU * up, ...), each 5-50 us on a small
 CPU: at one stream that was about half of a token's time. `kernels/decode_step.cpp` runs
 the same layer loop (the same block matmul and paged attention code) in one op. It is
-used for steps whose rows are all decodes, when every projection holds block weights
-(`--weights q8_0 / q4_1`, `auto` for a Q4 GGUF) and the KV cache is the CPU float32 one
-the paged decode kernel reads; prefills, mixed steps and every other setup (float32 or
-int8 weights, CUDA) run the eager torch path, which is the reference this op is tested
-against (tests/unit/test_decode_step.py).
+used when every projection holds block weights (`--weights q8_0 / q4_1`, `auto` for a Q4
+GGUF) and the KV cache is the CPU one the paged decode kernel reads, for steps whose rows
+are all decodes or prompt tails of at most `paged_attention.ONE_OP_TAIL_ROWS` tokens (a
+prefix-cache hit's uncached rest: each tail token a row with its own context length,
+`paged_attention.as_decode_rows`). Longer prefills, and every other setup (float32 or int8
+weights, CUDA), run the eager torch path, which is the reference this op is tested against
+(tests/unit/test_decode_step.py).
 """
 
 from __future__ import annotations
