@@ -91,7 +91,9 @@ def server() -> Iterator[Server]:
     embeddings pool (tests/e2e and tests/browser share it)."""
     from tests.e2e.conftest import running_server
 
-    with running_server(embeddings=True) as (srv, _):
+    # The batch lane at 4 lines at once (serve's default is a replica's max_num_seqs, 128):
+    # tests/e2e/test_batches.py cancels a 12-line batch mid-run and needs lines still queued.
+    with running_server(embeddings=True, env={"TOKENYARD_BATCH_CONCURRENCY": "4"}) as (srv, _):
         yield srv
 
 
