@@ -52,8 +52,9 @@ bench: venv
 # tokenyard beside llama.cpp's llama-server on the same GGUF, alternating rounds (about 15
 # minutes); the first run builds llama-server and llama-quantize into the cache (about 10
 # minutes on 2 cores, needs cmake and a C++ compiler). Then the same on a model of
-# SmolLM2-1.7B's shape with random weights (about 20 minutes; built into the cache the first
-# time: transformers, llama.cpp's converter and quantizer, a few minutes and ~5 GB of disk).
+# SmolLM2-1.7B's shape with random weights (5 rounds, about an hour; built into the cache
+# the first time: transformers, llama.cpp's converter and quantizer, a few minutes and
+# ~5 GB of disk).
 # PEERS_ARGS=--quick for a smoke run.
 PEERS_ARGS ?=
 bench-peers: venv
