@@ -88,13 +88,16 @@ class Paths:
         self.runner.decode_step = self.step
 
 
-def decoding_engine(llm: LLM, batch: int, prompt_len: int = 45) -> list[str]:
-    """Queue `batch` long greedy requests and step until each has its first token."""
+def decoding_engine(llm: LLM, batch: int, max_tokens: int, prompt_len: int = 45) -> list[str]:
+    """Queue `batch` greedy requests of `max_tokens` out (ignore_eos) and step until each
+    has its first token. `max_tokens` covers the steps to be timed, no more: the engine
+    admits a request only where the KV pool can hold its whole length (a 1.7B model's
+    pool holds a few thousand tokens)."""
     vocab = llm.frontend.model_config.vocab_size
     ids = []
     for i, prompt in enumerate(random_prompts(batch, prompt_len, prompt_len, vocab, seed=7)):
         request_id = f"profile-{batch}-{i}"
-        llm.frontend.add_request(request_id, prompt, greedy(100_000))
+        llm.frontend.add_request(request_id, prompt, greedy(max_tokens))
         ids.append(request_id)
     started: set[str] = set()
     while len(started) < batch:
@@ -107,7 +110,9 @@ def profile_batch(
 ) -> dict[str, dict[str, float]]:
     """Per path: median step ms, mean ms of each phase, and torch ops a step."""
     core = llm.core
-    ids = decoding_engine(llm, batch)
+    # Each path's warm-up step and timed steps per round, then its profiled steps.
+    planned = len(paths.names) * (args.rounds * (args.steps + 1) + args.profiled_steps)
+    ids = decoding_engine(llm, batch, planned + 8)
     steps: dict[str, list[float]] = {name: [] for name in paths.names}
     phases: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in paths.names}
     for _ in range(args.rounds):
