@@ -48,15 +48,24 @@ def test_best_of_returns_the_n_most_likely_of_best_of_completions(
 ) -> None:
     common: dict[str, Any] = dict(model=server.model, prompt=PROMPT, max_tokens=TOKENS,
                                   temperature=1.0, seed=11, extra_body={"min_tokens": TOKENS})
-    # The same seed gives the same three completions: all of them, with their logprobs ...
-    every = client.completions.with_raw_response.create(n=3, logprobs=0, **common)
-    every_body = json.loads(every.text)
-    _valid(every_body)
-    ranked = sorted(every_body["choices"], key=lambda c: (-_cumulative(c), c["index"]))
-    # ... and the best two of them.
-    best = client.completions.with_raw_response.create(n=2, best_of=3, logprobs=0, **common)
-    body = json.loads(best.text)
-    _valid(body)
+    # The same seed gives the same three completions when both requests meet the same
+    # batches: all of them, with their logprobs, then the best two of them. The engine is
+    # not batch-invariant (nor is vLLM by default): under other traffic one greedy
+    # request's logprobs moved by up to 8e-4 with the batches it met (a Zen 5, 2026-11-27),
+    # enough to flip a sample at temperature 1, and even on an idle server the first of
+    # such requests sometimes differed from the next ones there (cause not found). So up
+    # to 3 pairs: best_of must match in one; a wrong ranking matches in none.
+    for _ in range(3):
+        every = client.completions.with_raw_response.create(n=3, logprobs=0, **common)
+        every_body = json.loads(every.text)
+        _valid(every_body)
+        ranked = sorted(every_body["choices"], key=lambda c: (-_cumulative(c), c["index"]))
+        best = client.completions.with_raw_response.create(n=2, best_of=3, logprobs=0,
+                                                           **common)
+        body = json.loads(best.text)
+        _valid(body)
+        if [c["text"] for c in body["choices"]] == [c["text"] for c in ranked[:2]]:
+            break
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert [c["text"] for c in body["choices"]] == [c["text"] for c in ranked[:2]]
     assert _cumulative(body["choices"][0]) >= _cumulative(body["choices"][1])
@@ -64,9 +73,12 @@ def test_best_of_returns_the_n_most_likely_of_best_of_completions(
     assert body["usage"]["completion_tokens"] == 3 * TOKENS
 
     # Without logprobs asked for, they rank the completions but are not returned.
-    plain = client.completions.with_raw_response.create(best_of=3, **common)
-    plain_body = json.loads(plain.text)
-    _valid(plain_body)
+    for _ in range(3):
+        plain = client.completions.with_raw_response.create(best_of=3, **common)
+        plain_body = json.loads(plain.text)
+        _valid(plain_body)
+        if plain_body["choices"][0]["text"] == ranked[0]["text"]:
+            break
     assert len(plain_body["choices"]) == 1 and plain_body["choices"][0]["logprobs"] is None
     assert plain_body["choices"][0]["text"] == ranked[0]["text"]
     assert plain_body["usage"]["completion_tokens"] == 3 * TOKENS

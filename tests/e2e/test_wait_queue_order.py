@@ -68,7 +68,10 @@ def test_queued_requests_of_one_class_finish_in_arrival_order(one_slot: Server) 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
             # A long request takes the running place, a short one the waiting place ...
-            async with session.post(url, json={**body(400), "stream": True},
+            # (the most a request may ask for, 1,024 tokens, ~5 s on a Zen 5: it must
+            # outlast the ~3.5 s below, and 400 tokens took 2 s there, the queue drained
+            # before the check; leaving the stream aborts it)
+            async with session.post(url, json={**body(1024), "stream": True},
                                     headers=headers) as running:
                 assert running.status == 200
                 await running.content.readline()
