@@ -81,6 +81,20 @@ def test_an_org_view_keeps_running_totals() -> None:
             assert view.spent(project_id) == (org, proj, len(entries))
 
 
+def test_an_org_view_forgets_free_requests() -> None:
+    # Free requests (a model without prices) settle at 0: the project's figure reaches 0
+    # and its key goes while their entries remain. Forgetting the next one raised
+    # KeyError in Billing._refresh, after the new figures were set: the view kept entries
+    # that the read already counted (spend counted twice) and never marked itself read.
+    view = _OrgView(month_spend=10, project_spend={"p1": 5})
+    for seq, cost in enumerate((0, 0, 3, 0), start=1):
+        view.settled(seq, "p1", cost)
+    view.forget_until(2)
+    assert view.spent("p1") == (13, 8, 2)
+    view.forget_until(4)
+    assert view.spent("p1") == (10, 5, 0) and view.local_by_project == {}
+
+
 def test_one_member_pools_hash_nothing_and_two_member_pools_do() -> None:
     async def scenario() -> None:
         alone = make_pool(FakeReplica("a"))

@@ -114,11 +114,13 @@ class _OrgView:
         while local and local[0][0] <= seq:
             _, project_id, cost = local.popleft()
             self.local_total -= cost
-            left = by_project[project_id] - cost
+            # A project's figure is the sum of its entries left, and a missing key is 0:
+            # after free (0-cost) requests it is gone before their entries are.
+            left = by_project.get(project_id, 0) - cost
             if left:
                 by_project[project_id] = left
             else:
-                del by_project[project_id]
+                by_project.pop(project_id, None)
 
 
 class Billing:
