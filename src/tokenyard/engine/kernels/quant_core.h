@@ -133,17 +133,43 @@ inline __m256i block_dot(__m256i w, bool w_signed, const int8_t* x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 #endif
 }
-inline __m256i block_dot(__m256i w, bool w_signed, const int16_t* x) {
-  const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
-  const __m256i w0 = w_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
-  const __m256i w1 = w_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+// A block's 32 weights widened to int16 for int16 activations: weights 0..15 and 16..31.
+struct Wide {
+  __m256i lo, hi;
+};
+inline __m256i block_dot(const Wide& w, bool, const int16_t* x) {
   const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
 #ifdef TY_DPWSSD
-  return TY_DPWSSD(TY_DPWSSD(_mm256_setzero_si256(), w0, x0), w1, x1);
+  return TY_DPWSSD(TY_DPWSSD(_mm256_setzero_si256(), w.lo, x0), w.hi, x1);
 #else
-  return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+  return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x0), _mm256_madd_epi16(w.hi, x1));
 #endif
+}
+
+// A block's weights as the row loop's block_dot takes them for activations of type T:
+// bytes for int8; for int16 widened, Q4_1's 16 bytes widened once, their low nibbles
+// then weights 0..15 and their high ones 16..31 (3 instructions where unpacking to bytes
+// and widening each half took 7; one-row decode is bound by instructions per block).
+template <int64_t QT, typename T>
+inline auto block_weights(const uint8_t* blk) {
+  if constexpr (sizeof(T) == 1) {
+    return QT == Q8_0 ? q8_0_values(blk) : q4_1_values(blk);
+  } else if constexpr (QT == Q8_0) {
+    const auto* q = reinterpret_cast<const __m128i*>(blk + 2);
+    return Wide{_mm256_cvtepi8_epi16(_mm_loadu_si128(q)), _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1))};
+  } else {
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    return Wide{_mm256_and_si256(wide, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16(wide, 4)};
+  }
+}
+
+// A Q4_1 block's scale d (lane 0) and minimum m (lane 1): its first four bytes, two fp16
+// converted in one instruction.
+inline __m128 q4_1_dm(const uint8_t* blk) {
+  uint32_t dm;
+  std::memcpy(&dm, blk, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
 }
 #endif
 
@@ -159,14 +185,15 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const T* const* xq, const flo
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BB;
-    const float dw = fp16_to_fp32(blk);
-    const __m256i wv = QT == Q8_0 ? q8_0_values(blk) : q4_1_values(blk);
+    const __m128 dm = QT == Q4_1 ? q4_1_dm(blk) : _mm_set_ss(fp16_to_fp32(blk));
+    const float dw = _mm_cvtss_f32(dm);
+    const auto wv = block_weights<QT, T>(blk);
     for (int r = 0; r < R; ++r) {
       const __m256i p = block_dot(wv, QT == Q8_0, xq[r] + b * QK);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[r][b]), acc[r]);
     }
     if (QT == Q4_1) {
-      const float mw = fp16_to_fp32(blk + 2);
+      const float mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
       for (int r = 0; r < R; ++r) mins[r] += mw * xs[r][b];
     }
   }
@@ -219,8 +246,9 @@ inline void dot_groups(const uint8_t* w, int64_t nb, const T* const* xq, int las
   const __m256i zero = _mm256_setzero_si256();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BB;
-    const __m256 dw = _mm256_set1_ps(fp16_to_fp32(blk));
-    const __m256i wv = S ? q8_0_values(blk) : q4_1_values(blk);
+    const __m128 dm = QT == Q4_1 ? q4_1_dm(blk) : _mm_set_ss(fp16_to_fp32(blk));
+    const __m256 dw = _mm256_broadcastss_ps(dm);
+    const auto wv = block_weights<QT, T>(blk);
     const float* sdb = sd + b * G * 8;
     const int64_t o = b * QK;
     for (int g = 0; g < G; ++g) {
@@ -238,7 +266,7 @@ inline void dot_groups(const uint8_t* w, int64_t nb, const T* const* xq, int las
       acc[g] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, _mm256_loadu_ps(sdb + g * 8)), acc[g]);
     }
     if (QT == Q4_1) {
-      const __m256 mw = _mm256_set1_ps(fp16_to_fp32(blk + 2));
+      const __m256 mw = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
       const float* ssb = ss + b * G * 8;
       for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(ssb + g * 8), acc[g]);
     }
