@@ -1,7 +1,7 @@
 """Admission before cost, through HTTP (issue: one owner for the request pipeline).
 
 Nothing expensive runs for a key before it may use the model and is admitted by its
-limits and its balance (gateway/run.py's order):
+limits and its balance (gateway/pipeline.py's order):
 
 - images (fetch, decode) wait for admission: a key with an empty prepaid balance gets its
   429 `insufficient_quota`, and a key without the model's scope its 403, before any image

@@ -33,8 +33,8 @@ from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import ReplicaUnauthorized
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec
+from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.served import Served
 from tokenyard.store.tables import usage_ledger
 

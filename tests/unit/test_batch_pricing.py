@@ -13,7 +13,7 @@ from tokenyard.config import ServeConfig
 from tokenyard.deployments import FleetConfigError, PriceSpec, parse_fleet
 from tokenyard.gateway.batches import BatchSettings
 from tokenyard.gateway.billing import batch_prices
-from tokenyard.gateway.pipeline import BATCH_PRIORITY, Ticket
+from tokenyard.gateway.gate import BATCH_PRIORITY, Ticket
 from tokenyard.gateway.shadow_copies import SHADOW_PRIORITY
 from tokenyard.store.money import Prices
 from tokenyard.store.records import PRIORITY_CLASSES

@@ -14,8 +14,8 @@ import pytest
 
 from tokenyard.errors import APIError
 from tokenyard.gateway.billing import Billing, Hold, Usage
+from tokenyard.gateway.gate import COMPLETED, FAILED, Gateway, Ticket
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import COMPLETED, FAILED, Gateway, Ticket
 from tokenyard.store import Database, LedgerWriter, Prices, Store
 from tokenyard.store.records import KeyContext
 from tokenyard.telemetry.timeline import Timeline

@@ -100,8 +100,8 @@ def test_engine_config_reads_the_environment_the_same_way(
 
 
 def test_the_gateway_runs_on_the_values_it_was_given(tmp_path: Path) -> None:
+    from tokenyard.gateway.gate import Gateway
     from tokenyard.gateway.limits import InProcessLimiter
-    from tokenyard.gateway.pipeline import Gateway
 
     config = ServeConfig(state_dir=tmp_path, billing_refresh_s=0.5, prices_refresh_s=30.0,
                          ledger_flush_interval_s=0.2, ledger_max_batch=7,

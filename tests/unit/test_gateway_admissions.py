@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tokenyard.gateway.billing import Billing
+from tokenyard.gateway.gate import FAILED, Gateway, RateLimitExceeded, Ticket
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import FAILED, Gateway, RateLimitExceeded, Ticket
 from tokenyard.store import Database, LedgerWriter, Store
 from tokenyard.telemetry.timeline import Timeline
 

@@ -10,8 +10,8 @@ import pytest
 
 from tokenyard.errors import APIError
 from tokenyard.gateway.billing import FLUSH_WAIT_S, Billing
+from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.redis_limits import RedisLimiter
 from tokenyard.store import (
     Database,

@@ -13,9 +13,9 @@ import pytest
 
 from tokenyard.errors import APIError
 from tokenyard.gateway.billing import Billing
+from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limit_server import LimiterUnavailable, LimitServer, SocketLimiter
 from tokenyard.gateway.limits import InProcessLimiter, Limits, RateLimited, Subject
-from tokenyard.gateway.pipeline import Gateway
 from tokenyard.store import Database, LedgerWriter, Store
 from tokenyard.telemetry.timeline import Timeline
 

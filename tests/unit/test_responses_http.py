@@ -25,8 +25,8 @@ from tokenyard.api.context import AppState
 from tokenyard.api.responses.stored import expand_previous, remember
 from tokenyard.deployments import FleetSpec
 from tokenyard.gateway.billing import Billing
+from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.routing import Router
 from tokenyard.store import Database, LedgerWriter, Scopes, Store
 

@@ -16,9 +16,9 @@ from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import overloaded
 from tokenyard.gateway.auth import KeyContext
-from tokenyard.gateway.pipeline import Ticket
+from tokenyard.gateway.gate import Ticket
+from tokenyard.gateway.pipeline import Pipeline
 from tokenyard.gateway.routing import Route, Router
-from tokenyard.gateway.run import Pipeline
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.telemetry.tracing import TraceIds
@@ -56,7 +56,7 @@ class AppState(Fleet):
 
 
 STATE: web.AppKey[AppState] = web.AppKey("tokenyard_state")
-#: The request pipeline over the state's fleet (gateway/run.py).
+#: The request pipeline over the state's fleet (gateway/pipeline.py).
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("tokenyard_pipeline", Pipeline)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 TIMELINE: web.RequestKey[Timeline] = web.RequestKey("timeline", Timeline)

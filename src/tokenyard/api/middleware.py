@@ -38,7 +38,7 @@ from tokenyard.api.sse import SSE_HEADERS
 from tokenyard.api.web import is_public
 from tokenyard.errors import APIError, body_too_large, internal_error, not_found
 from tokenyard.gateway import idempotency
-from tokenyard.gateway.pipeline import Gateway, RateLimitExceeded
+from tokenyard.gateway.gate import Gateway, RateLimitExceeded
 from tokenyard.telemetry import tracing
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.telemetry.tracing import TRACEPARENT

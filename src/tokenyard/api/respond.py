@@ -42,8 +42,8 @@ from tokenyard.api.edge import EDGE
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, internal_error
-from tokenyard.gateway.pipeline import Ticket
-from tokenyard.gateway.run import Build, Call, Generated, Run
+from tokenyard.gateway.gate import Ticket
+from tokenyard.gateway.pipeline import Build, Call, Generated, Run
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import Completion, RequestOutput
 

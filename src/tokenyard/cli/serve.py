@@ -38,8 +38,8 @@ from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
+from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
-from tokenyard.gateway.pipeline import Gateway
 from tokenyard.gateway.routing import Router
 from tokenyard.gateway.served import Served
 from tokenyard.telemetry import logs

@@ -40,8 +40,8 @@ async def run_worker(spec: WorkerSpec) -> int:
     from tokenyard.api.app import make_app
     from tokenyard.api.convert import now
     from tokenyard.cli.fleet import reload
+    from tokenyard.gateway.gate import Gateway
     from tokenyard.gateway.limits import Limiter
-    from tokenyard.gateway.pipeline import Gateway
     from tokenyard.gateway.routing import Router
 
     config = spec.serve_config()

@@ -1,5 +1,5 @@
 """What a dialect's `build` hook uses for the deployment the pipeline picked
-(`gateway/run.py`): where the request's tools go, the deployment's prepare stage, and the
+(`gateway/pipeline.py`): where the request's tools go, the deployment's prepare stage, and the
 sizes the pipeline bounds before anything is tokenized."""
 
 from __future__ import annotations

@@ -1,378 +1,418 @@
-"""The gateway's stages in request order, behind one object the HTTP routes call.
+"""The request pipeline's one owner: `Pipeline.run` takes a request already converted from
+its dialect and drives DESIGN §1's stages in order, for an HTTP route and for a caller
+without HTTP (a batch worker) alike:
 
-    authenticate (3) → [parse, template, tokenize] → authorize (4) → limit (5)
-    → billing pre-check (6) → … engine … → settle + meter (19)
+    route (9) → authorize the model (4) → cheap bounds → prepare (10: template and
+    tokenize, off the event loop when large) → authorize the context, limit, billing
+    hold (4–6) → the expensive work (images) → moderate input (8) → capture → generate
+    on the balancer (12), shadow copy, moderate output (17) → … → settle (19)
 
-A `Ticket` is what admission hands out (`admit_prompts` reserves what a request's
-prompts and their completions may use); `Gateway.settle` reads what the request's
-generations really used and how they ended, and `Gateway.finish` settles the ticket with
-it exactly once, whatever way the request ended (completed, stopped, aborted by the
-client, failed), in a task of its own so a cancelled handler cannot leave a concurrency
-slot taken.
+Nothing that costs more than a few hundred microseconds or a few kilobytes runs before
+the key may use the model, and nothing beyond bounded tokenization runs before the key is
+admitted by its limits and its balance: a text too long for the model's window in bytes
+is refused before it is tokenized; images are fetched and decoded only once admitted.
+
+What stays in the dialect (`api/`): parsing, the conversion into template messages and
+sampling parameters, the dialect's own prompt work that needs the chosen deployment (its
+`build` hook: tool messages, the template, its prefill rule, cache pins), and rendering
+what `Run` yields in the dialect's shape. The caller gets a `Run`: the started
+generations, their outputs, `settle` (what the ledger row charges, once) and `close`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
 
-from tokenyard.balancer.generation import Generation
-from tokenyard.config import ServeConfig
-from tokenyard.deployments import PriceSpec
-from tokenyard.errors import APIError, overloaded
-from tokenyard.gateway.auth import Authenticator, authorize
-from tokenyard.gateway.auth_throttle import FailedAuthThrottle
-from tokenyard.gateway.billing import Billing, Cost, Hold, Usage
-from tokenyard.gateway.limits import (
-    Admission,
-    InProcessLimiter,
-    Limiter,
-    RateLimited,
-    Subject,
+from tokenyard.balancer.generation import Generation, finished_completions, merged
+from tokenyard.errors import invalid_request
+from tokenyard.gateway.auth import KeyContext, authorize
+from tokenyard.gateway.billing import Cost
+from tokenyard.gateway.build_hooks import (
+    ToolPlacement,
+    first_user_text,
+    placed,
+    prepared,
+    text_size,
 )
-from tokenyard.gateway.requests import RequestLog
-from tokenyard.gateway.responses import StoredResponses
-from tokenyard.store.db import Database
-from tokenyard.store.ledger import LedgerWriter
-from tokenyard.store.money import Prices
-from tokenyard.store.records import KeyContext, Limits
-from tokenyard.store.repo import Store
-from tokenyard.telemetry import request_log
+from tokenyard.gateway.capture import BodyCapture
+from tokenyard.gateway.gate import Ticket
+from tokenyard.gateway.moderate import check_input, policy_for, tap
+from tokenyard.gateway.moderation import Moderator, Policy
+from tokenyard.gateway.routing import Route, conversation_key, require
+from tokenyard.gateway.served import Fleet, Served
+from tokenyard.gateway.shadow_copies import Shadows
+from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
+from tokenyard.text.content import TemplateMessage, image_parts, require_vision
+from tokenyard.text.tools import ToolUse
+from tokenyard.wire.outputs import Completion, RequestOutput
+from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.gateway")
 
-#: The scheduler's class of a batch's lines: below every live class (high, normal, low)
-#: and shadow copies, so the engine and the balancer's queue serve them last and preempt
-#: them first.
-BATCH_PRIORITY = 2
+_T = TypeVar("_T")
 
-#: How a request ended, as the ledger records it.
-COMPLETED, STOPPED, ABORTED, FAILED = "completed", "stopped", "aborted", "failed"
+#: Inputs past this many bytes of text are templated and tokenized on a worker thread,
+#: so a long prompt does not hold the event loop (and every other request) meanwhile.
+OFF_LOOP_BYTES = 16 * 1024
+
+
+class Generated(Protocol):
+    """What a dialect's renderer reads of one generation (the balancer's `Generation`)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_cached_tokens(self) -> int: ...
+
+    @property
+    def last(self) -> RequestOutput | None: ...
+
+    @property
+    def cache_writes(self) -> tuple[int, int]: ...
+
+    @property
+    def finish_reasons(self) -> list[str | None]: ...
+
+
+class LoadsImages(Protocol):
+    """The image stage (fetch, decode, re-encode), given to the pipeline by its builder."""
+
+    def __call__(self, messages: Sequence[TemplateMessage], *, model: str,
+                 vision: bool) -> Awaitable[list[TemplateMessage]]: ...
+
+
+@dataclass
+class Prepared:
+    """What a dialect's `build` makes of its request for the chosen deployment."""
+
+    #: One prompt's token ids per sequence group, and each one's fitted parameters.
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    #: The chat messages (an upstream's body, moderation's input, the images to load).
+    messages: list[TemplateMessage] | None = None
+    #: The prompt texts (a completions request to an upstream), None where token ids.
+    texts: list[str | None] | None = None
+    #: Prompt prefixes the replica keeps cached (Anthropic's cache_control).
+    pins: Sequence[Pin] = ()
+    #: Tools an upstream gets in its body (an engine sees them in its prompt).
+    passed_on: ToolUse | None = None
+    #: The request's tools as its reply is parsed for calls (wherever they went).
+    tools: ToolUse | None = None
+    #: Whatever else the dialect's build hands its renderer (completions' echo texts).
+    note: Any = None
+
+
+#: A dialect's prompt work for one deployment: tool messages, template, tokenize, fit. It
+#: may run on a worker thread (a large input), so it touches nothing but its arguments.
+Build = Callable[[Served, Timeline], Prepared]
 
 
 @dataclass(eq=False)
-class Ticket:
-    """An admitted request's claim on its key's and org's limits, until `finish`."""
+class Call:
+    """One request, converted from its dialect, on its way through the pipeline."""
 
-    key: KeyContext
-    admission: Admission
-    model: str
     endpoint: str
     request_id: str
-    prices: Prices
-    finished: bool = field(default=False)
-    #: Set by `finish`: what the request used and how it ended, and what it was charged
-    #: (None: not metered, nothing ran); the ledger row holds the same figures.
-    usage: Usage | None = None
-    status: str | None = None
-    cost: Cost | None = None
-    #: The request's maximum cost held against a prepaid balance until `finish`.
-    hold: Hold | None = None
-    #: The region of the deployment that serves it (its ledger row's).
-    region: str | None = None
-    #: The batch the request is a line of (None: live).
-    batch_id: str | None = None
-
-    @property
-    def cost_micros(self) -> int | None:
-        """What the request was billed in micros (None: not metered)."""
-        return self.cost.micros if self.cost is not None else None
-
-    @property
-    def cache_salt(self) -> str:
-        """The salt of the request's prefix-cache blocks: set here from the authenticated
-        key (its org), never from anything the client sends."""
-        return self.key.cache_salt
-
-    @property
-    def priority(self) -> int:
-        """The scheduler's class of the request (the key's, else its org's; a batch's
-        line: `BATCH_PRIORITY`)."""
-        return BATCH_PRIORITY if self.batch_id is not None else self.key.priority
+    timeline: Timeline
+    #: The model name the client asked for (a deployment or an alias).
+    model: str
+    build: Build
+    #: The authenticated key (None: served without a gateway).
+    key: KeyContext | None = None
+    capability: str = "chat"
+    #: The longest single input's text, in characters (at most its UTF-8 bytes): bounded
+    #: against the window before anything is tokenized. `param` names it in a refusal;
+    #: `bounded=False` for a request that truncates its input to fit (the Responses
+    #: API's "auto").
+    text_size: int = 0
+    param: str = "messages"
+    bounded: bool = True
+    #: The first user message's text: what a conversation's canary draw sticks to.
+    first_user_text: str | None = None
+    #: The body as received, for an org that captures bodies.
+    raw: bytes | None = None
+    #: The batch this call is a line of (None: a live request): it runs at the batch
+    #: priority, priced at the batch price, its ledger row tagged with the batch.
+    batch: str | None = None
+    # Filled in as the request goes, for the caller's summary and headers, whether or
+    # not it got through:
+    route: Route | None = None
+    served: Served | None = None
+    ticket: Ticket | None = None
+    gens: list[Generation] = field(default_factory=list)
 
 
-def outcome(gens: Sequence[Generation]) -> tuple[Usage | None, str]:
-    """What a request's generations used (None: none of them ran) and how it ended, as
-    the ledger records it: failed if any failed, aborted if any completion was cut off or
-    never finished, stopped if a stop string or stop token of the client's ended one,
-    else completed. A generation cut before its first output used what its replica
-    reported computing by the abort (`Generation.abort_report`: the prefill that ran);
-    one cut while still queued computed nothing and is not billed. (An upstream's
-    generation has no such report: getattr.)"""
-    ran = [gen for gen in gens if gen.last is not None]
-    cut = [report for gen in gens if gen.last is None
-           and (report := getattr(gen, "abort_report", None)) is not None
-           and report.num_prompt_tokens + report.num_output_tokens > 0]
-    usage = Usage(
-        prompt_tokens=sum(gen.num_prompt_tokens for gen in ran)
-        + sum(r.num_prompt_tokens for r in cut),
-        cached_tokens=sum(gen.num_cached_tokens for gen in ran)
-        + sum(r.num_cached_tokens for r in cut),
-        output_tokens=sum(gen.last.num_output_tokens for gen in ran if gen.last is not None)
-        + sum(r.num_output_tokens for r in cut),
-        cache_write_5m_tokens=sum(gen.cache_writes[0] for gen in ran),
-        cache_write_1h_tokens=sum(gen.cache_writes[1] for gen in ran),
-    ) if ran or cut else None
-    reasons = [reason for gen in gens for reason in gen.finish_reasons]
-    if any(gen.failed for gen in gens):
-        status = FAILED
-    elif "abort" in reasons or None in reasons:
-        status = ABORTED
-    elif any(isinstance(r, str) or r in gen.params.stop_token_ids
-             for gen in gens for r in gen.stop_reasons if r is not None):
-        status = STOPPED
-    else:
-        status = COMPLETED
-    return usage, status
+class Pipeline:
+    """DESIGN §1's stages over one fleet, in order; see the module's docstring."""
 
+    def __init__(self, fleet: Fleet, *, images: LoadsImages | None = None) -> None:
+        self.fleet = fleet
+        self.images = images
+        #: Set when the application starts (its classifiers load then); None: no
+        #: moderation at all.
+        self.moderator: Moderator | None = None
+        self.shadows = Shadows(fleet)
 
-def _subjects(key: KeyContext) -> list[Subject]:
-    """The key and its org, each only when it has a limit."""
-    out = []
-    for scope, sid, limits in (("key", key.key_id, key.key_limits),
-                               ("org", key.org_id, key.org_limits)):
-        if limits != Limits():
-            out.append(Subject(scope, sid, limits))
-    return out
-
-
-class Gateway:
-    """Authentication, authorization, limits, billing and metering over one store."""
-
-    def __init__(
-        self, store: Store, limiter: Limiter, billing: Billing, *, key_ttl_s: float = 1.0,
-        responses_retention_days: float = ServeConfig.responses_retention_days,
-        auth_failures_per_minute: int = 0,
-        requests: RequestLog | None = None,
-    ) -> None:
-        self.store = store
-        self.limiter = limiter
-        self.billing = billing
-        #: Request records and body capture (`GET /v1/requests/{id}`), off the path.
-        self.requests = requests if requests is not None else RequestLog(store)
-        self.auth = Authenticator(store.find_key, ttl_s=key_ttl_s)
-        #: The Responses API's stored responses (their purge runs once `open` starts it).
-        self.responses = StoredResponses(store, retention_days=responses_retention_days,
-                                         region=self.requests.region)
-        self.auth_throttle = FailedAuthThrottle(auth_failures_per_minute)
-        self._settling: set[asyncio.Task[None]] = set()
-        #: Limiter admissions taken and not yet settled back (each holds its subjects'
-        #: concurrency slots until then). Read-only figure: once traffic stops it must come
-        #: back to 0, which the reliability suite checks through the dashboard.
-        self.admissions_open = 0
-        #: Live requests (not batch lines) admitted and not finished: the batch lane
-        #: yields to them.
-        self.live_open = 0
-
-    @classmethod
-    async def open(
-        cls, database_url: str, limiter: Limiter, journal_dir: Path,
-        *, config: ServeConfig | None = None,
-    ) -> tuple[Gateway, str | None]:
-        """Open the store (migrating it), start the ledger writer (replaying what a crashed
-        gateway left in its journal) and the purge of expired stored responses, and create
-        the default org on an empty database.
-        `config` sets the caches' lifetimes and the ledger's batching (default: defaults).
-        Returns the gateway and the new development key's secret (None if not new)."""
-        config = config or ServeConfig()
-        db = await Database.open(database_url)
-        try:
-            store = Store(db)
-            ledger = LedgerWriter(db, journal_dir, config.ledger_flush_interval_s,
-                                  config.ledger_max_batch)
-            await ledger.start()
-            dev_key = await store.ensure_default_org()
-        except BaseException:
-            await db.close()
-            raise
-        billing = Billing(store, ledger, refresh_s=config.billing_refresh_s,
-                          prices_refresh_s=config.prices_refresh_s)
-        requests = RequestLog(store, config)
-        await requests.start()
-        request_log.add_observer(requests.observe)
-        gateway = cls(store, limiter, billing, key_ttl_s=config.key_cache_ttl_s,
-                      responses_retention_days=config.responses_retention_days,
-                      auth_failures_per_minute=config.auth_failures_per_minute,
-                      requests=requests)
-        gateway.responses.start()
-        return gateway, dev_key
+    def start(self) -> None:
+        self.shadows.start()
 
     async def close(self) -> None:
-        """Wait for pending settlements, flush the ledger, close everything."""
-        await self.responses.close()
-        if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
-        request_log.remove_observer(self.requests.observe)
-        await self.requests.close()
-        await self.billing.ledger.close(timeout=10.0)
-        await self.limiter.close()
-        await self.store.db.close()
+        await self.shadows.close()
 
-    async def set_prices(self, prices: Mapping[str, PriceSpec]) -> None:
-        """Write the fleet file's prices (per deployment) into the price list."""
-        for model, spec in prices.items():
-            await self.store.set_price(model, input=spec.input,
-                                       cached_input=spec.cached_input, output=spec.output)
+    # ------------------------------------------------------------------ the stages
 
-    async def authenticate(
-        self, headers: Mapping[str, str], timeline: Timeline, address: str | None = None,
-    ) -> KeyContext:
-        """The calling key; 401 for a bad one, 429 for an `address` (the TCP peer) that
-        failed too often of late (gateway/auth_throttle.py)."""
-        self.auth_throttle.check(address)
-        try:
-            key = await self.auth.authenticate(headers)
-        except APIError as err:
-            if err.status == 401:
-                self.auth_throttle.failed(address)
-            raise
-        except Exception as exc:  # the store is down: the client may retry, not a 500
-            raise _unavailable("key store", exc) from None
-        timeline.mark("authenticated")
-        return key
+    def route(self, call: Call) -> Served:
+        """Stage 9 and the model half of stage 4: the deployment that serves `call` (404
+        for an unknown name; 400 if it lacks the capability; 403 outside the key's
+        regions), which the key must be allowed to use (403) before any work is done
+        for it."""
+        fleet = self.fleet
+        key = call.key
+        router = fleet.router
+        # The conversation's point only picks among an alias's routes: no hash for a
+        # deployment named directly (most requests).
+        point = (0.0 if call.model in router.fleet.deployments
+                 else conversation_key(call.first_user_text))
+        chosen = router.resolve(call.model, point,
+                                key.allowed_regions if key is not None else None)
+        served = fleet.deployments[chosen.deployment]
+        require(served.spec, call.capability)
+        call.route, call.served = chosen, served
+        if fleet.gateway is not None and call.key is not None:
+            authorize(call.key, served.name, 0, alias=chosen.alias)
+        return served
 
-    async def admit(
-        self,
-        key: KeyContext,
-        *,
-        model: str,
-        endpoint: str,
-        request_id: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        timeline: Timeline,
-        context_tokens: int | None = None,
-        alias: str | None = None,
-        region: str | None = None,
-        batch: str | None = None,
-    ) -> Ticket:
-        """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
-        (all completions together): its scopes, its limits (reserving prompt + max_tokens
-        from the token buckets) and the billing pre-check (holding the request's maximum
-        cost against a prepaid balance until `finish`). `context_tokens`: the longest
-        single sequence (prompt + its max_tokens), which the key's context scope caps;
-        default prompt + max_tokens. `model` is the deployment; `alias`, the name the
-        client asked for, which a key's model scope may name instead; `region`, the
-        deployment's, which its ledger row records; `batch`, the batch the request is a
-        line of (priced at the batch price)."""
-        authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
-                  else context_tokens, alias=alias)
-        timeline.mark("authorized")
-        try:
-            admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens)
-        except RateLimited as refusal:
-            raise RateLimitExceeded(refusal) from None
-        except Exception as exc:  # Redis is down
-            raise _unavailable("rate limiter", exc) from None
-        self.admissions_open += 1
-        timeline.mark("limited")
-        ticket = Ticket(key, admission, model, endpoint, request_id, Prices(), region=region,
-                        batch_id=batch)
-        self.live_open += batch is None
-        try:
-            ticket.prices = (await self.billing.prices(model) if batch is None
-                             else await self.billing.batch_prices(model))
-            ticket.hold = await self.billing.reserve(
-                key, ticket.prices, Usage(prompt_tokens, 0, max_tokens))
-        except BaseException:
-            self.finish(ticket, None, FAILED)
-            raise
-        timeline.mark("prechecked")
-        return ticket
+    async def prepare(self, call: Call, served: Served) -> Prepared:
+        """Stage 10 under its cheap bound: a text that cannot fit the window whatever the
+        tokenizer makes of it (more bytes than the window's tokens can spell) is refused
+        untokenized; a large one is templated and tokenized on a worker thread."""
+        if call.bounded and served.tokenizer is not None:
+            window = served.window
+            at_least = -(-call.text_size // served.max_token_bytes)
+            if at_least > window:
+                raise invalid_request(
+                    f"This model's context window is {window} tokens, but the input has "
+                    f"{call.text_size} characters of text: at least {at_least} tokens. "
+                    "Shorten the input.", param=call.param, code="context_length_exceeded")
+        if max(call.text_size, len(call.raw or b"")) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(call.build, served, call.timeline)
+        return call.build(served, call.timeline)
 
-    async def admit_prompts(
-        self,
-        key: KeyContext,
-        *,
-        model: str,
-        endpoint: str,
-        request_id: str,
-        prompts: Sequence[Sequence[int]],
-        params: Sequence[SamplingParams],
-        timeline: Timeline,
-        alias: str | None = None,
-        region: str | None = None,
-        batch: str | None = None,
-    ) -> Ticket:
-        """`admit` for a request of `prompts`, each with its fitted `params`: it reserves
-        every prompt token and every token the n completions of each may generate, and
-        the context scope caps the longest single sequence."""
-        return await self.admit(
-            key, model=model, endpoint=endpoint, request_id=request_id,
-            prompt_tokens=sum(len(p) for p in prompts),
-            max_tokens=sum((p.max_tokens or 0) * p.n for p in params),
-            context_tokens=max(len(p) + (fp.max_tokens or 0)
-                               for p, fp in zip(prompts, params, strict=True)),
-            timeline=timeline, alias=alias, region=region, batch=batch,
+    async def admit(self, call: Call, served: Served, ready: Prepared) -> Ticket | None:
+        """Stages 4–6: the key's context scope, its limits (reserving every prompt token
+        and every token the completions may generate) and its billing hold. None without
+        a gateway."""
+        gateway = self.fleet.gateway
+        if gateway is None or call.key is None:
+            return None
+        assert call.route is not None
+        call.ticket = await gateway.admit_prompts(
+            call.key, model=served.name, endpoint=call.endpoint, request_id=call.request_id,
+            prompts=ready.prompts, params=ready.params, timeline=call.timeline,
+            alias=call.route.alias, region=call.route.region, batch=call.batch,
         )
+        return call.ticket
 
-    def settle(self, ticket: Ticket, gens: Sequence[Generation]) -> None:
-        """`finish` the ticket with what `gens` really used and how they ended."""
-        usage, status = outcome(gens)
-        self.finish(ticket, usage, status)
-
-    def finish(self, ticket: Ticket, usage: Usage | None, status: str) -> None:
-        """Settle the reservation with the real usage (None: nothing ran), release the
-        concurrency slots, and meter the request if it produced tokens. Idempotent."""
-        if ticket.finished:
-            return
-        ticket.finished = True
-        self.live_open -= ticket.batch_id is None
-        ticket.usage, ticket.status = usage, status
-        if usage is not None and (usage.output_tokens or status != FAILED):
-            record = self.billing.meter(
-                ticket.key, request_id=ticket.request_id, model=ticket.model,
-                endpoint=ticket.endpoint, status=status, usage=usage, prices=ticket.prices,
-                region=ticket.region, batch_id=ticket.batch_id,
-            )
-            ticket.cost = Cost.of(ticket.prices, usage, record.cost_micros)
-        self.billing.release(ticket.hold)  # the real cost, if any, is counted by now
-        used = usage.total_tokens if usage is not None else 0
-        if isinstance(self.limiter, InProcessLimiter):  # no I/O: settled here, no task
-            try:
-                self.limiter.settle_now(ticket.admission, used)
-            except Exception:
-                logger.exception("settling a rate-limit reservation failed")
-            finally:
-                self.admissions_open -= 1
-            return
-        task = asyncio.get_running_loop().create_task(self._settle(ticket.admission, used))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, admission: Admission, used: int) -> None:
+    async def run(self, call: Call) -> Run:
+        """Every stage up to a started generation (refusals surface here, before any
+        byte of the answer): the caller renders what the `Run` yields, then closes it."""
+        served = self.route(call)
+        ready = await self.prepare(call, served)
+        if ready.messages is not None:  # cheap: a 400 before admission, not after it
+            require_vision(ready.messages, served.name, served.vision)
+        ticket = await self.admit(call, served, ready)
         try:
-            await self.limiter.settle(admission, used)
-        except Exception:
-            logger.exception("settling a rate-limit reservation failed")
-        finally:
-            self.admissions_open -= 1
+            policy = await self._expensive(call, served, ready)
+        except BaseException:
+            self._settle(ticket, [])
+            raise
+        run = Run(self, call, served, ready, ticket, policy)
+        try:
+            # Sent together: the replica batches them; a refusal of any refuses the request.
+            await _each(run.gens, lambda gen: gen.start())
+        except BaseException:
+            await run.close()
+            raise
+        return run
+
+    async def count(self, call: Call) -> int:
+        """Anthropic's count_tokens: the prompt's length, for a key that may use the model
+        and is within its request limits (it reserves no tokens and is not billed)."""
+        served = self.route(call)
+        ready = await self.prepare(call, served)
+        if ready.messages is not None:
+            require_vision(ready.messages, served.name, served.vision)
+        gateway = self.fleet.gateway
+        if gateway is not None and call.key is not None:
+            ticket = await gateway.admit(
+                call.key, model=served.name, endpoint=call.endpoint,
+                request_id=call.request_id, prompt_tokens=0, max_tokens=0,
+                timeline=call.timeline, alias=call.route.alias if call.route else None,
+                region=call.route.region if call.route else None)
+            gateway.finish(ticket, None, "completed")
+        return len(ready.prompts[0])
+
+    async def _expensive(self, call: Call, served: Served, ready: Prepared) -> Policy:
+        """What an admitted request may cost: its images loaded, its input moderated;
+        returns its moderation policy, which its output goes through too."""
+        if ready.messages is not None and image_parts(ready.messages):
+            if self.images is None:
+                raise invalid_request("This server does not take image input.",
+                                      param=call.param)
+            ready.messages = await self.images(ready.messages, model=served.name,
+                                               vision=served.vision)
+        key = call.key
+        policy = await policy_for(
+            self.moderator, served, key.org_id if key is not None else None)
+        await check_input(self.moderator, policy, served, ready.prompts,
+                          messages=ready.messages, texts=ready.texts,
+                          request_id=call.request_id, timeline=call.timeline)
+        return policy
+
+    def _settle(self, ticket: Ticket | None, gens: Sequence[Generation]) -> None:
+        gateway = self.fleet.gateway
+        if gateway is not None and ticket is not None:
+            gateway.settle(ticket, gens)
 
 
-def _unavailable(what: str, exc: Exception) -> APIError:
-    """503 (529 on Anthropic routes) with retry-after, for a backing service that failed."""
-    logger.warning("the gateway's %s failed: %r", what, exc)
-    return overloaded(1.0, f"The gateway's {what} is unavailable; retry after a short wait.")
+class Run:
+    """An admitted request's generations, started: what the caller renders, and the one
+    place it is settled."""
+
+    def __init__(self, pipeline: Pipeline, call: Call, served: Served, ready: Prepared,
+                 ticket: Ticket | None, policy: Policy) -> None:
+        self.pipeline, self.call, self.served, self.ready = pipeline, call, served, ready
+        self.ticket = ticket
+        gateway, key = pipeline.fleet.gateway, call.key
+        self.capture = (BodyCapture(gateway.requests, call.request_id, key, call.raw or b"")
+                        if gateway is not None and key is not None
+                        and gateway.requests.capturing(key) else None)
+        self.token_bytes: Callable[[int], bytes]
+        table = None
+        if served.kind == "upstream":
+            from tokenyard.balancer.upstream_generation import TokenTable
+
+            self.token_bytes = table = TokenTable()
+        else:
+            assert served.tokenizer is not None
+            self.token_bytes = served.tokenizer.id_to_token_bytes
+        base = call.request_id
+        many = len(ready.prompts) > 1
+        gens = call.gens = [
+            _generation(served, f"{base}-{i}" if many else base, p, fp, call, ready,
+                        ready.texts[i] if ready.texts else None, table,
+                        pipeline.fleet.metrics)
+            for i, (p, fp) in enumerate(zip(ready.prompts, ready.params, strict=True))
+        ]
+        # Shadow traffic: the copy starts now, in the background (untouched without one).
+        assert call.route is not None
+        gens = pipeline.shadows.tap(
+            call.route, served, gens, base, ready.prompts, ready.params,
+            messages=ready.messages, texts=ready.texts,
+            cache_salt=ticket.cache_salt if ticket is not None else None)
+        # Output moderation: held back and checked.
+        self.gens: list[Generation] = tap(pipeline.moderator, policy, gens, base,
+                                          call.timeline)
+        self._settled = False
+
+    @property
+    def generated(self) -> Sequence[Generated]:
+        return cast(Sequence[Generated], self.gens)
+
+    @property
+    def cost(self) -> Cost | None:
+        """What the ledger row charges, once settled (None: not metered)."""
+        return self.ticket.cost if self.ticket is not None else None
+
+    async def completions(self) -> list[list[Completion]]:
+        """Every generation run to its end: each prompt's finished choices."""
+        return await _each(self.gens, finished_completions)
+
+    def watch(self) -> None:
+        """A streamed request: its captured body is built from the outputs as they go."""
+        if self.capture is not None:
+            self.capture.watch(self.gens)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every generation's outputs as they arrive, tagged with its position."""
+        outs = (_single(self.gens[0]) if len(self.gens) == 1 else merged(self.gens))
+        async for i, out in outs:
+            if self.capture is not None:
+                self.capture.add(i, out)
+            yield i, out
+
+    def settle(self) -> None:
+        """Settle the ticket with what the generations really used, once (the body or
+        the last event carries the cost the ledger row charges)."""
+        if not self._settled:
+            self._settled = True
+            self.pipeline._settle(self.ticket, self.gens)
+
+    def captured(self, body: Any) -> None:
+        """The response body the client got (or, for a stream, would have got)."""
+        if self.capture is not None:
+            self.capture.send(body)
+
+    async def close(self) -> None:
+        """Close every generation (the replica aborts what is unfinished), settle, and
+        capture the request alone if no response was."""
+        for gen in self.gens:
+            await gen.close()
+        self.settle()
+        if self.capture is not None:
+            self.capture.send(None)
 
 
-# ---------------------------------------------------------------------------- refusals
+async def _single(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for out in gen:
+        yield 0, out
 
 
-class RateLimitExceeded(APIError):
-    """429 rate_limit_exceeded with retry-after (s) and retry-after-ms; `state` is the
-    limit, remaining and reset figures, which each dialect renders as its own headers."""
+async def _each(
+    gens: Sequence[Generation], fn: Callable[[Generation], Awaitable[_T]]
+) -> list[_T]:
+    """`fn(gen)` for every generation, concurrently (no task for a lone one)."""
+    if len(gens) == 1:
+        return [await fn(gens[0])]
+    return list(await asyncio.gather(*(fn(gen) for gen in gens)))
 
-    def __init__(self, refusal: RateLimited) -> None:
-        retry = max(refusal.retry_after, 0.001)
-        headers = {"retry-after": str(max(1, math.ceil(retry))),
-                   "retry-after-ms": str(math.ceil(retry * 1000))}
-        if refusal.never_fits:
-            headers["x-should-retry"] = "false"
-        super().__init__(429, refusal.message(), code="rate_limit_exceeded", headers=headers)
-        self.state = refusal.state
+
+def _generation(
+    served: Served, request_id: str, prompt: list[int], params: SamplingParams, call: Call,
+    ready: Prepared, text: str | None, table: Any, metrics: TokenyardMetrics,
+) -> Generation:
+    """A generation on the deployment's pool for an admitted request, salted and
+    prioritised as its ticket says (without a gateway: one tenant, no salt, normal
+    priority)."""
+    ticket = call.ticket
+    salt = ticket.cache_salt if ticket is not None else None
+    priority = ticket.priority if ticket is not None else 0
+    if served.kind == "upstream":
+        from tokenyard.balancer.upstream_generation import UpstreamGeneration
+
+        return cast(Generation, UpstreamGeneration(
+            served.pool, request_id, messages=ready.messages, prompt=text, params=params,
+            model=served.spec.model or served.name, timeline=call.timeline,
+            metrics=metrics, prompt_tokens_estimate=len(prompt), tokens=table,
+            tools=ready.passed_on, cache_salt=salt,
+        ))
+    assert served.tokenizer is not None
+    return Generation(
+        served.pool, served.tokenizer, request_id, prompt, params,
+        timeline=call.timeline, metrics=metrics, cache_salt=salt, priority=priority,
+        pins=ready.pins,
+    )
+
+
+__all__ = ["Build", "Call", "Generated", "LoadsImages", "Pipeline", "Prepared", "Run",
+           "Served", "ToolPlacement", "first_user_text", "placed", "prepared", "text_size"]

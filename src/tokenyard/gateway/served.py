@@ -21,7 +21,7 @@ from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.deployments import BalancerSpec, DeploymentSpec, FleetSpec
-from tokenyard.gateway.pipeline import Gateway
+from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.routing import Router
 from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.telemetry.metrics import TokenyardMetrics

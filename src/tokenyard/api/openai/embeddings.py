@@ -22,7 +22,7 @@ from tokenyard.api.respond import json_response, new_call, note
 from tokenyard.api.schemas import RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE
 from tokenyard.gateway.embed import embed
-from tokenyard.gateway.run import Call, Pipeline, Prepared, Served
+from tokenyard.gateway.pipeline import Call, Pipeline, Prepared, Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.embeddings import EmbedResult, unpack_floats
 

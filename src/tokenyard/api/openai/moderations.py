@@ -32,6 +32,7 @@ from tokenyard.api.schemas import RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE, APIError, invalid_request, not_found
 from tokenyard.gateway.admin import AdminError
 from tokenyard.gateway.billing import Usage
+from tokenyard.gateway.gate import COMPLETED, FAILED
 from tokenyard.gateway.moderation import (
     DEFAULT_SPEC,
     Classifier,
@@ -39,7 +40,6 @@ from tokenyard.gateway.moderation import (
     Verdict,
     org_moderation,
 )
-from tokenyard.gateway.pipeline import COMPLETED, FAILED
 
 #: The local model's name, and OpenAI's model names that stand for it here.
 LOCAL_MODEL = "profanity-check"

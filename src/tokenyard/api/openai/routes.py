@@ -18,7 +18,7 @@ from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionReques
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.openai.tools import tool_messages, tool_use
 from tokenyard.api.respond import Plan, answer
-from tokenyard.gateway.run import Prepared, Run, Served, placed, prepared
+from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, prepared
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.tools import template_tools
 

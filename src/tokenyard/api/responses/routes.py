@@ -29,7 +29,7 @@ from tokenyard.api.responses.convert import (
 )
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
-from tokenyard.gateway.run import Prepared, Run, Served, placed, prepared, text_size
+from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, prepared, text_size
 from tokenyard.telemetry.timeline import Timeline
 
 logger = logging.getLogger("tokenyard.api")
