@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import ssl
@@ -131,6 +132,72 @@ class EngineConfig(Settings):
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs must be positive")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be positive (or unset: the whole budget)")
+
+
+@dataclass
+class KVEventsConfig(Settings):
+    """A replica's second KV-event publisher, in vLLM's own format (`wire/vllm_kv_events.py`)
+    for routers built for vLLM (llm-d's indexer, vLLM's router). Off unless an endpoint is
+    set. Its events carry each block's token ids, so it binds a private or loopback
+    address in plain ZMQ, or any address with CURVE keys the operator provides."""
+
+    #: The PUB socket to bind, ``tcp://<ip>:<port>`` (port ``*``: a free one, shown in
+    #: the replica's info); None: no vLLM-format events.
+    vllm_endpoint: str | None = None
+    vllm_replay_endpoint: str | None = None  # the replay ROUTER (vLLM's), optional
+    #: The first frame of every message; llm-d reads ``kv@<pod>@<model>`` from it.
+    vllm_topic: str = ""
+    #: NONE_HASH's seed: vLLM's default for sha256; set it to the PYTHONHASHSEED of a
+    #: vLLM fleet that sets one, so both name equal blocks alike.
+    vllm_hash_seed: str = "vllm-none-hash"
+    #: CURVE: this publisher's secret key (Z85, 40 characters) and the client public keys
+    #: (Z85, comma-separated) it admits; both or neither.
+    curve_secret_key: str | None = None
+    curve_client_keys: str | None = None
+
+    _ENV: ClassVar[dict[str, str]] = {
+        "vllm_endpoint": "TOKENYARD_KV_EVENTS_VLLM_ENDPOINT",
+        "vllm_replay_endpoint": "TOKENYARD_KV_EVENTS_VLLM_REPLAY_ENDPOINT",
+        "vllm_topic": "TOKENYARD_KV_EVENTS_VLLM_TOPIC",
+        "vllm_hash_seed": "TOKENYARD_KV_EVENTS_VLLM_HASH_SEED",
+        "curve_secret_key": "TOKENYARD_KV_EVENTS_CURVE_SECRET_KEY",
+        "curve_client_keys": "TOKENYARD_KV_EVENTS_CURVE_CLIENT_KEYS",
+    }
+
+    @property
+    def client_keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in (self.curve_client_keys or "").split(",") if k.strip())
+
+    def validate(self) -> None:
+        if bool(self.curve_secret_key) != bool(self.client_keys):
+            raise ValueError("the vLLM-format KV events' CURVE needs both a secret key and "
+                             "the client keys it admits")
+        if self.curve_secret_key is not None and len(self.curve_secret_key) != 40:
+            raise ValueError("the CURVE secret key is 40 characters of Z85")
+        for endpoint in (self.vllm_endpoint, self.vllm_replay_endpoint):
+            if endpoint is not None:
+                _check_event_endpoint(endpoint, curve=self.curve_secret_key is not None)
+        if self.vllm_replay_endpoint is not None and self.vllm_endpoint is None:
+            raise ValueError("a replay endpoint needs the vLLM-format events' endpoint")
+
+
+def _check_event_endpoint(endpoint: str, *, curve: bool) -> None:
+    """``tcp://<ip>:<port or *>``; without CURVE the ip must be loopback or private:
+    these events carry prompts' token ids."""
+    m = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+|\*)", endpoint)
+    if m is None:
+        raise ValueError(f"KV events endpoint {endpoint!r} is not tcp://<ip>:<port>")
+    if curve:
+        return
+    try:
+        address = ipaddress.ip_address(m.group(1))
+    except ValueError:
+        raise ValueError(f"KV events endpoint {endpoint!r}: plain ZMQ needs an IP address "
+                         "(private or loopback); give CURVE keys for any other") from None
+    if not (address.is_loopback or address.is_private) or address.is_unspecified:
+        raise ValueError(f"KV events endpoint {endpoint!r}: these events carry token ids, "
+                         "so plain ZMQ binds only a private or loopback address; give "
+                         "CURVE keys (TOKENYARD_KV_EVENTS_CURVE_*) to bind another")
 
 
 #: The shared secret between the HTTP process and its engine replicas (`Authorization:

@@ -50,9 +50,11 @@ class Engine:
     port: int = 0
     proc: subprocess.Popen[str] | None = None
     url: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # beyond this process's own
 
     def start(self) -> None:
-        env = {**os.environ, "TOKENYARD_REPLICA_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TOKENYARD_REPLICA_TOKEN": self.token, "PYTHONUNBUFFERED": "1",
+               **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenyard.cli", "engine", "--host", "127.0.0.1",
              "--port", str(self.port), "--threads", "1", "--drain-timeout", "2"],

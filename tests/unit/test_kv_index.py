@@ -15,17 +15,18 @@ from tokenyard.wire.kv_events import EventBatch, decode_batch, encode_batch
 def test_a_batch_is_vllms_kv_event_batch() -> None:
     a, b = hash_prompt_blocks(list(range(32)), 16, "org-a")
     raw = msgpack.unpackb(encode_batch(
-        1.5, [("cleared",), ("stored", a, None, salt_hash("org-a")),
-              ("stored", b, a, salt_hash("org-a")), ("removed", a)], 16))
+        1.5, [("cleared",), ("stored", a, None, "org-a", tuple(range(16))),
+              ("stored", b, a, "org-a", tuple(range(16, 32))), ("removed", a)], 16, "CPU"))
     ts, events = raw
     assert ts == 1.5
     assert events[0] == ["AllBlocksCleared"]
     # [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
     #  lora_name, extra_keys]: one chain in one event, no token ids, the salt's hash only.
-    assert events[1] == ["BlockStored", [a, b], None, [], 16, None, "GPU", None,
+    # The medium is where the pool lives (a CPU replica's says "CPU").
+    assert events[1] == ["BlockStored", [a, b], None, [], 16, None, "CPU", None,
                          [[salt_hash("org-a")], [salt_hash("org-a")]]]
-    assert events[2] == ["BlockRemoved", [a], "GPU"]
-    assert decode_batch(encode_batch(1.5, [("stored", a, None, None)], 16)).events == [
+    assert events[2] == ["BlockRemoved", [a], "CPU"]
+    assert decode_batch(encode_batch(1.5, [("stored", a, None, None, ())], 16)).events == [
         ("stored", [a], None, None)]
 
 
@@ -37,7 +38,8 @@ def test_the_pool_records_stored_and_evicted_blocks() -> None:
     pool.cache_full_block(blk, h, list(range(16)), None, "t")
     pool.free([blk])
     pool.allocate(2)  # reuses the freed block: its hash is evicted
-    assert pool.take_events() == [("stored", h, None, salt_hash("t")), ("removed", h)]
+    # The raw salt and the tokens stay in the replica: each publisher encodes its own.
+    assert pool.take_events() == [("stored", h, None, "t", tuple(range(16))), ("removed", h)]
     assert pool.take_events() == []
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenyard.engine.request import Request
-from tokenyard.wire.block_hash import hash_block, hash_prompt_blocks, salt_hash
+from tokenyard.wire.block_hash import hash_block, hash_prompt_blocks
 
 __all__ = ["BlockPool", "KVBlock", "KVCacheManager", "hash_block", "hash_prompt_blocks"]
 
@@ -166,7 +166,7 @@ class BlockPool:
         block.tokens = tuple(tokens)
         self._cached[block_hash] = block
         if self.events is not None:
-            self.events.append(("stored", block_hash, parent, salt_hash(salt)))
+            self.events.append(("stored", block_hash, parent, salt, block.tokens))
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:

@@ -30,10 +30,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from tokenyard.config import EngineConfig
+from tokenyard.config import EngineConfig, KVEventsConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
-from tokenyard.engine.kv_events import KVEventPublisher
+from tokenyard.engine.kv_events import KVEventPublisher, tokenyard_publisher, vllm_publisher
 from tokenyard.engine.replica_access import bearer_matches, check_exposure
 from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
@@ -107,6 +107,7 @@ class ReplicaServer:
         self._force = asyncio.Event()
         #: Its KV-event publisher, when it publishes (`run_server`).
         self.kv_events: KVEventPublisher | None = None
+        self.vllm_kv_events: KVEventPublisher | None = None
 
     def make_app(self) -> web.Application:
         """The aiohttp application with every replica route."""
@@ -263,6 +264,8 @@ class ReplicaServer:
         if self.kv_events is not None:
             info.kv_events_endpoint = self.kv_events.endpoint
             info.kv_events_replay_endpoint = self.kv_events.replay_endpoint
+        if self.vllm_kv_events is not None:
+            info.vllm_kv_events_endpoint = self.vllm_kv_events.endpoint
         return _json(info.to_json())
 
     async def health(self, http: web.Request) -> web.Response:
@@ -345,17 +348,30 @@ async def run_server(
     token: str | None = None,
     on_ready: Callable[[str], None] | None = None,
     kv_events: bool = True,
+    vllm_events: KVEventsConfig | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain and return.
 
     `port` 0 binds a free port; `token` is required of every caller but health probes;
     `on_ready` receives the URL actually served; `kv_events`: publish the prefix
-    cache's events (`engine/kv_events.py`) and advertise them in the info.
+    cache's events (`engine/kv_events.py`) and advertise them in the info;
+    `vllm_events`: also publish them in vLLM's format where it says.
     """
     server = ReplicaServer(engine, drain_timeout=drain_timeout, token=token)
     if kv_events and engine.core.kv.enable_caching:
-        server.kv_events = KVEventPublisher(host, engine.core.kv.block_size, token=token)
-        engine.publish_kv_events(server.kv_events.publish)
+        block_size = engine.core.kv.block_size
+        medium = "GPU" if engine.core.runner.device.type == "cuda" else "CPU"  # vLLM's words
+        server.kv_events = tokenyard_publisher(host, block_size, medium, token=token)
+        publishers = [server.kv_events]
+        if vllm_events is not None and vllm_events.vllm_endpoint is not None:
+            server.vllm_kv_events = vllm_publisher(vllm_events, block_size, medium)
+            publishers.append(server.vllm_kv_events)
+
+        def publish(events: list[tuple[object, ...]]) -> None:
+            for publisher in publishers:
+                publisher.publish(events)
+
+        engine.publish_kv_events(publish)
     runner = web.AppRunner(
         server.make_app(),
         handler_cancellation=True,  # a disconnect cancels the handler: abort at once
@@ -385,8 +401,9 @@ async def run_server(
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
-        if server.kv_events is not None:
-            server.kv_events.close()
+        for publisher in (server.kv_events, server.vllm_kv_events):
+            if publisher is not None:
+                publisher.close()
 
 
 def serve_engine(
@@ -405,6 +422,7 @@ def serve_engine(
     """
     check_exposure(host, token)  # before the model loads: a refusal should be quick
     config = EngineConfig.from_env(**engine_config)
+    vllm_events = KVEventsConfig.from_env()
     engine = AsyncEngineCore(config, show_progress=show_progress)
     # On stderr: stdout's one line is the ready mark that `tokenyard serve` waits for.
     print(f"tokenyard engine: {engine.model_name} loaded with {engine.weights} weights",
@@ -415,7 +433,7 @@ def serve_engine(
 
     try:
         asyncio.run(run_server(engine, host, port, drain_timeout=drain_timeout, token=token,
-                               on_ready=ready))
+                               on_ready=ready, vllm_events=vllm_events))
     finally:
         engine.shutdown()
     return 0

@@ -30,10 +30,13 @@ import msgpack
 import zmq
 from zmq.utils import z85
 
+from tokenyard.wire.block_hash import salt_hash
+
 #: The replay's end mark (vLLM's): seq -1.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: What the replica publishes under (subscribers subscribe to it, or to everything).
 TOPIC = b"kv-events"
+#: vLLM's name of a GPU's pool; a CPU replica says "CPU" (`medium` of `encode_batch`).
 MEDIUM = "GPU"
 
 
@@ -46,28 +49,32 @@ class EventBatch:
     events: list[tuple[object, ...]] = field(default_factory=list)
 
 
-def encode_batch(ts: float, events: Sequence[tuple[object, ...]], block_size: int) -> bytes:
-    """msgpack of a `KVEventBatch` from the engine's event tuples (`BlockPool.events`);
-    consecutive stored blocks of one chain and one salt become one BlockStored."""
+def encode_batch(ts: float, events: Sequence[tuple[object, ...]], block_size: int,
+                 medium: str = MEDIUM) -> bytes:
+    """msgpack of a `KVEventBatch` from the engine's event tuples (`BlockPool.events`:
+    ``("stored", hash, parent, salt, tokens)``, ``("removed", hash)``, ``("cleared",)``);
+    consecutive stored blocks of one chain and one salt become one BlockStored, whose
+    salt is hashed and whose tokens stay here. `medium`: where the pool lives ("CPU",
+    "GPU")."""
     out: list[list[object]] = []
     for ev in events:
         kind = ev[0]
         if kind == "stored":
-            _, h, parent, salt = ev
+            h, parent, salt = ev[1], ev[2], salt_hash(ev[3])  # type: ignore[arg-type]
             last = out[-1] if out else None
             if (last is not None and last[0] == "BlockStored" and last[1][-1] == parent  # type: ignore[index]
                     and last[8][-1][0] == salt):  # type: ignore[index]
                 last[1].append(h)  # type: ignore[attr-defined]
                 last[8].append([salt])  # type: ignore[attr-defined]
                 continue
-            out.append(["BlockStored", [h], parent, [], block_size, None, MEDIUM, None,
+            out.append(["BlockStored", [h], parent, [], block_size, None, medium, None,
                         [[salt]]])
         elif kind == "removed":
             last = out[-1] if out else None
             if last is not None and last[0] == "BlockRemoved":
                 last[1].append(ev[1])  # type: ignore[attr-defined]
                 continue
-            out.append(["BlockRemoved", [ev[1]], MEDIUM])
+            out.append(["BlockRemoved", [ev[1]], medium])
         else:
             out.append(["AllBlocksCleared"])
     return msgpack.packb([ts, out], use_bin_type=True)

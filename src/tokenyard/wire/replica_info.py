@@ -42,6 +42,8 @@ class ReplicaInfo:
     #: endpoints; None from a replica that publishes none (or older than the fields).
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    #: Its KV events in vLLM's own format (`wire/vllm_kv_events.py`), where configured.
+    vllm_kv_events_endpoint: str | None = None
 
     def to_json(self) -> Json:
         """The wire body."""
