@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -159,6 +161,44 @@ def test_one_replica_per_host_then_a_host_dies_and_ray_restarts_it(cluster: Any)
     _scale(name, 1)
     hosts.append(made.add_node(num_cpus=1, resources={"replica_slot": 4, "host_c": 1}))
     made.wait_for_nodes()  # a new host takes the dead one's place
+
+
+def test_a_killed_engine_process_comes_back_under_its_actor(cluster: Any) -> None:
+    """SIGKILL on the replica process alone (what the OOM killer does), its actor and
+    node alive: the actor leaves the registry and exits, Ray restarts it, and its new
+    replica joins the pool and serves (issue 40: it stayed gone)."""
+    import ray
+
+    name = "phoenix"
+    assert _scale(name, 1) == [0]
+    actor = ray.get_actor(f"{name}/0", namespace="tokenyard")
+    first = ray.get(actor.describe.remote())
+
+    async def scenario() -> None:
+        found, pool = _followed(name)
+        pool.members[:] = []
+        found.attach(pool)
+        pool.watchers.append(found)
+        pool.start()
+        try:
+            await found.refresh()
+            assert [m.id for m in pool.members] == [first["url"]]
+            assert await _count(pool, "before") == 8
+            os.kill(first["pid"], signal.SIGKILL)
+            await _until(lambda: [m.id for m in pool.members] not in ([], [first["url"]]),
+                         60, "the restarted replica joins under a new URL")
+            await _until(lambda: all(m.healthy for m in pool.members), 10, "healthy")
+            assert await asyncio.gather(*(_count(pool, f"after{i}") for i in range(4))) == [
+                8] * 4
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(scenario())
+        again = ray.get(actor.describe.remote())
+        assert again["pid"] != first["pid"] and again["url"] != first["url"]
+    finally:
+        ray.kill(actor, no_restart=True)
 
 
 def test_scale_one_two_one_loses_no_request(cluster: Any) -> None:

@@ -2,7 +2,8 @@
 a Ray actor that starts the replica server (`tokenyard engine`) as its child on its node,
 on the node's address, with the replica token; the replica dies with its actor (the
 kernel's parent-death signal), and Ray restarts a dead actor (`max_restarts`), possibly
-on another node, which starts a new replica there.
+on another node, which starts a new replica there. A replica that dies on its own (OOM
+killer, crash) ends its actor too, so that Ray restarts both.
 
 - **Registry**: one named, detached actor (`tokenyard-replicas`) holds each live
   replica's URL by actor name; an actor registers once its replica listens (again after
@@ -22,6 +23,7 @@ Ray is imported only here and only when a deployment is placed by it (the `ray` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -78,7 +80,8 @@ class ReplicaActor:
             stderr=None, env=env, preexec_fn=die_with_parent, text=True)
         self.url = self._ready_url(start_timeout_s)
         self.start_s = time.monotonic() - began
-        threading.Thread(target=self._forward, daemon=True).start()
+        self._stopping = False
+        threading.Thread(target=self._watch, daemon=True).start()
         registry = ray.get_actor(REGISTRY, namespace=NAMESPACE)
         ray.get(registry.register.remote(deployment, name, self.url))
 
@@ -96,10 +99,25 @@ class ReplicaActor:
         raise RuntimeError(f"replica {self.name} exited with code {self.proc.wait()} "
                            "before it was ready")
 
-    def _forward(self) -> None:
+    def _watch(self) -> None:
+        """Forward the replica's output until it ends. A replica that ended on its own
+        (killed by the kernel's OOM killer, crashed) leaves the registry and takes this
+        actor with it, so that Ray restarts the actor, which starts a new replica: an
+        actor alive beside a dead replica would never be restarted."""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             sys.stderr.write(line)
+        code = self.proc.wait()
+        if self._stopping:
+            return
+        print(f"tokenyard: replica {self.name} exited with code {code}; its actor exits "
+              "for Ray to restart it", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # the registry may be gone with its node
+            import ray
+
+            registry = ray.get_actor(REGISTRY, namespace=NAMESPACE)
+            ray.get(registry.unregister.remote(self.deployment, self.name), timeout=5)
+        os._exit(1)  # an unexpected death: Ray restarts the actor (max_restarts)
 
     def _busy(self) -> bool:
         """Whether the replica has requests running or waiting (False if it cannot tell)."""
@@ -125,6 +143,7 @@ class ReplicaActor:
         deadline = time.monotonic() + drain_timeout_s
         while time.monotonic() < deadline and self._busy():
             time.sleep(0.05)
+        self._stopping = True  # its end is asked for: the actor stays (to be killed)
         self.proc.terminate()
         try:
             return self.proc.wait(drain_timeout_s + 5.0)
