@@ -84,6 +84,17 @@ def _followed(name: str) -> tuple[Discovery, Pool]:
     return found, Pool(name, [], BalancerSpec(policy="round_robin", health_interval_s=0.5))
 
 
+async def _following(name: str) -> Pool:
+    """A started pool whose members follow the deployment's registry, refreshed once."""
+    found, pool = _followed(name)
+    pool.members[:] = []
+    found.attach(pool)
+    pool.watchers.append(found)
+    pool.start()
+    await found.refresh()
+    return pool
+
+
 async def _until(check: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -132,13 +143,8 @@ def test_one_replica_per_host_then_a_host_dies_and_ray_restarts_it(cluster: Any)
     victim = next(h for h in hosts if h.node_id == placed[1]["node_id"])
 
     async def scenario() -> None:
-        found, pool = _followed(name)
-        pool.members[:] = []
-        found.attach(pool)
-        pool.watchers.append(found)
-        pool.start()
+        pool = await _following(name)
         try:
-            await found.refresh()
             assert sorted(m.id for m in pool.members) == sorted(p["url"] for p in placed)
             assert await asyncio.gather(*(_count(pool, f"a{i}") for i in range(8))) == [8] * 8
             assert all(m.served for m in pool.members)  # spread over both hosts
@@ -175,13 +181,8 @@ def test_a_killed_engine_process_comes_back_under_its_actor(cluster: Any) -> Non
     first = ray.get(actor.describe.remote())
 
     async def scenario() -> None:
-        found, pool = _followed(name)
-        pool.members[:] = []
-        found.attach(pool)
-        pool.watchers.append(found)
-        pool.start()
+        pool = await _following(name)
         try:
-            await found.refresh()
             assert [m.id for m in pool.members] == [first["url"]]
             assert await _count(pool, "before") == 8
             os.kill(first["pid"], signal.SIGKILL)
