@@ -228,6 +228,10 @@ class ServeConfig(Settings):
     #: What this process sends to a replica given with `--replica-url`; a replica it starts
     #: itself gets this one too, else a fresh random one.
     replica_token: str | None = None
+    #: The first admin key, from the operator (a Kubernetes Secret): installed as org
+    #: "default"'s admin key on an empty database instead of a generated one, and never
+    #: written to the state directory. None: generate one (kept in `dev_key_file`).
+    admin_key: str | None = None
     key_cache_ttl_s: float = 1.0  # how long a key lookup (or a miss) is cached
     billing_refresh_s: float = 1.0  # age of an org's spending figures before a re-read
     prices_refresh_s: float = 10.0  # age of the price list before a re-read
@@ -283,6 +287,7 @@ class ServeConfig(Settings):
         "database_url": "TOKENYARD_DATABASE_URL",
         "redis_url": "TOKENYARD_REDIS_URL",
         "replica_token": REPLICA_TOKEN_ENV,
+        "admin_key": "TOKENYARD_ADMIN_KEY",
         "key_cache_ttl_s": "TOKENYARD_KEY_CACHE_TTL_S",
         "billing_refresh_s": "TOKENYARD_BILLING_REFRESH_S",
         "prices_refresh_s": "TOKENYARD_PRICES_REFRESH_S",
@@ -329,6 +334,11 @@ class ServeConfig(Settings):
                 raise ValueError(f"--redact-pattern {pattern!r}: {exc}") from None
         if self.workers < 1:
             raise ValueError("workers must be positive")
+        if self.admin_key is not None and not re.fullmatch(r"sk-ty-[A-Za-z0-9_-]{32,}",
+                                                           self.admin_key):
+            raise ValueError("TOKENYARD_ADMIN_KEY: 'sk-ty-' and at least 32 url-safe "
+                             "characters (python -c 'import secrets; print(\"sk-ty-\" + "
+                             "secrets.token_urlsafe(32))')")
         if self.region is not None and not valid_region(self.region):
             raise ValueError(f"region {self.region!r}: lowercase letters, digits and "
                              "dashes (e.g. eu, us-east-1)")

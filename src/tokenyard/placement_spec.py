@@ -6,7 +6,8 @@ which calls `ray_placement` on each deployment's table).
     name = "smollm2-135m-instruct-2026-11-22"
     kind = "engine"
     placement = "ray"              # replicas are Ray actors (cli/ray_replicas.py)
-    ray_address = "auto"           # the cluster (default: RAY_ADDRESS, else "auto")
+    ray_address = "auto"           # the cluster's GCS, HEAD:6379 (default: RAY_ADDRESS, else
+                                   # "auto"); not Ray Client's ray://
     replicas = 2                   # started when the deployment has none yet
     min_replicas = 1               # the range `tokenyard admin replicas scale` keeps to
     max_replicas = 4
@@ -101,8 +102,14 @@ def ray_placement(item: Mapping[str, Any], where: str) -> tuple[dict[str, Any],
     resources = a_table(item.get("resources", {}), f"{where}.resources")
     only_fields(resources, {"num_cpus", "num_gpus", "custom"}, f"{where}.resources")
     custom = a_table(resources.get("custom", {}), f"{where}.resources.custom")
+    address = opt_string(item.get("ray_address"), f"{where}.ray_address")
+    if address is not None and address.startswith("ray://"):
+        # Ray Client is not installed (the `ray` extra is Ray's core), and a gateway is a
+        # driver of the cluster: it joins through the GCS address.
+        raise FleetConfigError(f"{where}.ray_address: Ray Client (ray://) is not supported; "
+                               "give the cluster's GCS address (HEAD:6379) or auto")
     return rest, RayPlacement(
-        replicas, low, high, opt_string(item.get("ray_address"), f"{where}.ray_address"),
+        replicas, low, high, address,
         a_weight(resources.get("num_cpus", 1), f"{where}.resources.num_cpus"),
         a_weight(resources.get("num_gpus", 0), f"{where}.resources.num_gpus"),
         {k: a_weight(v, f"{where}.resources.custom.{k}") for k, v in custom.items()},

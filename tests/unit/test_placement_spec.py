@@ -18,11 +18,11 @@ def _one(**fields: Any) -> Any:
 
 
 def test_ray_placement_reads_range_address_and_resources() -> None:
-    spec = _one(placement="ray", ray_address="ray://head:10001", replicas=2, min_replicas=1,
+    spec = _one(placement="ray", ray_address="head:6379", replicas=2, min_replicas=1,
                 max_replicas=4, resources={"num_cpus": 2, "num_gpus": 1,
                                            "custom": {"cpu_host": 0.5}})
     assert spec.replicas == 0  # no local children: the replicas are Ray actors
-    assert spec.ray == RayPlacement(2, 1, 4, "ray://head:10001", 2.0, 1.0, {"cpu_host": 0.5})
+    assert spec.ray == RayPlacement(2, 1, 4, "head:6379", 2.0, 1.0, {"cpu_host": 0.5})
     assert _one(placement="ray").ray == RayPlacement(1, 1, 1)
     assert _one(replicas=1).ray is None and _one(urls=["http://x:1"]).ray is None
 
@@ -36,6 +36,7 @@ def test_ray_placement_reads_range_address_and_resources() -> None:
     ({"placement": "ray", "resources": {"num_gpu": 1}}, "unknown field"),
     ({"placement": "ray", "resources": {"custom": {"h": -1}}}, "custom.h: a non-negative"),
     ({"replicas": 1, "max_replicas": 3}, 'only with placement = "ray"'),
+    ({"placement": "ray", "ray_address": "ray://head:10001"}, r"Ray Client \(ray://\)"),
 ])
 def test_bad_placement_is_refused_with_the_field_named(fields: dict[str, Any],
                                                        message: str) -> None:

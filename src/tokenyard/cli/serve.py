@@ -288,8 +288,9 @@ async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None, Path |
     show, and the file it was read from (None: it was created just now, and this start is
     the one that shows it whole).
 
-    On an empty database the default org and an admin key are created; the key is kept
-    in `<state dir>/dev-key` (mode 0600) so later starts can point to it. The state
+    On an empty database the default org and an admin key are created: the operator's
+    (`TOKENYARD_ADMIN_KEY`, then neither kept nor shown) or a new one, kept in
+    `<state dir>/dev-key` (mode 0600) so later starts can point to it. The state
     directory (the SQLite file, the ledger journal, the key) is its owner's only: 0700.
     """
     private_dir(config.state_dir)
@@ -298,6 +299,11 @@ async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None, Path |
         config.database, make_limiter(config.redis_url), config.journal_dir, config=config
     )
     key_file = config.dev_key_file
+    if config.admin_key is not None:  # the operator's: neither written nor shown whole
+        if new_key is not None:
+            print("created org 'default' with the admin key of TOKENYARD_ADMIN_KEY",
+                  flush=True)
+        return gateway, None, None
     if new_key is not None:
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -187,7 +187,7 @@ class Gateway:
             ledger = LedgerWriter(db, journal_dir, config.ledger_flush_interval_s,
                                   config.ledger_max_batch)
             await ledger.start()
-            dev_key = await store.ensure_default_org()
+            dev_key = await store.ensure_default_org(config.admin_key)
         except BaseException:
             await db.close()
             raise

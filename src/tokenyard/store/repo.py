@@ -332,18 +332,18 @@ class Store(Accounts, Users):
 
     # -- first start -------------------------------------------------------------------
 
-    async def ensure_default_org(self) -> str | None:
+    async def ensure_default_org(self, admin_key: str | None = None) -> str | None:
         """On an empty database: org "default" (with `DEFAULT_ORG_LIMITS`), project
-        "default" and an admin key.
+        "default" and an admin key: `admin_key` (the operator's) or a new one.
 
-        Returns the admin key's secret, the only time it is ever available; None when
-        some org already exists (or another process created the default one first).
+        Returns the admin key's secret, the only time a generated one is available; None
+        when some org already exists (or another process created the default one first).
         """
         async with self.db.engine.connect() as conn:
             if (await conn.execute(select(func.count()).select_from(orgs))).scalar_one():
                 return None
         now = self.clock()
-        secret = new_secret()
+        secret = admin_key or new_secret()
         try:
             async with self.db.engine.begin() as conn:
                 await conn.execute(orgs.insert().values(
