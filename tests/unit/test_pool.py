@@ -43,6 +43,7 @@ class FakeReplica:
         self.fail_after_first = False
         self.healthy = True
         self.gate: asyncio.Event | None = None
+        self.busy: asyncio.Event | None = None
         self.closed = False
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -65,6 +66,8 @@ class FakeReplica:
             self.running -= 1
 
     async def health(self) -> bool:
+        if self.busy is not None:  # its loop is held up: no answer before the probe's end
+            await self.busy.wait()
         return self.healthy
 
     async def close(self) -> None:
@@ -323,6 +326,27 @@ def test_a_refused_connection_marks_down_until_health_passes() -> None:
         await pool.check_health()
         assert {served_by(await collect(pool, f"s{i}")) for i in range(4)} == {"a", "b"}
         assert await pool.health()
+        assert_no_leases(pool)
+
+    run(scenario)
+
+
+def test_one_unanswered_probe_keeps_a_busy_replica_two_in_a_row_take_it_out() -> None:
+    """A loaded host's replica may miss a probe while it computes (issue 40: the only
+    replica went unhealthy under load and a well-behaved stream failed); a refusal still
+    takes it out at once (the test above), silence only when it lasts."""
+    async def scenario() -> None:
+        a = FakeReplica("a")
+        pool = make_pool(a)  # the probe waits max(0.5, interval) s for an answer
+        a.busy = asyncio.Event()
+        await pool.check_health()
+        assert pool.snapshot()[0]["state"] == "healthy"
+        assert served_by(await collect(pool, "r0")) == "a"
+        await pool.check_health()
+        assert pool.snapshot()[0]["state"] == "unhealthy"  # two silent probes in a row
+        a.busy.set()
+        await pool.check_health()
+        assert pool.snapshot()[0]["state"] == "healthy"
         assert_no_leases(pool)
 
     run(scenario)

@@ -31,6 +31,10 @@ MAX_EJECTION_S = 60.0
 #: timeout: 2 s by default) after which a replica's open connections are closed, so its
 #: requests fail over or end instead of waiting out a partition.
 SILENT_PROBES_TO_CUT = 3
+#: A probe without an answer is a busy replica as often as a sick one (its HTTP loop waits
+#: behind a long step on a loaded host); one that refuses or says it drains is out at
+#: once, one silent for this many probes in a row is out too.
+SILENT_PROBES_TO_UNHEALTHY = 2
 
 
 @dataclass(eq=False)

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from tokenyard.balancer.affinity import AffinityTable, LocalAffinity
 from tokenyard.balancer.members import (
     SILENT_PROBES_TO_CUT,
+    SILENT_PROBES_TO_UNHEALTHY,
     Lease,
     Member,
     probe,
@@ -123,6 +124,8 @@ class Pool:
         with_stats = isinstance(self.info_cache, ReplicaInfo)
         results = await asyncio.gather(*(probe(m, self.spec, with_stats) for m in self.members))
         for member, (ok, stats) in zip(self.members, results, strict=True):
+            if not ok and 0 < member.silent < SILENT_PROBES_TO_UNHEALTHY:
+                ok = member.healthy  # one probe without an answer: busy, not yet sick
             if ok and not member.healthy:
                 logger.info("replica %s of %s is healthy again", member.id, self.name,
                             extra={"event": "replica_readmitted", "replica": member.id,
