@@ -72,6 +72,14 @@ def _read_banner(proc: subprocess.Popen[str], found: dict[str, str], ready: thre
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
+        if line.startswith("{") and '"event": "banner"' in line:  # --log-format json
+            record = json.loads(line)
+            found["model"], found["base_url"] = record["model"], record["base_url"]
+            if record["api_key"]:
+                found["api_key"] = record["api_key"]  # masked: the key file has it
+            found["replica_url"] = record["replica"].split(", ")[0]
+            ready.set()
+            continue
         if m := _SERVING.search(line):
             found["model"], found["base_url"] = m.group(1), m.group(2)
         if m := _API_KEY.search(line):

@@ -45,7 +45,8 @@ def first_start(mock_url: str, state: Path, *, tty: bool) -> list[str]:
     out = b""
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while b"replica: " not in out and time.monotonic() < deadline:
+        while (b"replica: " not in out and b'"event": "banner"' not in out
+               and time.monotonic() < deadline):
             ready, _, _ = select.select([leader], [], [], 1.0)
             if ready:
                 try:
@@ -61,7 +62,7 @@ def first_start(mock_url: str, state: Path, *, tty: bool) -> list[str]:
         if tty:
             os.close(leader)
     text = out.decode("utf-8", "replace").replace("\r\n", "\n")
-    assert "replica: " in text, text
+    assert "replica: " in text or '"event": "banner"' in text, text
     return text.splitlines()
 
 
@@ -82,10 +83,18 @@ def test_on_a_terminal_the_log_is_text_and_the_banner_leads_with_the_pages(
     assert api and api[0] > head + 2
 
 
-def test_with_stderr_a_pipe_the_log_is_json(mock_url: str, tmp_path: Path) -> None:
-    lines = first_start(mock_url, tmp_path, tty=False)
-    logged = [json.loads(line) for line in lines if line.startswith("{")]
+def test_with_stderr_a_pipe_every_line_is_json_and_the_key_stays_in_its_file(
+        mock_url: str, tmp_path: Path) -> None:
+    lines = [line for line in first_start(mock_url, tmp_path, tty=False) if line.strip()]
+    logged = [json.loads(line) for line in lines]  # every line: the banner too
     assert [e["event"] for e in logged if e.get("event") == "migrated"] == ["migrated"]
+    assert not [e for e in logged if e["logger"].startswith("alembic")], lines
+    [banner] = [e for e in logged if e.get("event") == "banner"]
+    key = (tmp_path / "dev-key").read_text().strip()
+    assert banner["api_key"] == f"{key[:6]}…{key[-4:]}"
+    assert banner["api_key_file"] == str((tmp_path / "dev-key").absolute())
+    assert banner["openai_base_url"] == banner["base_url"] + "/v1"
+    assert key not in "\n".join(lines)
 
 
 def test_auto_follows_the_terminal_and_a_flag_forces(monkeypatch: pytest.MonkeyPatch) -> None:

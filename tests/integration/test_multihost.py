@@ -220,9 +220,9 @@ def start_fleet(net: Network, tmp: Path) -> Fleet:
         "--no-embeddings", "--drain-timeout", "2",
     ], env=gw_env, **out))
     gateway.wait_for("tokenyard serving", START_TIMEOUT_S, "tokenyard serve")
-    key_line = gateway.wait_for("API key:", 5, "tokenyard serve")
+    key = (tmp / "state" / "dev-key").read_text().strip()  # its JSON banner masks it
     fleet = Fleet(net, gateway, replicas, f"http://{net.addrs['gw']}:{GATEWAY_PORT}",
-                  key_line.split("API key:", 1)[1].strip(), token, redis)
+                  key, token, redis)
     return fleet
 
 
@@ -326,5 +326,6 @@ def test_traffic_stays_inside_the_namespaces(fleet: Fleet) -> None:
         assert all(addr.startswith(net.addrs[host] + ":") for addr in local), (host, local)
         assert net.routes(host) == [
             f"{net.prefix}.0/24 dev eth0 proto kernel scope link src {net.addrs[host]}"], host
-    assert f"replica: {fleet.replica_url('r1')}, {fleet.replica_url('r2')}" in \
-        fleet.gateway.output()
+    banner = next(json.loads(line) for line in fleet.gateway.output().splitlines()
+                  if '"event": "banner"' in line)
+    assert banner["replica"] == f"{fleet.replica_url('r1')}, {fleet.replica_url('r2')}"

@@ -86,3 +86,45 @@ def test_a_text_log_line_appends_the_fields() -> None:
 
     line = TextFormatter().format(_record(event="replica_ejected"))
     assert line.endswith('tokenyard.balancer replica r1 ejected event="replica_ejected"')
+
+
+def test_the_fields_ray_adds_to_every_record_are_not_logged() -> None:
+    """Inside a Ray worker (a replica's actor) Ray's record factory stamps every record
+    with a private timestamp and its context filter with job, worker, node, actor and task
+    ids: none of them came through `extra`, none reach the line (issue 40)."""
+    from ray._common.logging_constants import LogKey
+    from ray._private.log import _setup_log_record_factory
+
+    from tokenyard.telemetry.logs import JsonFormatter
+
+    before = logging.getLogRecordFactory()
+    _setup_log_record_factory()  # Ray's own, as `ray.init` installs it
+    try:
+        record = logging.getLogger("tokenyard.balancer").makeRecord(
+            "tokenyard.balancer", logging.INFO, __file__, 1, "replica %s up", ("r1",), None,
+            extra={"event": "replica_readmitted"})
+    finally:
+        logging.setLogRecordFactory(before)
+    # What its CoreContextFilter sets in a worker (it needs a live worker to run).
+    for key in (LogKey.JOB_ID, LogKey.WORKER_ID, LogKey.NODE_ID, LogKey.ACTOR_ID,
+                LogKey.TASK_ID, LogKey.ACTOR_NAME, LogKey.TASK_NAME, LogKey.TASK_FUNCTION_NAME):
+        setattr(record, key.value, "ray-set")
+    data = json.loads(JsonFormatter().format(record))
+    assert set(data) == {"ts", "level", "logger", "msg", "event"}, data
+    assert any(k.startswith("_ray") for k in vars(record))  # the factory did stamp it
+
+
+def test_health_probes_are_logged_at_debug_and_requests_at_info(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from tokenyard.telemetry import logs
+
+    def summary(path: str) -> RequestSummary:
+        return RequestSummary(request_id="req_1", started_at=0.0, method="GET", path=path,
+                              status=200)
+
+    with caplog.at_level(logging.DEBUG, logger="tokenyard.request"):
+        for path in ("/healthz", "/readyz", "/v1/models"):
+            logs.log_request(summary(path))
+    levels = {r.getMessage(): r.levelname for r in caplog.records}
+    assert levels == {"GET /healthz 200": "DEBUG", "GET /readyz 200": "DEBUG",
+                      "GET /v1/models 200": "INFO"}

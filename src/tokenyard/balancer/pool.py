@@ -100,14 +100,19 @@ class Pool:
         if self.tracks_prefixes:  # `precise`: the replicas' KV events
             self.policy.watch(self.members)
 
-    async def close(self) -> None:
-        for watcher in self.watchers:
-            await watcher.close()
+    async def stop_health(self) -> None:
+        """Stop polling health: at shutdown, replicas that drain answer 503 by design,
+        which is no failure to log."""
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._health_task
             self._health_task = None
+
+    async def close(self) -> None:
+        for watcher in self.watchers:
+            await watcher.close()
+        await self.stop_health()
         await self.policy.close()
         for member in self.members:
             with contextlib.suppress(Exception):

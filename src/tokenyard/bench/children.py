@@ -147,6 +147,8 @@ def start_tokenyard(
     replica = ["--replica-url", replica_url] if replica_url else []
     cmd = [sys.executable, *python, "-m", "tokenyard.cli", "serve", *replica, "--port", "0",
            "--drain-timeout", "2", "--workers", str(workers),
+           # The harness reads the banner's lines (the JSON log would hold no key).
+           "--log-format", "text",
            # The load generator is one address sending at the rates the edge's
            # per-address limits exist to refuse: measure the gateway, not the refusals.
            "--edge-requests-per-s", "0", "--edge-connections-per-address", "0",

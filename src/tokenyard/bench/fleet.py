@@ -190,7 +190,8 @@ def run_policy(policy: str, args: argparse.Namespace, state_dir: Path,
             # The load generator is one address: the edge's per-address limits are off.
             server = start_child(
                 _cli("serve", "--port", "0", "--config", str(config), "--no-embeddings",
-                     "--edge-requests-per-s", "0", "--edge-connections-per-address", "0"),
+                     "--edge-requests-per-s", "0", "--edge-connections-per-address", "0",
+                     "--log-format", "text"),
                 _TOKENYARD_URL, env={**env, "TOKENYARD_STATE_DIR": str(state_dir)})
             children.append(server)
             before = [_stats(u, token) for u in urls]

@@ -52,16 +52,20 @@ async def _generate(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace) -> int:
     from tokenyard.engine.server import serve_engine
+    from tokenyard.telemetry import logs
 
+    logs.configure()  # the format `serve` put in the environment, else by the terminal
     return serve_engine(
         args.host, args.port, drain_timeout=args.drain_timeout, token=replica_token(),
-        **engine_kwargs(args),
+        show_progress=logs.active_format == "text", **engine_kwargs(args),
     )
 
 
 def _embed(args: argparse.Namespace) -> int:
     from tokenyard.engine.embed.server import serve_embeddings
+    from tokenyard.telemetry import logs
 
+    logs.configure()
     return serve_embeddings(token=replica_token(), **embed_kwargs(args))
 
 

@@ -145,6 +145,19 @@ def banner(base_url: str, model: str, replica_url: str, api_key: str | None = No
     ])
 
 
+def log_banner(base_url: str, model: str, replica_url: str, api_key: str | None,
+               key_file: Path | None, region: str | None) -> None:
+    """The banner as one JSON log record (`--log-format json`): the same addresses, the
+    key masked and where it is kept; the whole key never goes to a log."""
+    logger.info("tokenyard serving %s at %s", model, base_url, extra={
+        "event": "banner", "model": model, "base_url": base_url,
+        "chat_url": f"{base_url}/", "dashboard_url": f"{base_url}/dashboard",
+        "openai_base_url": f"{base_url}/v1", "anthropic_base_url": base_url,
+        "replica": replica_url, "region": region,
+        "api_key": masked(api_key) if api_key else None,
+        "api_key_file": str(key_file.absolute()) if key_file else None})
+
+
 async def run(
     host: str,
     port: int,
@@ -227,8 +240,13 @@ async def run(
         shown = f"[{host}]" if ":" in host else host
         replica_urls = ", ".join(m.id for m in state.default.pool.members)
         scheme = "https" if config.tls_cert is not None else "http"
-        print(banner(f"{scheme}://{shown}:{bound}", state.model, replica_urls, api_key,
-                     key_file, config.region), flush=True)
+        base_url = f"{scheme}://{shown}:{bound}"
+        if logs.active_format == "json":  # a file or a collector: one JSON record
+            log_banner(base_url, state.model, replica_urls, api_key,
+                       key_file or (config.dev_key_file if api_key else None), config.region)
+        else:
+            print(banner(base_url, state.model, replica_urls, api_key, key_file,
+                         config.region), flush=True)
         logger.info("serving %s on port %d", state.model, bound, extra={
             "event": "started", "model": state.model, "host": host, "port": bound,
             "deployments": {n: [m.id for m in s.pool.members]
@@ -244,6 +262,8 @@ async def run(
                         "event": "draining", "timeout_s": config.drain_timeout_s})
         if workers is not None:  # the workers drain first: the replicas serve them meanwhile
             await workers.drain()
+        for served in state.deployments.values():  # draining replicas answer 503 now
+            await served.pool.stop_health()
         await fleet.stop(config.drain_timeout_s)
         took = round(time.monotonic() - began, 3)
         logger.info("drained in %.1f s", took, extra={"event": "drained", "seconds": took})
@@ -301,14 +321,15 @@ async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None, Path |
     key_file = config.dev_key_file
     if config.admin_key is not None:  # the operator's: neither written nor shown whole
         if new_key is not None:
-            print("created org 'default' with the admin key of TOKENYARD_ADMIN_KEY",
-                  flush=True)
+            logger.info("created org 'default' with the admin key of TOKENYARD_ADMIN_KEY",
+                        extra={"event": "default_org_created", "admin_key": "environment"})
         return gateway, None, None
     if new_key is not None:
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(new_key + "\n")
-        print(f"created org 'default' and an admin API key (kept in {key_file})", flush=True)
+        logger.info("created org 'default' and an admin API key (kept in %s)", key_file,
+                    extra={"event": "default_org_created", "admin_key": str(key_file)})
         return gateway, new_key, None
     try:
         return gateway, key_file.read_text().strip() or None, key_file

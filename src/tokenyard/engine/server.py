@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -62,6 +62,8 @@ from tokenyard.wire.protocol import (
 )
 from tokenyard.wire.replica_info import ReplicaInfo
 from tokenyard.wire.sampling_params import SamplingParamsError
+
+log = logging.getLogger("tokenyard.engine")
 
 # A 128k-token prompt is about 1 MiB of JSON; aiohttp's default body cap is 1 MiB.
 MAX_BODY_BYTES = 16 * 2**20
@@ -287,10 +289,10 @@ class ReplicaServer:
         """Refuse new requests; wait for in-flight ones (bounded), then abort the rest."""
         self.draining = True
         if self._in_flight:
-            print(
-                f"tokenyard engine: draining {len(self._in_flight)} requests "
-                f"(up to {self.drain_timeout:g} s)", file=sys.stderr, flush=True,
-            )
+            log.info("tokenyard engine: draining %d requests (up to %g s)",
+                     len(self._in_flight), self.drain_timeout,
+                     extra={"event": "replica_draining", "requests": len(self._in_flight),
+                            "timeout_s": self.drain_timeout})
             await _first_of(self._idle.wait(), self._force.wait(), timeout=self.drain_timeout)
         if self._in_flight:
             for request_id in list(self._in_flight):
@@ -425,8 +427,9 @@ def serve_engine(
     vllm_events = KVEventsConfig.from_env()
     engine = AsyncEngineCore(config, show_progress=show_progress)
     # On stderr: stdout's one line is the ready mark that `tokenyard serve` waits for.
-    print(f"tokenyard engine: {engine.model_name} loaded with {engine.weights} weights",
-          file=sys.stderr, flush=True)
+    log.info("tokenyard engine: %s loaded with %s weights", engine.model_name,
+             engine.weights, extra={"event": "model_loaded", "model": engine.model_name,
+                                    "weights": engine.weights})
 
     def ready(url: str) -> None:
         print(f"tokenyard engine: {engine.model_name} serving at {url}", flush=True)

@@ -42,13 +42,24 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message", "asctime", "taskName",
 }
 
+#: What Ray adds to every record in a process it runs (its core context filter and its
+#: record factory's timestamp): not ours to log, and the same on every line.
+_RAY_FIELDS = frozenset({"job_id", "worker_id", "node_id", "actor_id", "task_id",
+                         "actor_name", "task_name", "task_func_name", "timestamp_ns"})
+#: Requests that only probe the process (load balancers, kubelets): logged at debug.
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/livez"})
+
 request_logger = logging.getLogger("tokenyard.request")
+#: The format `configure` put in force ("json" or "text"; None before it ran).
+active_format: str | None = None
 #: The thread writing the queued records, while `configure`'s settings are in force.
 _listener: QueueListener | None = None
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in vars(record).items() if k not in _STANDARD}
+    """What came through `extra` (private attributes and Ray's context left out)."""
+    return {k: v for k, v in vars(record).items()
+            if k not in _STANDARD and k not in _RAY_FIELDS and not k.startswith("_")}
 
 
 class JsonFormatter(logging.Formatter):
@@ -107,7 +118,7 @@ def configure(fmt: str | None = None, level: str | None = None) -> None:
     the environment's (`FORMAT_ENV`, `LEVEL_ENV`), else auto and info. Requests get their
     line when the level lets info through. The lines are written by a thread of their
     own until `stop`, which runs at exit."""
-    global _listener
+    global _listener, active_format
     fmt = resolve_format(fmt or os.environ.get(FORMAT_ENV))
     level = level or os.environ.get(LEVEL_ENV) or "info"
     if fmt not in FORMATS:
@@ -123,6 +134,10 @@ def configure(fmt: str | None = None, level: str | None = None) -> None:
     root.setLevel(level.upper())
     _listener = QueueListener(records, handler)
     _listener.start()
+    active_format = fmt
+    # Alembic announces its context at info on every migration check (twice a start);
+    # the store logs the one line that matters ("database migrated ...").
+    logging.getLogger("alembic.runtime.migration").setLevel(logging.WARNING)
     if request_logger.isEnabledFor(logging.INFO):
         add_observer(log_request)
 
@@ -149,6 +164,8 @@ atexit.register(stop)
 
 
 def log_request(summary: RequestSummary) -> None:
-    """The request's log line (an observer of `request_log`)."""
-    request_logger.info("%s %s %d", summary.method, summary.path, summary.status,
-                        extra=summary.to_json())
+    """The request's log line (an observer of `request_log`); health probes at debug."""
+    level = logging.DEBUG if summary.path in PROBE_PATHS else logging.INFO
+    if request_logger.isEnabledFor(level):
+        request_logger.log(level, "%s %s %d", summary.method, summary.path, summary.status,
+                           extra=summary.to_json())

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +46,8 @@ from tokenyard.wire.protocol import (
     dumps,
     error_body,
 )
+
+log = logging.getLogger("tokenyard.engine")
 
 #: 2,048 inputs of 256 token ids is about 3 MiB of JSON.
 MAX_BODY_BYTES = 16 * 2**20
@@ -250,8 +252,10 @@ def serve_embeddings(
                              max_waiting_inputs=max_waiting_inputs)
     server = EmbeddingsServer(loaded, batcher, token=token, drain_timeout=drain_timeout)
     # On stderr: stdout's one line is the ready mark that `tokenyard serve` waits for.
-    print(f"tokenyard embed: {loaded.name} loaded in {time.perf_counter() - started:.1f} s "
-          f"({torch.get_num_threads()} threads)", file=sys.stderr, flush=True)
+    took = round(time.perf_counter() - started, 1)
+    log.info("tokenyard embed: %s loaded in %.1f s (%d threads)", loaded.name, took,
+             torch.get_num_threads(), extra={"event": "model_loaded", "model": loaded.name,
+                                             "seconds": took})
 
     def ready(url: str) -> None:
         print(f"tokenyard embed: {loaded.name} serving at {url}", flush=True)
