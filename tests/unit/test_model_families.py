@@ -86,7 +86,7 @@ def test_every_family_is_loadable_and_the_llama_module_runs_its_own() -> None:
 
 
 def test_an_unknown_architecture_is_a_clear_error(tmp_path: Path) -> None:
-    supported = r"supported: \['gemma3', 'llama', 'mistral', 'qwen2', 'qwen3'\]"
+    supported = r"supported: \['gemma3', 'llama', 'mistral', 'phi3', 'qwen2', 'qwen3'\]"
     with pytest.raises(ValueError, match=rf"unsupported architecture 'gpt2'; {supported}"):
         family("gpt2")
     config = ModelConfig(architecture="gpt2", vocab_size=VOCAB, hidden_size=HIDDEN,
@@ -101,5 +101,5 @@ def test_an_unknown_architecture_is_a_clear_error(tmp_path: Path) -> None:
         read_gguf_config(open_gguf(path))
     _write_hf_config(tmp_path / "gemma3-hf", "gemma3_text")  # Gemma 3 reads from GGUF only
     with pytest.raises(HFModelError, match="unsupported model_type 'gemma3_text'; supported: "
-                                           r"\('llama', 'mistral', 'qwen2', 'qwen3'\)"):
+                                           r"\('llama', 'mistral', 'qwen2', 'qwen3', 'phi3'\)"):
         read_hf_config(tmp_path / "gemma3-hf")

@@ -133,8 +133,10 @@ class _SegmentedAttention:
         self.calls: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
+        assert window is None  # no case here has a sliding window
         self.calls.append((layer, tuple(q.shape), tuple(k.shape)))
         outs = []
         start = 0
@@ -174,8 +176,10 @@ class _GrowingKVAttention:
         self.v: dict[int, torch.Tensor] = {}
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
+        assert window is None  # no case here has a sliding window
         if layer in self.k:
             k = torch.cat([self.k[layer], k])
             v = torch.cat([self.v[layer], v])

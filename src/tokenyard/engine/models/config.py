@@ -16,8 +16,8 @@ class ModelConfig:
     """Shape and numerics of one decoder-only model.
 
     `architecture` names its family (models/families.py): "llama" (Llama 1-3, SmolLM2),
-    "mistral", "qwen2", "qwen3" (models/llama.py) or "gemma3" (models/gemma.py, which also
-    reads the Gemma fields below).
+    "mistral", "qwen2", "qwen3", "phi3" (models/llama.py) or "gemma3" (models/gemma.py,
+    which also reads the Gemma fields below).
     """
 
     architecture: str
@@ -36,12 +36,16 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     o_proj_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    # RoPE rotates only the first `rotary_dim` dims of each head (Phi-4-mini's
+    # partial_rotary_factor); None: the whole head.
+    rotary_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"
     # Gemma 3: which layers attend over a sliding window ("sliding_attention") and which
     # over the whole context ("full_attention"); the window (keys with q_pos - k_pos <
-    # sliding_window); the RoPE base of the sliding layers (`rope_theta` and `rope_scaling`
+    # sliding_window; Mistral and Phi-3 apply it on every layer, with no layer_types);
+    # the RoPE base of the sliding layers (`rope_theta` and `rope_scaling`
     # are the full layers'); attention logits scaled by query_pre_attn_scalar ** -0.5.
     layer_types: list[str] | None = None
     sliding_window: int | None = None

@@ -54,6 +54,14 @@ GEMMA3_BLOCK_NAMES: Mapping[str, str] = MappingProxyType({
     "post_ffw_norm": "post_feedforward_layernorm",
 })
 
+#: Phi-3 keeps q/k/v in one tensor and gate/up in another (`ffn_up` holds both), in
+#: llama.cpp as in Hugging Face; LlamaForCausalLM.load_weights splits them.
+PHI3_BLOCK_NAMES: Mapping[str, str] = MappingProxyType({
+    **LLAMA_BLOCK_NAMES,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+})
+
 #: Gemma 3 as llama.cpp runs it, where its GGUF metadata is silent: every 6th layer
 #: attends globally, the sliding layers' RoPE base is 10,000.
 GEMMA3_GLOBAL_EVERY = 6
@@ -136,13 +144,22 @@ def _gemma3_gguf_config(reader: GGUFFile, config: ModelConfig) -> None:
     config.query_pre_attn_scalar = float(scalar)
 
 
+def _window_gguf_config(reader: GGUFFile, config: ModelConfig) -> None:
+    """Mistral / Phi-3: one sliding window on every layer, where the metadata has one."""
+    arch = reader.fields.get("general.architecture")
+    window = reader.fields.get(f"{arch}.attention.sliding_window")
+    config.sliding_window = None if window is None else int(window)
+
+
 #: Architecture name -> its family.
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     Family("llama", LlamaForCausalLM, "llama", "llama", gguf_permuted_qk=True),
     Family("mistral", LlamaForCausalLM, "mistral", "mistral", gguf_permuted_qk=True,
-           hf_attention_biases=_no_biases),
+           hf_attention_biases=_no_biases, gguf_config=_window_gguf_config),
     Family("qwen2", LlamaForCausalLM, "qwen2", "qwen2", hf_attention_biases=_qkv_bias_only),
     Family("qwen3", LlamaForCausalLM, "qwen3", "qwen3", hf_qk_norm=True),
+    Family("phi3", LlamaForCausalLM, "phi3", "phi3", gguf_block_names=PHI3_BLOCK_NAMES,
+           gguf_config=_window_gguf_config, hf_attention_biases=_no_biases),
     Family("gemma3", GemmaForCausalLM, "gemma3", None, gguf_block_names=GEMMA3_BLOCK_NAMES,
            gguf_norm_offset=1.0, gguf_config=_gemma3_gguf_config),
 )}

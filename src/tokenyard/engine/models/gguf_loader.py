@@ -34,7 +34,7 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 # Tensors that carry no weights of their own; handled through the config instead.
-_SKIPPED_TENSORS = ("rope_freqs.weight",)
+_SKIPPED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -98,7 +98,7 @@ def read_gguf_config(reader: GGUFFile, name: str = "model") -> ModelConfig:
     num_heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // num_heads))
     rope_dim = int(meta("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and family.gguf_permuted_qk:
         raise GGUFError(f"partial rotary embeddings (rope dim {rope_dim} < {head_dim}) unsupported")
     # GGUF shapes are [in, out] (fastest dim first): ne[1] of the embedding is the vocab.
     vocab_size = int(tensors["token_embd.weight"].shape[1])
@@ -124,7 +124,8 @@ def read_gguf_config(reader: GGUFFile, name: str = "model") -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, gguf_arch, tensors.get("rope_freqs.weight")),
+        rope_scaling=_rope_scaling(reader, gguf_arch, tensors),
+        rotary_dim=None if rope_dim == head_dim else rope_dim,
         max_position_embeddings=int(meta("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -139,7 +140,11 @@ def read_gguf_config(reader: GGUFFile, name: str = "model") -> ModelConfig:
     return config
 
 
-def _rope_scaling(reader: GGUFFile, arch: str, freqs: Any) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if long is not None and short is not None:
+        return _longrope_scaling(reader, arch, long, short)
+    freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:
         # Llama 3.1 GGUFs store the per-frequency divisors as a tensor, not as metadata.
         factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
@@ -154,6 +159,26 @@ def _rope_scaling(reader: GGUFFile, arch: str, freqs: Any) -> dict[str, Any] | N
     original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _longrope_scaling(reader: GGUFFile, arch: str, long: Any, short: Any) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp stores it: the two factor sets as tensors, the
+    original context and the attention factor as metadata."""
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise GGUFError(f"LongRoPE factors without {arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": int(original),
+        "factor": int(field_value(reader, f"{arch}.context_length", original)) / int(original),
+    }
+    for key, tensor in (("long_factor", long), ("short_factor", short)):
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+        scaling[key] = [float(v) for v in values]
+    attn_factor = field_value(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
     return scaling
 
 

@@ -48,12 +48,44 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         theta = params.get("rope_theta", theta)
         scaling = scaling or params
     if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in scaling.items()
+                   if k not in ("rope_theta", "partial_rotary_factor")}
         if "rope_type" not in scaling and "type" in scaling:
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type", "default") == "default":
             scaling = None
+        elif scaling["rope_type"] in ("longrope", "su"):  # "su": Phi-3's first name for it
+            scaling["rope_type"] = "longrope"
+            # Phi-3 keeps the original context beside the scaling, and the attention
+            # factor follows from how far the context was stretched.
+            original = int(scaling.get("original_max_position_embeddings")
+                           or cfg["original_max_position_embeddings"])
+            scaling["original_max_position_embeddings"] = original
+            scaling.setdefault(
+                "factor", int(cfg.get("max_position_embeddings", original)) / original)
     return float(theta if theta is not None else 10000.0), scaling
+
+
+def _rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """The dims of each head RoPE rotates (Phi-4-mini's partial_rotary_factor); None: all."""
+    params = cfg.get("rope_parameters")
+    factor = cfg.get("partial_rotary_factor")
+    if factor is None and isinstance(params, dict):
+        factor = params.get("partial_rotary_factor")
+    if factor is None or float(factor) == 1.0:
+        return None
+    return int(head_dim * float(factor))
+
+
+def _sliding_window(folder: Path, cfg: dict[str, Any]) -> int | None:
+    """Mistral's and Phi-3's window over every layer. Qwen2/3 name one too but apply it
+    only with `use_sliding_window`, to some layers: not supported."""
+    if cfg.get("use_sliding_window"):
+        raise HFModelError(f"{folder}: use_sliding_window=true is not supported")
+    if "use_sliding_window" in cfg:
+        return None
+    window = cfg.get("sliding_window")
+    return None if window is None else int(window)
 
 
 def read_hf_config(folder: str | Path) -> ModelConfig:
@@ -102,6 +134,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         qk_norm=family.hf_qk_norm,
+        rotary_dim=_rotary_dim(cfg, int(head_dim)),
+        sliding_window=_sliding_window(folder, cfg),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         name=folder.name,

@@ -1,13 +1,14 @@
-"""One decoder for the Llama family: Llama 1-3 / SmolLM2, Mistral, Qwen2 and Qwen3.
+"""One decoder for the Llama family: Llama 1-3 / SmolLM2, Mistral, Qwen2, Qwen3 and Phi-3.
 
 The architectures differ only in switches carried by `ModelConfig`: q/k/v bias (Qwen2),
-per-head q/k RMSNorm and a free head_dim (Qwen3), RoPE scaling (Llama 3.1) and tied
-embeddings. The model works on a flat batch of tokens from many sequences; the
+per-head q/k RMSNorm and a free head_dim (Qwen3), RoPE scaling (Llama 3.1, Phi-3's
+LongRoPE), a sliding window on every layer (Mistral, Phi-3), RoPE over part of each head
+(Phi-4-mini) and tied embeddings. The model works on a flat batch of tokens from many sequences; the
 `AttentionBackend` passed to `forward` owns sequence boundaries and the KV cache.
 
 For speed q/k/v live in one fused projection (`qkv_proj`) and gate/up in another
 (`gate_up_proj`); `load_weights` accepts Hugging Face parameter names and copies each
-piece into its slice.
+piece into its slice (Phi-3's checkpoints hold the fused tensors already).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tokenyard.engine.kernels.blocks import BlockWeight
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.rope import apply_rope, rope_tables
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 if hasattr(F, "rms_norm"):
 
@@ -109,6 +110,8 @@ class LlamaDecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         self.intermediate_size = config.intermediate_size
         self.eps = config.rms_norm_eps
+        self.rotary_dim = config.rotary_dim or config.head_dim
+        self.window = config.sliding_window
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
 
@@ -142,8 +145,13 @@ class LlamaDecoderLayer(nn.Module):
         qk = qkv[:, : hq + hkv]
         if self.qk_norm_weight is not None:
             qk = _rms_norm(qk, None, self.eps).mul_(self.qk_norm_weight)
-        qk = apply_rope(qk, cos, sin)
-        attn = attention(self.index, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
+        if self.rotary_dim == d:
+            qk = apply_rope(qk, cos, sin)
+        else:  # the dims past rotary_dim pass through unrotated
+            qk = qk.contiguous()
+            qk[..., : self.rotary_dim] = apply_rope(qk[..., : self.rotary_dim], cos, sin)
+        attn = attention(self.index, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :],
+                         window=self.window)
         x.add_(self.o_proj.apply_(attn.reshape(num_tokens, hq * d)))
 
         h = _rms_norm(x, self.post_attention_layernorm.weight, self.eps)
@@ -205,8 +213,13 @@ class LlamaForCausalLM(CausalLMHead):
         self.lm_head = (
             None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
         )
+        if config.layer_types is not None:
+            raise ValueError(f"{config.architecture}: per-layer attention types are not supported")
+        rotary_dim = config.rotary_dim or config.head_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= config.head_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim")
         cos, sin = rope_tables(
-            config.head_dim,
+            rotary_dim,
             config.rope_theta,
             config.max_position_embeddings,
             config.rope_scaling,
@@ -261,7 +274,7 @@ class LlamaForCausalLM(CausalLMHead):
         unexpected: list[str] = []
         bad_shapes: list[str] = []
         with torch.no_grad():
-            for name, tensor in weights:
+            for name, tensor in self._split_fused(weights):
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 if name == "lm_head.weight" and self.lm_head is None:
@@ -288,6 +301,34 @@ class LlamaForCausalLM(CausalLMHead):
             raise ValueError(
                 f"cannot load {self.config.architecture} weights: " + "; ".join(problems)
             )
+
+    def _split_fused(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Phi-3's fused `qkv_proj` / `gate_up_proj` tensors as the q/k/v and gate/up
+        pieces other checkpoints hold (row views; the rest pass through)."""
+        cfg = self.config
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        pieces = {
+            "self_attn.qkv_proj": (("self_attn.q_proj", q_size), ("self_attn.k_proj", kv_size),
+                                   ("self_attn.v_proj", kv_size)),
+            "mlp.gate_up_proj": (("mlp.gate_proj", cfg.intermediate_size),
+                                 ("mlp.up_proj", cfg.intermediate_size)),
+        }
+        for name, tensor in weights:
+            prefix, _, rest = name.rpartition(".layers.")
+            index, _, part = rest.partition(".")
+            module, _, kind = part.rpartition(".")
+            split = pieces.get(module) if prefix else None
+            total = None if split is None else sum(rows for _, rows in split)
+            if split is None or tensor.shape[0] != total:
+                yield name, tensor  # misshapen fused tensors are reported as unexpected
+                continue
+            start = 0
+            for piece, rows in split:
+                yield f"{prefix}.layers.{index}.{piece}.{kind}", tensor[start : start + rows]
+                start += rows
 
     def _weight_targets(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
         """HF name -> (destination view inside our parameters, expected source shape)."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 #: rope_type values `rope_inv_freq` understands; "default" is plain RoPE.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
 
 
 def rope_inv_freq(
@@ -25,7 +25,8 @@ def rope_inv_freq(
     `factor`, ...). Supported types: "default", "linear" (positions divided by `factor`),
     "llama3" (Llama 3.1 frequency-dependent scaling) and "freq_factors" (llama.cpp's
     `rope_freqs` tensor: per-frequency divisors in `factors`). Anything else raises
-    ValueError rather than silently producing wrong outputs.
+    ValueError rather than silently producing wrong outputs. "longrope" (Phi-3) has two
+    sets of frequencies, chosen per position: `rope_tables` builds it.
     """
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
@@ -42,15 +43,17 @@ def rope_inv_freq(
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "freq_factors":
-        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
-        if factors.shape != inv_freq.shape:
-            raise ValueError(
-                f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}"
-            )
-        return inv_freq / factors
+        return _divided(inv_freq, scaling["factors"], "freq_factors")
     raise ValueError(
         f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
     )
+
+
+def _divided(inv_freq: torch.Tensor, factors_list: Any, what: str) -> torch.Tensor:
+    factors = torch.tensor(factors_list, dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"rope {what} has {factors.numel()} entries, expected {inv_freq.numel()}")
+    return inv_freq / factors
 
 
 def _rope_type(scaling: dict[str, Any]) -> str:
@@ -87,10 +90,37 @@ def rope_tables(
     Row p holds cos/sin of `p * inv_freq`; only half a head is stored because both halves
     of a head share the same angles.
     """
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+    if scaling is not None and _rope_type(scaling) == "longrope":
+        return _longrope_tables(head_dim, theta, positions, scaling)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
+
+
+def _longrope_tables(
+    head_dim: int, theta: float, positions: torch.Tensor, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3's LongRoPE: frequencies divided by `short_factor` at positions below
+    `original_max_position_embeddings` and by `long_factor` from there on, cos and sin
+    scaled by `attention_factor` (default sqrt(1 + ln(factor) / ln(original))).
+
+    Chosen per position, so a sequence's keys keep the rotation they were cached with:
+    what transformers computes when a prompt shorter than the original context is then
+    decoded past it (its prefill of a longer prompt uses the long factors throughout).
+    """
+    base = rope_inv_freq(head_dim, theta)
+    original = int(scaling["original_max_position_embeddings"])
+    short = _divided(base, scaling["short_factor"], "short_factor")
+    long = _divided(base, scaling["long_factor"], "long_factor")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = float(scaling.get("factor", 1.0))
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    inv_freq = torch.where((positions >= original)[:, None], long[None, :], short[None, :])
+    angles = positions[:, None] * inv_freq
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
