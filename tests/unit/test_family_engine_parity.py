@@ -6,7 +6,9 @@ the prompt and each decoded token, and the same greedy tokens.
 Families: Qwen3 (q/k norms, free head_dim), Llama 3.x (llama3 RoPE scaling), Mistral (a
 sliding window shorter than the sequence), Phi-3 (fused qkv / gate_up tensors, its own
 sliding window) and Phi-4-mini's shape (LongRoPE crossing its original context during
-decoding, RoPE over 3/4 of each head)."""
+decoding, RoPE over 3/4 of each head). Mistral and Phi-3 also load from GGUF files written
+the way llama.cpp's converter lays them out (written here with the gguf package's writer:
+llama.cpp's converter itself is not installed)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from tests.unit.test_model_loader import _byte_tokens, _llama_cpp_permute
+from tests.unit.test_model_parity import _randomize
 from tokenyard.engine.llm import LLM
 from tokenyard.engine.models.hf_loader import read_hf_config
 from tokenyard.wire.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 VOCAB = 256
 TOP = 20
@@ -87,16 +95,7 @@ def _hf_model(case: str) -> Any:
     config = getattr(transformers, config_cls)(**_TINY, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        # Far from transformers' tiny init, so attention is far from uniform and a wrong
-        # rotation, window, norm or split moves the logprobs well past the tolerance.
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            else:
-                p.copy_(noise if "embed" in name else 0.15 * noise)
+    _randomize(model)  # attention far from uniform: a wrong window or rotation shows
     return model
 
 
@@ -138,10 +137,14 @@ def test_family_through_the_paged_engine_scores_like_transformers(
     for key, value in CASES[case][3].items():
         assert getattr(config, key) == value, key
 
+    _assert_engine_matches(hf, folder)
+
+
+def _assert_engine_matches(hf: Any, model_path: Path) -> None:
     # 4-token KV blocks and 8-token steps: the prompt is prefilled in chunks across pages,
     # windows cut through blocks, decoding runs past the window (and LongRoPE's original
     # context of 16).
-    llm = LLM(str(folder), weights="float32", device="cpu",
+    llm = LLM(str(model_path), weights="float32", device="cpu",
               block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
     prompt = torch.randint(3, VOCAB, (13,), generator=torch.Generator().manual_seed(7)).tolist()
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True,
@@ -178,3 +181,81 @@ def test_the_window_and_longrope_change_the_scores(tmp_path: Path) -> None:
         a = _hf_scores(hf, ids[:12], ids[12:])
         b = _hf_scores(other, ids[:12], ids[12:])
         assert (a - b).abs().max() > 0.05, case
+
+
+# ------------------------------------------------------------------------------ GGUF
+
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _write_gguf(path: Path, hf: Any, arch: str) -> None:
+    """`hf` as llama.cpp's converter writes it: Mistral's q/k rows permuted; Phi-3's fused
+    tensors as they are, LongRoPE's factors as tensors, its partial rotary as
+    rope.dimension_count; the sliding window as metadata."""
+    cfg = hf.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", cfg.num_hidden_layers),
+                       ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads),
+                       ("rope.dimension_count",
+                        int(head_dim * rope.get("partial_rotary_factor", 1.0)))):
+        writer.add_uint32(f"{arch}.{key}", value)
+    if cfg.sliding_window is not None:
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if rope.get("rope_type") == "longrope":
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          rope["original_max_position_embeddings"])
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(_byte_tokens())
+    writer.add_token_types([1] * VOCAB)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in hf.state_dict().items():
+        data = tensor.numpy()
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gguf_name = "output.weight"
+        elif name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_BLOCK[module]}.{kind}"
+            if arch == "mistral" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
+                data = _llama_cpp_permute(data, heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("case", "arch"), [("mistral-window", "mistral"),
+                                            ("phi4mini-longrope", "phi3"),
+                                            ("phi3-window", "phi3")])
+def test_family_from_gguf_scores_like_transformers(tmp_path: Path, case: str, arch: str) -> None:
+    hf = _hf_model(case)
+    path = tmp_path / f"{case}.gguf"
+    _write_gguf(path, hf, arch)
+    _assert_engine_matches(hf, path)
