@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from tokenyard.text.tool_formats import native_calls
 from tokenyard.text.tools import CLOSE, OPEN, ToolUse
 
 #: A call's header, written first: ``{"name": "NAME", "arguments": `` (spaces optional).
@@ -119,11 +120,13 @@ class ToolCallParser:
     `feed` each new piece of text and send the events it returns; `finish` at the end.
     `calls` holds every call read, in order; `new_id` names each call. `forced`: the
     reply is calls only (required, or a named tool), so the start of a tag cut at the
-    end is no text either.
+    end is no text either. `syntax`: the model's own call syntax, rewritten into this
+    form first (text/tool_formats.py).
     """
 
     def __init__(self, names: Collection[str], new_id: Callable[[], str],
-                 forced: bool = False) -> None:
+                 forced: bool = False, syntax: str | None = None) -> None:
+        self._native = native_calls(syntax)
         self.names = frozenset(names)
         self.new_id = new_id
         self.forced = forced
@@ -143,7 +146,7 @@ class ToolCallParser:
 
     def feed(self, text: str) -> list[ToolEvent]:
         """Events for the next piece of output text."""
-        self._buf += text
+        self._buf += text if self._native is None else self._native.feed(text)
         while self._step():
             pass
         events, self._events = self._events, []
@@ -154,6 +157,10 @@ class ToolCallParser:
         closed (the output cut inside it) is never text: one whose header was read stays
         in `calls`, incomplete (streamed already); one cut before that is dropped, with
         the whitespace before it (as is a cut ``<tool_`` when the reply is `forced`)."""
+        if self._native is not None:
+            self._buf += self._native.finish()
+            while self._step():
+                pass
         if self._in_call or (self.forced and OPEN.startswith(self._buf.strip())):
             self._ws = ""
         else:
@@ -270,7 +277,7 @@ def call_parser(use: ToolUse | None, new_id: Callable[[], str]) -> ToolCallParse
     """A streaming parser of one reply's calls, or None when tools are not active."""
     if use is None or not use.active:
         return None
-    return ToolCallParser(use.names, new_id, use.choice.mode == "required")
+    return ToolCallParser(use.names, new_id, use.choice.mode == "required", use.syntax)
 
 
 def _json_string(raw: str) -> str | None:
@@ -286,7 +293,7 @@ def split_tool_calls(text: str, use: ToolUse, new_id: Callable[[], str]
     """A finished reply's text and its valid calls. A call that never closed (the reply
     was cut inside it) is neither: its markup never reaches the text; one that closed
     with arguments that are no JSON object stays in the text, as written."""
-    parser = ToolCallParser(use.names, new_id, use.choice.mode == "required")
+    parser = ToolCallParser(use.names, new_id, use.choice.mode == "required", use.syntax)
     pieces: list[str] = []
     calls: list[ParsedCall] = []
     for event in parser.feed(text) + parser.finish():

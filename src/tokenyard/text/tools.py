@@ -85,6 +85,9 @@ class ToolUse:
     #: The most calls one response may make (the Responses API's `max_tool_calls`);
     #: None: the deployment's cap alone.
     max_calls: int | None = None
+    #: The deployment's tool-call syntax when its model writes its own (text/tool_formats.py:
+    #: "llama3_json", "mistral", ...); None: the `<tool_call>` form.
+    syntax: str | None = None
 
     @property
     def active(self) -> bool:

@@ -1,0 +1,110 @@
+"""A reasoning model's thinking, split from its answer as the output streams.
+
+Qwen3 (and QwQ, DeepSeek-R1 and the other `<think>` models) write
+``<think>…reasoning…</think>answer``. Some chat templates open the block in the prompt
+already (the reply then starts inside it, with only ``</think>`` to come): `inside`
+says so. `ReasoningParser.feed` returns the (reasoning, content) text of each piece,
+holding back only what could be the start of a tag; `split_reasoning` does a whole text.
+`REASONING_PARSERS` names them; `detect_reasoning_parser` picks one from a chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenyard.text.tool_formats import held_prefix
+
+#: Parser names a deployment can pick (vLLM's --reasoning-parser spelling) -> its tags.
+REASONING_PARSERS: dict[str, tuple[str, str]] = {
+    "qwen3": ("<think>", "</think>"),
+    "deepseek_r1": ("<think>", "</think>"),
+}
+
+
+@dataclass
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser:
+    """Splits one reply into reasoning and content.
+
+    Before any text: a reply that opens with the start tag (leading whitespace allowed)
+    is reasoning until the end tag; one that does not is content, unless `inside` (the
+    prompt opened the block). Tags never reach either side; one newline or space right
+    after the end tag is dropped (the templates put one there).
+    """
+
+    def __init__(self, start: str, end: str, inside: bool = False) -> None:
+        self.start, self.end = start, end
+        self._state = "reasoning" if inside else "undecided"
+        self._buf = ""
+        self._after_end = False
+
+    def feed(self, text: str) -> ReasoningDelta:
+        self._buf += text
+        out = ReasoningDelta()
+        if self._state == "undecided":
+            head = self._buf.lstrip()
+            if head.startswith(self.start):
+                self._buf = head[len(self.start):]
+                self._state = "reasoning"
+            elif not head or self.start.startswith(head):
+                return out
+            else:
+                self._state = "content"
+        if self._state == "reasoning":
+            at = self._buf.find(self.end)
+            if at < 0:
+                keep = held_prefix(self._buf, self.end)
+                out.reasoning = self._buf[: len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep:]
+                return out
+            out.reasoning = self._buf[:at]
+            self._buf = self._buf[at + len(self.end):]
+            self._state, self._after_end = "content", True
+        if self._after_end:
+            if not self._buf:
+                return out
+            if self._buf[0] in "\n ":
+                self._buf = self._buf[1:]
+            self._after_end = False
+        out.content, self._buf = self._buf, ""
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        """What was held back: a reply cut inside its thinking keeps it as reasoning."""
+        rest, self._buf = self._buf, ""
+        if self._state == "reasoning":
+            return ReasoningDelta(reasoning=rest)
+        return ReasoningDelta(content=rest)
+
+
+def reasoning_parser(name: str | None, inside: bool = False) -> ReasoningParser | None:
+    """The parser of `name` (None: no reasoning); ValueError for an unknown name."""
+    if name is None or name == "none":
+        return None
+    tags = REASONING_PARSERS.get(name)
+    if tags is None:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}")
+    return ReasoningParser(*tags, inside=inside)
+
+
+def split_reasoning(text: str, parser: ReasoningParser) -> tuple[str, str]:
+    """(reasoning, content) of a finished reply."""
+    first, last = parser.feed(text), parser.finish()
+    return first.reasoning + last.reasoning, first.content + last.content
+
+
+def detect_reasoning_parser(chat_template: str | None) -> str | None:
+    """"qwen3" for a template that writes `<think>` blocks, else None."""
+    return "qwen3" if chat_template and "<think>" in chat_template else None
+
+
+def prompt_opens_reasoning(prompt: str, name: str | None) -> bool:
+    """Whether the rendered prompt ends with an open reasoning block (the reply then
+    starts inside it), as QwQ's and Qwen3-Thinking-2507's templates write it."""
+    tags = REASONING_PARSERS.get(name or "")
+    return tags is not None and prompt.rstrip().endswith(tags[0])
