@@ -30,6 +30,11 @@ def kernels_disabled() -> bool:
 #: (the last three CPU only). auto: q4_1 for a GGUF whose projections are Q4_0 / Q4_1 on
 #: the CPU, float32 otherwise (engine/models/quant.py `resolve_weights`).
 WEIGHT_FORMATS = ("auto", "float32", "q8_0", "q4_1", "int8")
+#: A deployment's tool-call and reasoning parsers (`serve --tool-call-parser`, a fleet
+#: file's `tool_call_parser` / `reasoning_parser`; text/tool_formats.py, text/reasoning.py):
+#: "auto" picks them from the model's chat template.
+TOOL_CALL_PARSERS = ("hermes", "qwen3", "llama3_json", "mistral", "phi4_mini_json")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 #: The KV pool's element types (`EngineConfig.kv_cache_dtype`).
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 

@@ -48,6 +48,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from tokenyard.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tokenyard.fleet_values import (
     FleetConfigError,
     a_string,
@@ -143,6 +144,10 @@ class DeploymentSpec:
     region: str | None = None
     #: Replicas placed as Ray actors (`placement_spec.py`); None: local or listed.
     ray: RayPlacement | None = None
+    #: engine: its tool-call and reasoning parsers (config.TOOL_CALL_PARSERS /
+    #: REASONING_PARSERS, "none": no reasoning); "auto": from the model's chat template.
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
     @property
     def salts_cache(self) -> bool:
@@ -234,7 +239,8 @@ def single_fleet(
     name: str, *, replicas: int = 1, urls: Sequence[str] = (), model: str | None = None,
     engine_args: Sequence[str] = (), embeddings: str | None = None,
     embedding_replicas: int = 1, policy: str = "affinity", queue_timeout_s: float = 5.0,
-    max_output_tokens: int | None = None,
+    max_output_tokens: int | None = None, tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> FleetSpec:
     """The fleet of `tokenyard serve` without a file: one engine deployment (`replicas`
     local children, or the running `urls`; `max_output_tokens` its output cap, by
@@ -243,7 +249,8 @@ def single_fleet(
         name, "engine", replicas=0 if urls else replicas, urls=tuple(urls), model=model,
         engine_args=tuple(engine_args), capabilities=_DEFAULT_CAPABILITIES["engine"],
         max_output_tokens=max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
-        max_tool_calls=DEFAULT_MAX_TOOL_CALLS,
+        max_tool_calls=DEFAULT_MAX_TOOL_CALLS, tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )}
     if embeddings is not None:
         deployments[embeddings] = DeploymentSpec(
@@ -259,6 +266,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item = a_table(item, where)
     item, limits = _output_limits(item, where)
     item, ray = ray_placement(item, where)
+    item, tool_parser, reasoning_parser = parser_choice(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "batch_prices", "moderation",
                  "server", "defaults", "region"}, where)
@@ -316,8 +324,22 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         server=server, region=opt_region(item.get("region"), f"{where}.region"), ray=ray,
         defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
                   if "defaults" in item else NONE),
-        **limits,
+        tool_call_parser=tool_parser, reasoning_parser=reasoning_parser, **limits,
     )
+
+
+def parser_choice(item: dict[str, Any], where: str) -> tuple[dict[str, Any], str, str]:
+    """`item` without `tool_call_parser` / `reasoning_parser`, and those two checked
+    ("auto" where absent)."""
+    known = {"tool_call_parser": ("auto", *TOOL_CALL_PARSERS),
+             "reasoning_parser": ("auto", "none", *REASONING_PARSERS)}
+    chosen = []
+    for key, names in known.items():
+        value = item.get(key, "auto")
+        if value not in names:
+            raise FleetConfigError(f"{where}.{key}: one of {', '.join(names)}, not {value!r}")
+        chosen.append(str(value))
+    return {k: v for k, v in item.items() if k not in known}, chosen[0], chosen[1]
 
 
 def _output_limits(item: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:

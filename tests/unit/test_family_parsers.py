@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tokenyard.deployments import load_fleet
+from tokenyard.fleet_values import FleetConfigError
 from tokenyard.text.reasoning import (
     ReasoningParser,
     detect_reasoning_parser,
@@ -193,3 +196,20 @@ def test_an_open_block_at_the_end_of_the_prompt_is_seen() -> None:
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n", "qwen3")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n", "qwen3")
     assert not prompt_opens_reasoning("<think>\n", None)
+
+
+def test_a_fleet_file_picks_a_deployments_parsers_and_refuses_unknown_ones(
+        tmp_path: Path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text('[[deployments]]\nname = "m"\nurls = ["http://127.0.0.1:1"]\n'
+                    'tool_call_parser = "mistral"\nreasoning_parser = "none"\n')
+    spec = load_fleet(path).deployments["m"]
+    assert (spec.tool_call_parser, spec.reasoning_parser) == ("mistral", "none")
+    path.write_text('[[deployments]]\nname = "m"\nurls = ["http://127.0.0.1:1"]\n')
+    spec = load_fleet(path).deployments["m"]
+    assert (spec.tool_call_parser, spec.reasoning_parser) == ("auto", "auto")
+    path.write_text('[[deployments]]\nname = "m"\nurls = ["http://127.0.0.1:1"]\n'
+                    'tool_call_parser = "pythonic"\n')
+    with pytest.raises(FleetConfigError, match=r"deployments\[0\]\.tool_call_parser: one of "
+                                               r"auto, hermes, .*not 'pythonic'"):
+        load_fleet(path)

@@ -11,7 +11,14 @@ from typing import Any
 
 from tokenyard.cli.admin import add_admin_parser, run_admin
 from tokenyard.cli.embed import add_embed_parser, embed_kwargs
-from tokenyard.config import ServeConfig, add_engine_args, engine_kwargs, replica_token
+from tokenyard.config import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ServeConfig,
+    add_engine_args,
+    engine_kwargs,
+    replica_token,
+)
 from tokenyard.deployments import DEFAULT_MAX_OUTPUT_TOKENS, POLICIES
 
 
@@ -102,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
             replicas=args.replicas, embeddings=args.embeddings, policy=args.policy,
             queue_timeout_s=args.queue_timeout, log_format=args.log_format,
             log_level=args.log_level, max_output_tokens=args.max_output_tokens,
+            parsers=(args.tool_call_parser, args.reasoning_parser),
         )
     except (RuntimeError, OSError) as exc:  # the replica failed to start, port in use, ...
         print(f"error: {exc}", file=sys.stderr)
@@ -217,6 +225,14 @@ def _add_serve_parser(sub: Any) -> None:
                        "what a request that sets no max_tokens gets (default "
                        f"{DEFAULT_MAX_OUTPUT_TOKENS}; a fleet file sets max_output_tokens "
                        "per deployment)")
+    serve.add_argument("--tool-call-parser", default="auto",
+                       choices=("auto", *TOOL_CALL_PARSERS),
+                       help="without --config: how the model writes tool calls (default: "
+                       "from its chat template; a fleet file sets tool_call_parser)")
+    serve.add_argument("--reasoning-parser", default="auto",
+                       choices=("auto", "none", *REASONING_PARSERS),
+                       help="without --config: how the model marks its reasoning "
+                       "(default: from its chat template)")
     serve.add_argument("--embeddings", dest="embeddings", action="store_true", default=None,
                        help="start the embeddings pool (/v1/embeddings) even with "
                        "--replica-url (the default only with a local replica)")

@@ -174,6 +174,7 @@ async def run(
     policy: str = "affinity",
     queue_timeout_s: float = 5.0,
     max_output_tokens: int | None = None,
+    parsers: tuple[str, str] = ("auto", "auto"),
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0. `auth`: API keys, limits,
     billing and the ledger (the gateway); off, anyone may call. `fleet_file`: the
@@ -181,7 +182,8 @@ async def run(
     local replicas (or the running `replica_url`, called with `config.replica_token`),
     plus the embeddings pool where `embeddings` says (None: only beside a local replica,
     so a gateway in front of `replica_url` starts no model process); `max_output_tokens`
-    is that deployment's output cap (None: the default)."""
+    is that deployment's output cap (None: the default), `parsers` its tool-call and
+    reasoning parsers."""
     gateway: Gateway | None = None
     api_key: str | None = None
     key_file: Path | None = None  # where the key shown masked is (None: shown whole)
@@ -192,7 +194,8 @@ async def run(
             "", replicas=replicas, urls=[replica_url] if replica_url else [], model=model,
             embeddings=EMBEDDINGS_MODEL if with_embeddings(embeddings, replica_url) else None,
             policy=policy,
-            queue_timeout_s=queue_timeout_s, max_output_tokens=max_output_tokens)
+            queue_timeout_s=queue_timeout_s, max_output_tokens=max_output_tokens,
+            tool_call_parser=parsers[0], reasoning_parser=parsers[1])
     fleet = Fleet(spec, make_starter(engine_args, config), config,
                   cache_dir or default_cache_dir(),
                   affinity=make_affinity(config.redis_url))

@@ -5,6 +5,7 @@ sizes the pipeline bounds before anything is tokenized."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from tokenyard.errors import invalid_request
@@ -36,6 +37,9 @@ def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
               and renders_tools(served.tokenizer.chat_template))
     if tools is None or not tools.active:
         return ToolPlacement(tools, None, native)
+    if native or served.spec.tool_call_parser != "auto":
+        # The model writes calls its own way (the fallback prompt teaches <tool_call>).
+        tools = replace(tools, syntax=served.tool_syntax)
     require(served.spec, "tools", "tools")
     if served.kind == "upstream":
         return ToolPlacement(None, tools, native)

@@ -28,6 +28,7 @@ from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.text.model_files import load_tokenizer, recommended_sampling
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
+from tokenyard.text.tool_formats import detect_tool_parser
 from tokenyard.wire.replica_info import ReplicaInfo
 
 
@@ -69,6 +70,14 @@ class Served:
     @property
     def vocab_size(self) -> int | None:
         return self.info.vocab_size if self.info is not None else None
+
+    @property
+    def tool_syntax(self) -> str:
+        """The tool-call syntax its model writes (text/tool_formats.py): the fleet's
+        choice, else what the chat template shows."""
+        if self.spec.tool_call_parser != "auto":
+            return self.spec.tool_call_parser
+        return detect_tool_parser(None if self.tokenizer is None else self.tokenizer.chat_template)
 
     @property
     def window(self) -> int:

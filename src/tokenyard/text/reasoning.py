@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenyard import config
 from tokenyard.text.tool_formats import held_prefix
 
-#: Parser names a deployment can pick (vLLM's --reasoning-parser spelling) -> its tags.
+#: Parser names a deployment can pick (vLLM's --reasoning-parser spelling;
+#: config.REASONING_PARSERS) -> its tags.
 REASONING_PARSERS: dict[str, tuple[str, str]] = {
-    "qwen3": ("<think>", "</think>"),
-    "deepseek_r1": ("<think>", "</think>"),
-}
+    name: ("<think>", "</think>") for name in config.REASONING_PARSERS}
 
 
 @dataclass

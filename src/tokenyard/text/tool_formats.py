@@ -25,11 +25,10 @@ import json
 import re
 from typing import Any, Protocol
 
+from tokenyard.config import TOOL_CALL_PARSERS
 from tokenyard.text.tools import CLOSE, OPEN
 
-#: Parser names a deployment can pick (vLLM's --tool-call-parser spelling); "hermes"
-#: (alias "qwen3") is tool_calls.py's own format.
-TOOL_CALL_PARSERS = ("hermes", "qwen3", "llama3_json", "mistral", "phi4_mini_json")
+__all__ = ["TOOL_CALL_PARSERS", "detect_tool_parser", "native_calls"]
 
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL = "[TOOL_CALLS]"
