@@ -61,6 +61,11 @@ CANNED: dict[str, list[tuple[str, str, list[tuple[str, dict[str, Any]]]]]] = {
          [("get_weather", WEATHER), ("search", SEARCH)]),
         ("No [tools] needed: [1, 2].", "No [tools] needed: [1, 2].", []),
         ("[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+        # [TOOL_CALLS] is a control token: the default skip_special_tokens drops it
+        (' [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+         "", [("get_weather", WEATHER)]),
+        ('[{"a": 1}] is a list of one object.', '[{"a": 1}] is a list of one object.', []),
+        ("[ 1, 2 ] as text", "[ 1, 2 ] as text", []),
     ],
     "phi4_mini_json": [
         ('functools[{"name": "get_weather", "arguments": {"city": "Paris", '

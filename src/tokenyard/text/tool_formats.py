@@ -34,6 +34,7 @@ _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 _PHI = "functools"
+_BARE_CALLS = re.compile(r"\[\s*\{")
 
 
 class NativeCalls(Protocol):
@@ -113,6 +114,7 @@ class MarkerCalls:
         self.marker = marker
         self._buf = ""
         self._inside = False
+        self._opened = marker  # what opened the calls: given back if they do not parse
 
     def feed(self, text: str) -> str:
         self._buf += text
@@ -127,7 +129,7 @@ class MarkerCalls:
                     return "".join(out)
                 out.append(self._buf[:at])
                 self._buf = self._buf[at + len(self.marker):]
-                self._inside = True
+                self._inside, self._opened = True, self.marker
             parsed = self._calls(self._buf, final=False)
             if parsed is None:
                 return "".join(out)
@@ -143,7 +145,7 @@ class MarkerCalls:
         self._inside = False
         parsed = self._calls(rest, final=True)
         if parsed is None or parsed[1] < len(rest.rstrip()):
-            return self.marker + rest
+            return self._opened + rest
         return parsed[0]
 
     def _calls(self, text: str, final: bool) -> tuple[str, int] | None:
@@ -153,42 +155,59 @@ class MarkerCalls:
         if start == len(text):
             return ("", len(text)) if final else None
         if text[start] != "[":
-            return (self.marker + text, len(text)) if final else None
+            return (self._opened + text, len(text)) if final else None
         end = json_end(text, start)
         if end is None:
-            return (self.marker + text, len(text)) if final else None
+            return (self._opened + text, len(text)) if final else None
         try:
             values = json.loads(text[start:end])
         except ValueError:
             values = None
         calls = _calls_text(values, "arguments") if isinstance(values, list) else None
-        return (calls, end) if calls is not None else (self.marker + text[:end], end)
+        return (calls, end) if calls is not None else (self._opened + text[:end], end)
 
 
 class MistralCalls(MarkerCalls):
-    """``[TOOL_CALLS][{…}, …]``, or v11's ``[TOOL_CALLS]name[ARGS]{…}`` per call."""
+    """``[TOOL_CALLS][{…}, …]``, or v11's ``[TOOL_CALLS]name[ARGS]{…}`` per call.
+
+    ``[TOOL_CALLS]`` is a control token of Mistral's tokenizers, which the default
+    `skip_special_tokens` drops from the text: a reply that opens with an array of objects
+    (``[{``) is read as the calls it would have introduced.
+    """
 
     def __init__(self) -> None:
         super().__init__(_MISTRAL)
+        self._began = False
+
+    def feed(self, text: str) -> str:
+        if not self._began:
+            head = (self._buf + text).lstrip()
+            if head in ("", "[") or (head.startswith("[") and not head[1:].strip()):
+                self._buf += text
+                return ""
+            self._began = True
+            if _BARE_CALLS.match(head) and not head.startswith(self.marker):
+                self._inside, self._opened = True, ""
+        return super().feed(text)
 
     def _calls(self, text: str, final: bool) -> tuple[str, int] | None:
         if text.lstrip().startswith("[") or not text.strip():
             return super()._calls(text, final)
         args_at = text.find(_MISTRAL_ARGS)
         if args_at < 0:
-            return (self.marker + text, len(text)) if final else None
+            return (self._opened + text, len(text)) if final else None
         name = text[:args_at].strip()
         start = args_at + len(_MISTRAL_ARGS)
         start += len(text[start:]) - len(text[start:].lstrip())
         end = json_end(text, start) if start < len(text) and text[start] == "{" else None
         if end is None:
-            return (self.marker + text, len(text)) if final else None
+            return (self._opened + text, len(text)) if final else None
         try:
             arguments = json.loads(text[start:end])
         except ValueError:
             arguments = None
         call = hermes_call(name, arguments)
-        return (call, end) if call is not None else (self.marker + text[:end], end)
+        return (call, end) if call is not None else (self._opened + text[:end], end)
 
 
 class Llama3Calls:
