@@ -1,7 +1,9 @@
-"""A deployment's tool-call parser through HTTP: a scripted replica writes calls in
-Mistral's and Llama 3's syntax (token ids of the embedded tokenizer, as an engine would
-stream them), and /v1/chat/completions and /v1/messages return them as tool calls, whole
-and streamed; the default (Hermes) parser leaves the same text as text."""
+"""A deployment's tool-call and reasoning parsers through HTTP: a scripted replica writes
+calls in Mistral's and Llama 3's syntax and Qwen3's `<think>` reasoning (token ids of the
+embedded tokenizer, as an engine would stream them). /v1/chat/completions and
+/v1/messages return the calls as tool calls, whole and streamed (the default Hermes
+parser leaves the same text as text); chat returns the thinking as `reasoning_content`
+with its `reasoning_tokens` counted."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tests.conformance.spec import Spec
 from tokenyard.api.app import AppState, make_app
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import BalancerSpec, DeploymentSpec
@@ -57,7 +60,8 @@ def _replica(output: str) -> web.Application:
     return app
 
 
-async def _ask(output: str, parser: str, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+async def _ask(output: str, parser: str, path: str, body: dict[str, Any],
+               reasoning: str = "auto") -> tuple[int, bytes]:
     replica = web.AppRunner(_replica(output))
     await replica.setup()
     await web.TCPSite(replica, "127.0.0.1", 0).start()
@@ -65,7 +69,8 @@ async def _ask(output: str, parser: str, path: str, body: dict[str, Any]) -> tup
     client = make_client(url)
     spec = DeploymentSpec("scripted", "engine", urls=(url,),
                           capabilities=frozenset({"chat", "tools"}), max_output_tokens=256,
-                          max_tool_calls=8, tool_call_parser=parser)
+                          max_tool_calls=8, tool_call_parser=parser,
+                          reasoning_parser=reasoning)
     served = await build_served(spec, [(url, client)], default_cache_dir(),
                                 balancer=BalancerSpec(queue_timeout_s=0))
     front = web.AppRunner(make_app(AppState.single(served, now())))
@@ -132,3 +137,50 @@ def test_without_the_family_parser_the_same_output_is_text() -> None:
     message = json.loads(raw)["choices"][0]["message"]
     assert not message.get("tool_calls")
     assert "[TOOL_CALLS]" in message["content"]
+
+
+THINKING = "<think>\nThe user asks for 6 times 7; that is 42.\n</think>\n\nIt is 42."
+
+
+def _reasoning_tokens(output: str) -> int:
+    """Tokens up to the one that completes </think>, counted by decoding prefixes."""
+    tokenizer = load_tokenizer(None, default_cache_dir())
+    ids = tokenizer.encode(output)
+    return next(k for k in range(1, len(ids) + 1) if "</think>" in tokenizer.decode(ids[:k]))
+
+
+def test_qwen3_thinking_goes_to_reasoning_content_with_its_tokens_counted() -> None:
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "6*7?"}]}
+    status, raw = asyncio.run(_ask(THINKING, "auto", "/v1/chat/completions", body, "qwen3"))
+    assert status == 200, raw
+    reply = json.loads(raw)
+    spec = Spec.load("openai")
+    spec.validate(reply, spec.response_schema("/chat/completions", 200), "reasoning reply")
+    message = reply["choices"][0]["message"]
+    assert message["reasoning_content"] == "\nThe user asks for 6 times 7; that is 42.\n"
+    assert message["content"] == "\nIt is 42."
+    details = reply["usage"]["completion_tokens_details"]
+    assert details["reasoning_tokens"] == _reasoning_tokens(THINKING)
+    assert 0 < details["reasoning_tokens"] < reply["usage"]["completion_tokens"]
+
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    status, raw = asyncio.run(_ask(THINKING, "auto", "/v1/chat/completions", stream, "qwen3"))
+    assert status == 200, raw
+    events = _events(raw)
+    for event in events:
+        spec.validate(event, "CreateChatCompletionStreamResponse", "reasoning chunk")
+    deltas = [c["delta"] for e in events for c in e.get("choices", [])]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == \
+        message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert events[-1]["usage"]["completion_tokens_details"] == details
+
+
+def test_without_a_reasoning_parser_the_thinking_stays_in_the_content() -> None:
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "6*7?"}]}
+    status, raw = asyncio.run(_ask(THINKING, "auto", "/v1/chat/completions", body, "none"))
+    assert status == 200, raw
+    reply = json.loads(raw)
+    assert "reasoning_content" not in reply["choices"][0]["message"]
+    assert reply["choices"][0]["message"]["content"] == THINKING
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0

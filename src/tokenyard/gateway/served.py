@@ -27,6 +27,7 @@ from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.text.model_files import load_tokenizer, recommended_sampling
 from tokenyard.text.prepare import Preparer
+from tokenyard.text.reasoning import detect_reasoning_parser
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.text.tool_formats import detect_tool_parser
 from tokenyard.wire.replica_info import ReplicaInfo
@@ -78,6 +79,16 @@ class Served:
         if self.spec.tool_call_parser != "auto":
             return self.spec.tool_call_parser
         return detect_tool_parser(None if self.tokenizer is None else self.tokenizer.chat_template)
+
+    @property
+    def reasoning(self) -> str | None:
+        """Its reasoning parser (text/reasoning.py): the fleet's choice, else what the
+        chat template shows; None: its replies have no reasoning to split."""
+        choice = self.spec.reasoning_parser
+        if choice == "auto":
+            template = None if self.tokenizer is None else self.tokenizer.chat_template
+            return detect_reasoning_parser(template)
+        return None if choice == "none" else choice
 
     @property
     def window(self) -> int:

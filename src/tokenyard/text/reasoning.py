@@ -10,6 +10,7 @@ holding back only what could be the start of a tag; `split_reasoning` does a who
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenyard import config
@@ -108,3 +109,47 @@ def prompt_opens_reasoning(prompt: str, name: str | None) -> bool:
     starts inside it), as QwQ's and Qwen3-Thinking-2507's templates write it."""
     tags = REASONING_PARSERS.get(name or "")
     return tags is not None and prompt.rstrip().endswith(tags[0])
+
+
+def count_reasoning_tokens(token_ids: Sequence[int], token_bytes: Callable[[int], bytes],
+                           name: str) -> int:
+    """How many of a finished reply's generated tokens are reasoning."""
+    counter = ReasoningCounter(token_bytes, name)
+    counter.push(token_ids, finished=True)
+    assert counter.count is not None
+    return counter.count
+
+
+class ReasoningCounter:
+    """The reasoning tokens of one reply, counted from its token ids as they stream:
+    those up to and including the one that closes the block; all of them when it never
+    closes; none when the reply opens no block. `count` is None until that is known."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], name: str) -> None:
+        self.token_bytes = token_bytes
+        self.start, self.end = (tag.encode() for tag in REASONING_PARSERS[name])
+        self.count: int | None = None
+        self._tokens = 0
+        self._head = b""  # the reply's first bytes, until it shows whether a block opens
+        self._opened = False
+        self._tail = b""  # the last bytes, where the end tag may be completing
+
+    def push(self, token_ids: Sequence[int], finished: bool) -> None:
+        for token_id in token_ids:
+            if self.count is not None:
+                return
+            piece = self.token_bytes(token_id)
+            self._tokens += 1
+            if not self._opened:
+                self._head += piece
+                head = self._head.lstrip()
+                if head.startswith(self.start):
+                    self._opened = True
+                elif head and not self.start.startswith(head):
+                    self.count = 0
+                    return
+            self._tail = (self._tail + piece)[-(len(piece) + len(self.end)):]
+            if self._opened and self.end in self._tail:
+                self.count = self._tokens
+        if finished and self.count is None:
+            self.count = self._tokens if self._opened else 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from tokenyard.api.convert import random_id, sampling_params, stop_list
@@ -38,6 +39,7 @@ from tokenyard.api.openai.schemas import (
     ChoiceLogprobs,
     CompletionChoice,
     CompletionRequest,
+    CompletionTokensDetails,
     FinishReason,
     ModelCard,
     ModelList,
@@ -53,6 +55,12 @@ from tokenyard.api.openai.tools import assistant_message
 from tokenyard.errors import INVALID_VALUE, invalid_request
 from tokenyard.sampling_defaults import NONE, PARAMETERS, SamplingDefaults
 from tokenyard.text.prepare import TemplateMessage
+from tokenyard.text.reasoning import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    count_reasoning_tokens,
+    split_reasoning,
+)
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, Logprob
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams, SamplingParamsError
@@ -256,13 +264,16 @@ def legacy_finish_reason(
     return "stop"
 
 
-def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
-    """OpenAI usage: `prompt_tokens` includes `cached_tokens`."""
+def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                 reasoning_tokens: int = 0) -> Usage:
+    """OpenAI usage: `prompt_tokens` includes `cached_tokens`, `completion_tokens` the
+    `reasoning_tokens`."""
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 
@@ -288,6 +299,11 @@ def chat_logprobs(entries: Sequence[Logprob], token_bytes: TokenBytes) -> Choice
     return ChoiceLogprobs(content=content)
 
 
+def no_bytes(token_id: int) -> bytes:
+    """A TokenBytes for no tokenizer: every token's bytes are none."""
+    return b""
+
+
 def need_bytes(token_bytes: TokenBytes | None) -> TokenBytes:
     if token_bytes is None:
         raise ValueError("logprobs were computed but no token_bytes function was given")
@@ -309,17 +325,29 @@ def build_chat_completion(
     system_fingerprint: str | None = None,
     completion_tokens: int | None = None,
     tools: ToolUse | None = None,
+    reasoning: str | None = None,
 ) -> ChatCompletion:
     """The non-streamed chat completion for finished `completions` (one per choice);
     `completion_tokens` defaults to their token ids' count; with active `tools`, each
-    choice's calls are split out of its text."""
+    choice's calls are split out of its text; with a `reasoning` parser, its thinking
+    goes to `reasoning_content` and its tokens to `reasoning_tokens`."""
     choices = []
+    reasoning_tokens = 0
     for c in sorted(completions, key=lambda c: c.index):
         logprobs = None
         if c.logprobs is not None:
             logprobs = chat_logprobs(c.logprobs, need_bytes(token_bytes))
+        thought = None
+        if reasoning is not None:
+            split = ReasoningParser(*REASONING_PARSERS[reasoning])
+            thought, answer = split_reasoning(c.text, split)
+            reasoning_tokens += count_reasoning_tokens(c.token_ids, token_bytes or no_bytes,
+                                                       reasoning)
+            c = replace(c, text=answer)
         message, finish = assistant_message(
             c, tools, openai_finish_reason(c.finish_reason) or "stop")
+        if thought:
+            message.reasoning_content = thought
         choices.append(
             ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
         )
@@ -327,7 +355,8 @@ def build_chat_completion(
         completion_tokens = sum(len(c.token_ids) for c in completions)
     return ChatCompletion(
         id=id, created=created, model=model, system_fingerprint=system_fingerprint,
-        choices=choices, usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),
+        choices=choices,
+        usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens),
     )
 
 

@@ -46,7 +46,7 @@ def chat_plan(req: ChatCompletionRequest) -> Plan:
     def fmt(run: Run) -> ChatFormat:
         ready = run.ready
         return ChatFormat(run.served.name, ready.params[0].n, req.include_usage,
-                          run.token_bytes, ready.tools)
+                          run.token_bytes, ready.tools, run.served.reasoning)
 
     return Plan(req.model, build, fmt, bool(req.stream), dict(
         text_size=sum(len(m.text) for m in req.messages),

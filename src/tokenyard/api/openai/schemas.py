@@ -257,12 +257,15 @@ class AssistantMessage(BaseModel):
     refusal: str | None = None
     annotations: list[dict[str, Any]] = Field(default_factory=list)
     tool_calls: list[ToolCall] | None = None
+    #: A reasoning model's thinking (vLLM's and DeepSeek's field); left out when none.
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:
         out: dict[str, Any] = handler(self)
-        if self.tool_calls is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if getattr(self, key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -283,7 +286,8 @@ class PromptTokensDetails(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    """`usage.completion_tokens_details` (no reasoning, audio or prediction tokens here)."""
+    """`usage.completion_tokens_details` (reasoning tokens of a reasoning model; no audio
+    or prediction tokens here)."""
 
     reasoning_tokens: int = 0
     audio_tokens: int = 0
@@ -324,12 +328,15 @@ class ChunkDelta(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="plain")
     def _serialize(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.role is not None:
             out["role"] = self.role
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.content is not None:
             out["content"] = self.content
         if self.refusal is not None or self.role is not None:

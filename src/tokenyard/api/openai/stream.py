@@ -19,6 +19,7 @@ from tokenyard.api.openai.convert import (
     need_bytes,
     new_chat_id,
     new_completion_id,
+    no_bytes,
     openai_finish_reason,
     openai_usage,
 )
@@ -40,6 +41,12 @@ from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
 from tokenyard.errors import APIError
 from tokenyard.gateway.pipeline import Generated
+from tokenyard.text.reasoning import (
+    REASONING_PARSERS,
+    ReasoningCounter,
+    ReasoningDelta,
+    ReasoningParser,
+)
 from tokenyard.text.tool_calls import ToolCallParser
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, PromptLogprobs, RequestOutput
@@ -64,8 +71,13 @@ class ChatStream:
     token_bytes: TokenBytes | None = None
     #: The request's tools: each choice's calls are parsed out of its text as it streams.
     tools: ToolUse | None = None
+    #: The deployment's reasoning parser: each choice's thinking goes to
+    #: `reasoning_content`, its tokens to `reasoning_tokens`.
+    reasoning: str | None = None
     _started: set[int] = field(default_factory=set)
     _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
+    _thinking: dict[int, tuple[ReasoningParser, ReasoningCounter] | None] = field(
+        default_factory=dict)
 
     def _chunk(self, choice: ChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -94,16 +106,21 @@ class ChatStream:
             logprobs = chat_logprobs(delta.logprobs, need_bytes(self.token_bytes))
         parser = self._parsers.setdefault(delta.index, tool_parser(self.tools))
         text, calls = delta.text, None
+        split = self._think(delta)
+        thought = None if split is None else split.reasoning or None
+        if split is not None:
+            text = split.content
         if parser is not None:
-            events = parser.feed(delta.text)
+            events = parser.feed(text)
             if delta.finish_reason is not None:
                 events += parser.finish()
             text, tool_deltas = delta_parts(events)
             calls = tool_deltas or None
-        if text or logprobs is not None or calls:
+        if text or logprobs is not None or calls or thought:
             out.append(self._chunk(ChunkChoice(
-                index=delta.index, delta=ChunkDelta(content=text or None if calls else text,
-                                                    tool_calls=calls),
+                index=delta.index,
+                delta=ChunkDelta(content=text or None if calls or thought else text,
+                                 tool_calls=calls, reasoning_content=thought),
                 logprobs=logprobs,
             )))
         finish = openai_finish_reason(delta.finish_reason)
@@ -114,6 +131,29 @@ class ChatStream:
                 ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=finish)
             ))
         return out
+
+    def _think(self, delta: CompletionDelta) -> ReasoningDelta | None:
+        """The reasoning and the answer in one delta's text (None: no reasoning parser)."""
+        if self.reasoning is None:
+            return None
+        if delta.index not in self._thinking:
+            self._thinking[delta.index] = (
+                ReasoningParser(*REASONING_PARSERS[self.reasoning]),
+                ReasoningCounter(self.token_bytes or no_bytes, self.reasoning))
+        split, counter = self._thinking[delta.index] or (None, None)
+        assert split is not None and counter is not None
+        done = delta.finish_reason is not None
+        counter.push(delta.token_ids, done)
+        out = split.feed(delta.text)
+        if done:
+            last = split.finish()
+            out = ReasoningDelta(out.reasoning + last.reasoning, out.content + last.content)
+        return out
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The reasoning tokens of every choice so far."""
+        return sum(pair[1].count or 0 for pair in self._thinking.values() if pair is not None)
 
     def output_chunks(self, output: RequestOutput) -> list[ChatCompletionChunk]:
         """Chunks for every delta of one engine step's output."""
@@ -126,7 +166,8 @@ class ChatStream:
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model,
             system_fingerprint=self.system_fingerprint, choices=[],
-            usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens),
+            usage=openai_usage(prompt_tokens, completion_tokens, cached_tokens,
+                               self.reasoning_tokens),
         )
 
 
@@ -226,9 +267,9 @@ class ChatFormat(_OpenAIFormat):
     """A chat completion of one prompt's n choices."""
 
     def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes,
-                 tools: ToolUse | None = None) -> None:
+                 tools: ToolUse | None = None, reasoning: str | None = None) -> None:
         self.stream: ChatStream = ChatStream(new_chat_id(), model, now(), SYSTEM_FINGERPRINT,
-                                             token_bytes, tools)
+                                             token_bytes, tools, reasoning)
         super().__init__(self.stream, n, include_usage, token_bytes)
 
     def body(
@@ -241,7 +282,7 @@ class ChatFormat(_OpenAIFormat):
             cached_tokens=gen.num_cached_tokens, token_bytes=self.token_bytes,
             system_fingerprint=SYSTEM_FINGERPRINT,
             completion_tokens=gen.last.num_output_tokens if gen.last is not None else 0,
-            tools=self.stream.tools,
+            tools=self.stream.tools, reasoning=self.stream.reasoning,
         )
 
     def head(self) -> list[BaseModel]:
