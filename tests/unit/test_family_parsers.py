@@ -14,7 +14,9 @@ import pytest
 from tokenyard.deployments import load_fleet
 from tokenyard.fleet_values import FleetConfigError
 from tokenyard.text.reasoning import (
+    ReasoningCounter,
     ReasoningParser,
+    count_reasoning_tokens,
     detect_reasoning_parser,
     prompt_opens_reasoning,
     reasoning_parser,
@@ -218,3 +220,23 @@ def test_a_fleet_file_picks_a_deployments_parsers_and_refuses_unknown_ones(
     with pytest.raises(FleetConfigError, match=r"deployments\[0\]\.tool_call_parser: one of "
                                                r"auto, hermes, .*not 'pythonic'"):
         load_fleet(path)
+
+
+@pytest.mark.parametrize(("pieces", "expected"), [
+    (["<th", "ink>", "a b", "</", "think", ">", "answer", " more"], 6),  # tag split 3 ways
+    (["  <think>", "x", "</think>"], 3),
+    (["answer", "<think>", "</think>"], 0),  # no block at the start
+    (["<think>", "cut", " off"], 3),  # never closed: all of it
+    (["<", "b>bold</b>"], 0),
+])
+def test_reasoning_tokens_are_counted_from_token_bytes_as_they_stream(
+        pieces: list[str], expected: int) -> None:
+    def token_bytes(token_id: int) -> bytes:
+        return pieces[token_id].encode()
+
+    ids = list(range(len(pieces)))
+    assert count_reasoning_tokens(ids, token_bytes, "qwen3") == expected
+    counter = ReasoningCounter(token_bytes, "qwen3")
+    for i in ids:
+        counter.push([i], finished=i == ids[-1])
+    assert counter.count == expected
