@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -21,6 +22,7 @@ from tokenyard.deployments import BalancerSpec, DeploymentSpec
 from tokenyard.gateway.served import build_served, now
 from tokenyard.gateway.served import replica_client as make_client
 from tokenyard.text.model_files import load_tokenizer
+from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.protocol import dumps
 
 TOOLS = [{"type": "function", "function": {
@@ -61,7 +63,7 @@ def _replica(output: str) -> web.Application:
 
 
 async def _ask(output: str, parser: str, path: str, body: dict[str, Any],
-               reasoning: str = "auto") -> tuple[int, bytes]:
+               reasoning: str = "auto", template: str | None = None) -> tuple[int, bytes]:
     replica = web.AppRunner(_replica(output))
     await replica.setup()
     await web.TCPSite(replica, "127.0.0.1", 0).start()
@@ -71,8 +73,13 @@ async def _ask(output: str, parser: str, path: str, body: dict[str, Any],
                           capabilities=frozenset({"chat", "tools"}), max_output_tokens=256,
                           max_tool_calls=8, tool_call_parser=parser,
                           reasoning_parser=reasoning)
+    tokenizers = {}
+    if template is not None:  # the embedded tokenizer under another chat template
+        base = load_tokenizer(None, default_cache_dir())
+        tokenizers[None] = Tokenizer(base.backend, replace(base._info, chat_template=template))
     served = await build_served(spec, [(url, client)], default_cache_dir(),
-                                balancer=BalancerSpec(queue_timeout_s=0))
+                                balancer=BalancerSpec(queue_timeout_s=0),
+                                tokenizers=tokenizers)
     front = web.AppRunner(make_app(AppState.single(served, now())))
     await front.setup()
     await web.TCPSite(front, "127.0.0.1", 0).start()
@@ -184,3 +191,23 @@ def test_without_a_reasoning_parser_the_thinking_stays_in_the_content() -> None:
     assert "reasoning_content" not in reply["choices"][0]["message"]
     assert reply["choices"][0]["message"]["content"] == THINKING
     assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+#: A chat template that opens the thinking block in the prompt (as QwQ's and
+#: Qwen3-Thinking-2507's do): the reply starts inside it, with only </think> to come.
+OPENS_THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+def test_a_block_the_prompt_opened_is_detected_from_the_template_and_the_prompt() -> None:
+    output = "Six sevens.\n</think>\n\nIt is 42."
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "6*7?"}]}
+    status, raw = asyncio.run(_ask(output, "auto", "/v1/chat/completions", body,
+                                   template=OPENS_THINKING))  # reasoning_parser auto
+    assert status == 200, raw
+    reply = json.loads(raw)
+    message = reply["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Six sevens.\n", "\nIt is 42.")
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == \
+        _reasoning_tokens(output)

@@ -240,3 +240,13 @@ def test_reasoning_tokens_are_counted_from_token_bytes_as_they_stream(
     for i in ids:
         counter.push([i], finished=i == ids[-1])
     assert counter.count == expected
+
+
+def test_a_block_the_prompt_opened_counts_from_the_first_token() -> None:
+    pieces = ["x", " y", "</think>", "answer"]
+
+    def token_bytes(token_id: int) -> bytes:
+        return pieces[token_id].encode()
+
+    assert count_reasoning_tokens(range(4), token_bytes, "qwen3", inside=True) == 3
+    assert count_reasoning_tokens(range(4), token_bytes, "qwen3") == 0

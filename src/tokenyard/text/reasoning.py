@@ -105,6 +105,7 @@ def detect_reasoning_parser(chat_template: str | None) -> str | None:
 
 
 def prompt_opens_reasoning(prompt: str, name: str | None) -> bool:
+    # The end of the rendered prompt is enough (callers decode its last few tokens).
     """Whether the rendered prompt ends with an open reasoning block (the reply then
     starts inside it), as QwQ's and Qwen3-Thinking-2507's templates write it."""
     tags = REASONING_PARSERS.get(name or "")
@@ -112,9 +113,9 @@ def prompt_opens_reasoning(prompt: str, name: str | None) -> bool:
 
 
 def count_reasoning_tokens(token_ids: Sequence[int], token_bytes: Callable[[int], bytes],
-                           name: str) -> int:
+                           name: str, inside: bool = False) -> int:
     """How many of a finished reply's generated tokens are reasoning."""
-    counter = ReasoningCounter(token_bytes, name)
+    counter = ReasoningCounter(token_bytes, name, inside)
     counter.push(token_ids, finished=True)
     assert counter.count is not None
     return counter.count
@@ -125,13 +126,14 @@ class ReasoningCounter:
     those up to and including the one that closes the block; all of them when it never
     closes; none when the reply opens no block. `count` is None until that is known."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes], name: str) -> None:
+    def __init__(self, token_bytes: Callable[[int], bytes], name: str,
+                 inside: bool = False) -> None:
         self.token_bytes = token_bytes
         self.start, self.end = (tag.encode() for tag in REASONING_PARSERS[name])
         self.count: int | None = None
         self._tokens = 0
         self._head = b""  # the reply's first bytes, until it shows whether a block opens
-        self._opened = False
+        self._opened = inside  # the prompt opened the block
         self._tail = b""  # the last bytes, where the end tag may be completing
 
     def push(self, token_ids: Sequence[int], finished: bool) -> None:

@@ -325,7 +325,7 @@ def build_chat_completion(
     system_fingerprint: str | None = None,
     completion_tokens: int | None = None,
     tools: ToolUse | None = None,
-    reasoning: str | None = None,
+    reasoning: tuple[str, bool] | None = None,
 ) -> ChatCompletion:
     """The non-streamed chat completion for finished `completions` (one per choice);
     `completion_tokens` defaults to their token ids' count; with active `tools`, each
@@ -339,10 +339,11 @@ def build_chat_completion(
             logprobs = chat_logprobs(c.logprobs, need_bytes(token_bytes))
         thought = None
         if reasoning is not None:
-            split = ReasoningParser(*REASONING_PARSERS[reasoning])
+            name, inside = reasoning
+            split = ReasoningParser(*REASONING_PARSERS[name], inside=inside)
             thought, answer = split_reasoning(c.text, split)
             reasoning_tokens += count_reasoning_tokens(c.token_ids, token_bytes or no_bytes,
-                                                       reasoning)
+                                                       name, inside)
             c = replace(c, text=answer)
         message, finish = assistant_message(
             c, tools, openai_finish_reason(c.finish_reason) or "stop")

@@ -71,9 +71,9 @@ class ChatStream:
     token_bytes: TokenBytes | None = None
     #: The request's tools: each choice's calls are parsed out of its text as it streams.
     tools: ToolUse | None = None
-    #: The deployment's reasoning parser: each choice's thinking goes to
-    #: `reasoning_content`, its tokens to `reasoning_tokens`.
-    reasoning: str | None = None
+    #: The deployment's reasoning parser, and whether the prompt opened the block: each
+    #: choice's thinking goes to `reasoning_content`, its tokens to `reasoning_tokens`.
+    reasoning: tuple[str, bool] | None = None
     _started: set[int] = field(default_factory=set)
     _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
     _thinking: dict[int, tuple[ReasoningParser, ReasoningCounter] | None] = field(
@@ -137,9 +137,10 @@ class ChatStream:
         if self.reasoning is None:
             return None
         if delta.index not in self._thinking:
+            name, inside = self.reasoning
             self._thinking[delta.index] = (
-                ReasoningParser(*REASONING_PARSERS[self.reasoning]),
-                ReasoningCounter(self.token_bytes or no_bytes, self.reasoning))
+                ReasoningParser(*REASONING_PARSERS[name], inside=inside),
+                ReasoningCounter(self.token_bytes or no_bytes, name, inside))
         split, counter = self._thinking[delta.index] or (None, None)
         assert split is not None and counter is not None
         done = delta.finish_reason is not None
@@ -267,7 +268,8 @@ class ChatFormat(_OpenAIFormat):
     """A chat completion of one prompt's n choices."""
 
     def __init__(self, model: str, n: int, include_usage: bool, token_bytes: TokenBytes,
-                 tools: ToolUse | None = None, reasoning: str | None = None) -> None:
+                 tools: ToolUse | None = None,
+                 reasoning: tuple[str, bool] | None = None) -> None:
         self.stream: ChatStream = ChatStream(new_chat_id(), model, now(), SYSTEM_FINGERPRINT,
                                              token_bytes, tools, reasoning)
         super().__init__(self.stream, n, include_usage, token_bytes)
