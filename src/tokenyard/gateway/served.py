@@ -27,7 +27,7 @@ from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.text.model_files import load_tokenizer, recommended_sampling
 from tokenyard.text.prepare import Preparer
-from tokenyard.text.reasoning import detect_reasoning_parser
+from tokenyard.text.reasoning import detect_reasoning_parser, prompt_opens_reasoning
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.text.tool_formats import detect_tool_parser
 from tokenyard.wire.replica_info import ReplicaInfo
@@ -89,6 +89,16 @@ class Served:
             template = None if self.tokenizer is None else self.tokenizer.chat_template
             return detect_reasoning_parser(template)
         return None if choice == "none" else choice
+
+    def reasoning_for(self, prompt: list[int]) -> tuple[str, bool] | None:
+        """Its reasoning parser, and whether `prompt` (token ids) ends inside the block it
+        opened (the reply then starts in it); None: no reasoning to split."""
+        name = self.reasoning
+        if name is None:
+            return None
+        tail = "" if self.tokenizer is None else self.tokenizer.decode(
+            prompt[-8:], skip_special_tokens=False)
+        return name, prompt_opens_reasoning(tail, name)
 
     @property
     def window(self) -> int:

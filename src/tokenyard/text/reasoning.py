@@ -155,3 +155,36 @@ class ReasoningCounter:
                 self.count = self._tokens
         if finished and self.count is None:
             self.count = self._tokens if self._opened else 0
+
+
+class ReasoningStream:
+    """One reply's reasoning as it streams: its text split (`ReasoningParser`) and its
+    tokens counted (`ReasoningCounter`) together."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], name: str, inside: bool) -> None:
+        self._split = ReasoningParser(*REASONING_PARSERS[name], inside=inside)
+        self._counter = ReasoningCounter(token_bytes, name, inside)
+
+    def push(self, text: str, token_ids: Sequence[int], finished: bool) -> ReasoningDelta:
+        """The reasoning and the answer in the next piece (all that was held back when
+        `finished`)."""
+        self._counter.push(token_ids, finished)
+        out = self._split.feed(text)
+        if finished:
+            last = self._split.finish()
+            out = ReasoningDelta(out.reasoning + last.reasoning, out.content + last.content)
+        return out
+
+    @property
+    def tokens(self) -> int:
+        """Reasoning tokens so far (final once the block closed or the reply ended)."""
+        return self._counter.count or 0
+
+
+def split_completion(text: str, token_ids: Sequence[int], token_bytes: Callable[[int], bytes],
+                     reasoning: tuple[str, bool]) -> tuple[str, str, int]:
+    """(reasoning, answer, reasoning tokens) of a finished reply; `reasoning` is the
+    parser's name and whether the prompt opened the block."""
+    stream = ReasoningStream(token_bytes, *reasoning)
+    out = stream.push(text, token_ids, finished=True)
+    return out.reasoning, out.content, stream.tokens

@@ -55,12 +55,7 @@ from tokenyard.api.openai.tools import assistant_message
 from tokenyard.errors import INVALID_VALUE, invalid_request
 from tokenyard.sampling_defaults import NONE, PARAMETERS, SamplingDefaults
 from tokenyard.text.prepare import TemplateMessage
-from tokenyard.text.reasoning import (
-    REASONING_PARSERS,
-    ReasoningParser,
-    count_reasoning_tokens,
-    split_reasoning,
-)
+from tokenyard.text.reasoning import split_completion
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, Logprob
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams, SamplingParamsError
@@ -339,11 +334,9 @@ def build_chat_completion(
             logprobs = chat_logprobs(c.logprobs, need_bytes(token_bytes))
         thought = None
         if reasoning is not None:
-            name, inside = reasoning
-            split = ReasoningParser(*REASONING_PARSERS[name], inside=inside)
-            thought, answer = split_reasoning(c.text, split)
-            reasoning_tokens += count_reasoning_tokens(c.token_ids, token_bytes or no_bytes,
-                                                       name, inside)
+            thought, answer, tokens = split_completion(c.text, c.token_ids,
+                                                       token_bytes or no_bytes, reasoning)
+            reasoning_tokens += tokens
             c = replace(c, text=answer)
         message, finish = assistant_message(
             c, tools, openai_finish_reason(c.finish_reason) or "stop")

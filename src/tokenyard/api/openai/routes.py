@@ -20,7 +20,6 @@ from tokenyard.api.openai.tools import tool_messages, tool_use
 from tokenyard.api.respond import Plan, answer
 from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, prepared
 from tokenyard.telemetry.timeline import Timeline
-from tokenyard.text.reasoning import prompt_opens_reasoning
 from tokenyard.text.tools import template_tools
 
 
@@ -47,22 +46,11 @@ def chat_plan(req: ChatCompletionRequest) -> Plan:
     def fmt(run: Run) -> ChatFormat:
         ready = run.ready
         return ChatFormat(run.served.name, ready.params[0].n, req.include_usage,
-                          run.token_bytes, ready.tools, reasoning_of(run.served, ready.prompts[0]))
+                          run.token_bytes, ready.tools, run.served.reasoning_for(ready.prompts[0]))
 
     return Plan(req.model, build, fmt, bool(req.stream), dict(
         text_size=sum(len(m.text) for m in req.messages),
         first_user_text=next((m.text for m in req.messages if m.role == "user"), None)))
-
-
-def reasoning_of(served: Served, prompt: list[int]) -> tuple[str, bool] | None:
-    """The deployment's reasoning parser, and whether `prompt` ends inside the block it
-    opened (the reply then starts in it); None: no reasoning to split."""
-    name = served.reasoning
-    if name is None:
-        return None
-    tail = "" if served.tokenizer is None else served.tokenizer.decode(
-        prompt[-8:], skip_special_tokens=False)
-    return name, prompt_opens_reasoning(tail, name)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

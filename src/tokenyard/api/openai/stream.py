@@ -41,12 +41,7 @@ from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
 from tokenyard.errors import APIError
 from tokenyard.gateway.pipeline import Generated
-from tokenyard.text.reasoning import (
-    REASONING_PARSERS,
-    ReasoningCounter,
-    ReasoningDelta,
-    ReasoningParser,
-)
+from tokenyard.text.reasoning import ReasoningDelta, ReasoningStream
 from tokenyard.text.tool_calls import ToolCallParser
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, PromptLogprobs, RequestOutput
@@ -76,8 +71,7 @@ class ChatStream:
     reasoning: tuple[str, bool] | None = None
     _started: set[int] = field(default_factory=set)
     _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
-    _thinking: dict[int, tuple[ReasoningParser, ReasoningCounter] | None] = field(
-        default_factory=dict)
+    _thinking: dict[int, ReasoningStream] = field(default_factory=dict)
 
     def _chunk(self, choice: ChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -137,24 +131,15 @@ class ChatStream:
         if self.reasoning is None:
             return None
         if delta.index not in self._thinking:
-            name, inside = self.reasoning
-            self._thinking[delta.index] = (
-                ReasoningParser(*REASONING_PARSERS[name], inside=inside),
-                ReasoningCounter(self.token_bytes or no_bytes, name, inside))
-        split, counter = self._thinking[delta.index] or (None, None)
-        assert split is not None and counter is not None
-        done = delta.finish_reason is not None
-        counter.push(delta.token_ids, done)
-        out = split.feed(delta.text)
-        if done:
-            last = split.finish()
-            out = ReasoningDelta(out.reasoning + last.reasoning, out.content + last.content)
-        return out
+            self._thinking[delta.index] = ReasoningStream(self.token_bytes or no_bytes,
+                                                          *self.reasoning)
+        return self._thinking[delta.index].push(delta.text, delta.token_ids,
+                                                delta.finish_reason is not None)
 
     @property
     def reasoning_tokens(self) -> int:
         """The reasoning tokens of every choice so far."""
-        return sum(pair[1].count or 0 for pair in self._thinking.values() if pair is not None)
+        return sum(stream.tokens for stream in self._thinking.values())
 
     def output_chunks(self, output: RequestOutput) -> list[ChatCompletionChunk]:
         """Chunks for every delta of one engine step's output."""
