@@ -3,7 +3,8 @@ calls in Mistral's and Llama 3's syntax and Qwen3's `<think>` reasoning (token i
 embedded tokenizer, as an engine would stream them). /v1/chat/completions and
 /v1/messages return the calls as tool calls, whole and streamed (the default Hermes
 parser leaves the same text as text); chat returns the thinking as `reasoning_content`
-with its `reasoning_tokens` counted."""
+with its `reasoning_tokens` counted, /v1/messages as a thinking block with its
+`thinking_tokens`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from tests.conformance.spec import Spec
+from tests.conformance.test_anthropic import valid_message, validate_event
 from tokenyard.api.app import AppState, make_app
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import BalancerSpec, DeploymentSpec
@@ -211,3 +213,31 @@ def test_a_block_the_prompt_opened_is_detected_from_the_template_and_the_prompt(
     assert (message["reasoning_content"], message["content"]) == ("Six sevens.\n", "\nIt is 42.")
     assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == \
         _reasoning_tokens(output)
+
+
+def test_anthropic_messages_get_a_thinking_block_whole_and_streamed() -> None:
+    body = {"model": "scripted", "max_tokens": 64,
+            "messages": [{"role": "user", "content": "6*7?"}]}
+    status, raw = asyncio.run(_ask(THINKING, "auto", "/v1/messages", body, "qwen3"))
+    assert status == 200, raw
+    message = valid_message(json.loads(raw), "thinking message")
+    assert [b["type"] for b in message["content"]] == ["thinking", "text"]
+    thinking, text = message["content"]
+    assert thinking["thinking"] == "\nThe user asks for 6 times 7; that is 42.\n"
+    assert text["text"] == "\nIt is 42."
+    tokens = message["usage"]["output_tokens_details"]["thinking_tokens"]
+    assert tokens == _reasoning_tokens(THINKING)
+
+    status, raw = asyncio.run(_ask(THINKING, "auto", "/v1/messages", {**body, "stream": True},
+                                   "qwen3"))
+    assert status == 200, raw
+    events = _events(raw)
+    for event in events:
+        validate_event(event)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == thinking["thinking"]
+    assert "".join(d.get("text", "") for d in deltas) == text["text"]
+    (final,) = [e for e in events if e["type"] == "message_delta"]
+    assert final["usage"]["output_tokens_details"]["thinking_tokens"] == tokens

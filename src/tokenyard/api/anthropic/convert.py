@@ -14,7 +14,7 @@ No I/O, no torch: the HTTP process calls these on its event loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenyard.api.anthropic.schemas import (
@@ -23,7 +23,9 @@ from tokenyard.api.anthropic.schemas import (
     CacheCreation,
     CountTokensRequest,
     MessagesRequest,
+    OutputTokensDetails,
     StopReason,
+    ThinkingBlock,
     blocks_text,
 )
 from tokenyard.api.anthropic.tools import content_blocks
@@ -31,6 +33,7 @@ from tokenyard.api.convert import random_id, sampling_params, stop_list
 from tokenyard.api.images import template_message
 from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.text.prepare import Preparer, TemplateMessage
+from tokenyard.text.reasoning import split_completion
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion
 from tokenyard.wire.protocol import Pin
@@ -151,7 +154,7 @@ def anthropic_stop_reason(
 
 def anthropic_usage(
     prompt_tokens: int, output_tokens: int, cached_tokens: int = 0,
-    cache_writes: tuple[int, int] | None = None,
+    cache_writes: tuple[int, int] | None = None, thinking_tokens: int = 0,
 ) -> AnthropicUsage:
     """Anthropic usage: `cache_read_input_tokens` are the prompt tokens read from the
     cache, `cache_creation_input_tokens` those the request's breakpoints wrote to it
@@ -167,6 +170,7 @@ def anthropic_usage(
         cache_read_input_tokens=cached,
         cache_creation=CacheCreation(ephemeral_5m_input_tokens=written_5m,
                                      ephemeral_1h_input_tokens=written_1h),
+        output_tokens_details=OutputTokensDetails(thinking_tokens=thinking_tokens),
     )
 
 
@@ -184,14 +188,23 @@ def build_anthropic_message(
     output_tokens: int | None = None,
     cache_writes: tuple[int, int] | None = None,
     tools: ToolUse | None = None,
+    reasoning: tuple[str, bool] | None = None,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> AnthropicMessage:
     """The non-streamed /v1/messages response for one finished completion;
     `output_tokens` defaults to its token ids' count; `cache_writes` as in
-    `anthropic_usage`; with active `tools`, its calls as tool_use blocks."""
+    `anthropic_usage`; with active `tools`, its calls as tool_use blocks; with a
+    `reasoning` parser, its thinking as a thinking block first."""
     stop_reason, stop_sequence = anthropic_stop_reason(
         completion.finish_reason or "stop", completion.stop_reason, stop_sequences
     )
-    content, called = content_blocks(completion.text, tools)
+    text, thought, thinking_tokens = completion.text, "", 0
+    if reasoning is not None:
+        thought, text, thinking_tokens = split_completion(
+            text, completion.token_ids, token_bytes or (lambda _: b""), reasoning)
+    content, called = content_blocks(text, tools)
+    if thought:
+        content.insert(0, ThinkingBlock(thinking=thought))
     if called and stop_reason == "end_turn":
         stop_reason = "tool_use"
     return AnthropicMessage(
@@ -202,5 +215,5 @@ def build_anthropic_message(
         stop_sequence=stop_sequence,
         usage=anthropic_usage(prompt_tokens, len(completion.token_ids)
                               if output_tokens is None else output_tokens, cached_tokens,
-                              cache_writes),
+                              cache_writes, thinking_tokens),
     )

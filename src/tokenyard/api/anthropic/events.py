@@ -50,12 +50,19 @@ class InputJSONDelta(BaseModel):
     partial_json: str
 
 
+class ThinkingDelta(BaseModel):
+    """New text of a thinking block."""
+
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
 class ContentBlockDeltaEvent(BaseModel):
     """A delta of content block `index`."""
 
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int = 0
-    delta: TextDelta | InputJSONDelta
+    delta: TextDelta | InputJSONDelta | ThinkingDelta
 
 
 class ContentBlockStopEvent(BaseModel):

@@ -60,7 +60,8 @@ def messages_plan(req: MessagesRequest) -> Plan:
 
     def fmt(run: Run) -> MessagesFormat:
         return MessagesFormat(run.served.name, req.stop_sequences or [], run.call.request_id,
-                              run.ready.pins, run.ready.tools)
+                              run.ready.pins, run.ready.tools,
+                              run.served.reasoning_for(run.ready.prompts[0]), run.token_bytes)
 
     return Plan(req.model, build, fmt, bool(req.stream), dict(
         text_size=text_size(converted), first_user_text=first_user_text(converted)))

@@ -351,7 +351,16 @@ class TextBlock(BaseModel):
     citations: None = Field(default=None, exclude=True)
 
 
-ResponseBlock = TextBlock | ToolUseBlock
+class ThinkingBlock(BaseModel):
+    """A reasoning model's thinking (text/reasoning.py), before its answer. Anthropic
+    signs its own so they can be sent back; nothing is signed here (empty)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
+ResponseBlock = TextBlock | ToolUseBlock | ThinkingBlock
 
 
 class CacheCreation(BaseModel):
@@ -362,8 +371,8 @@ class CacheCreation(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    """`usage.output_tokens_details`: no model here thinks in blocks of its own, so no
-    output token is a thinking token."""
+    """`usage.output_tokens_details`: the output tokens a reasoning model spent in its
+    thinking block."""
 
     thinking_tokens: int = 0
 

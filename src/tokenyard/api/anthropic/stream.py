@@ -3,7 +3,7 @@ and its `Format` for the one response writer (`api/respond.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +28,21 @@ from tokenyard.api.anthropic.events import (
     PingEvent,
     StreamEvent,
     TextDelta,
+    ThinkingDelta,
 )
-from tokenyard.api.anthropic.schemas import AnthropicMessage, AnthropicUsage
+from tokenyard.api.anthropic.schemas import (
+    AnthropicMessage,
+    AnthropicUsage,
+    OutputTokensDetails,
+    ResponseBlock,
+    ThinkingBlock,
+)
 from tokenyard.api.anthropic.tool_schemas import ToolUseBlock
 from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.errors import APIError
 from tokenyard.gateway.pipeline import Generated
+from tokenyard.text.reasoning import ReasoningStream
 from tokenyard.text.tool_calls import CallArguments, CallStart, TextPiece, ToolCallParser, ToolEvent
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
@@ -59,13 +67,22 @@ class AnthropicStream:
     #: The request's tools: calls are parsed out of the text and sent as tool_use blocks
     #: (the text block then opens only when text comes).
     tools: ToolUse | None = None
+    #: The deployment's reasoning parser and whether the prompt opened the block: the
+    #: thinking streams as a thinking block first (`Served.reasoning_for`).
+    reasoning: tuple[str, bool] | None = None
+    token_bytes: Callable[[int], bytes] | None = None
     _block_open: bool = False
+    _thinking_open: bool = False  # the open block is the thinking block
+    _thinking: ReasoningStream | None = None
     _index: int = 0  # the open (or last) block's index
     _blocks: int = 0  # blocks opened so far
     _parser: ToolCallParser | None = None
 
     def __post_init__(self) -> None:
         self._parser = tool_parser(self.tools)
+        if self.reasoning is not None:
+            self._thinking = ReasoningStream(self.token_bytes or (lambda _: b""),
+                                             *self.reasoning)
 
     def _usage(self, prompt_tokens: int, output_tokens: int, cached_tokens: int
                ) -> AnthropicUsage:
@@ -79,7 +96,7 @@ class AnthropicStream:
             usage=self._usage(prompt_tokens, 0, cached_tokens),
         ))
 
-    def content_block_start(self, block: ToolUseBlock | None = None) -> ContentBlockStartEvent:
+    def content_block_start(self, block: ResponseBlock | None = None) -> ContentBlockStartEvent:
         """Opens the next block: a text block, or `block`."""
         self._block_open, self._index = True, self._blocks
         self._blocks += 1
@@ -91,12 +108,13 @@ class AnthropicStream:
         """content_block_stop of the open block (none when no block is open)."""
         if not self._block_open:
             return []
-        self._block_open = False
+        self._block_open = self._thinking_open = False
         return [ContentBlockStopEvent(index=self._index)]
 
     def start_events(self, prompt_tokens: int, cached_tokens: int = 0) -> list[StreamEvent]:
         """message_start, content_block_start (not yet with tools), ping."""
-        opening = [] if self._parser is not None else [self.content_block_start()]
+        later = self._parser is not None or self._thinking is not None
+        opening = [] if later else [self.content_block_start()]
         return [self.message_start(prompt_tokens, cached_tokens), *opening, PingEvent()]
 
     def text_delta(self, text: str) -> ContentBlockDeltaEvent:
@@ -108,6 +126,18 @@ class AnthropicStream:
         if not self._block_open:
             events.append(self.content_block_start())
         events.append(self.text_delta(text))
+        return events
+
+    def _thinking_events(self, thought: str) -> list[StreamEvent]:
+        """The thinking block's next text (opening it first)."""
+        if not thought:
+            return []
+        events: list[StreamEvent] = []
+        if not self._thinking_open:
+            events.append(self.content_block_start(ThinkingBlock(thinking="")))
+            self._thinking_open = True
+        events.append(ContentBlockDeltaEvent(index=self._index,
+                                             delta=ThinkingDelta(thinking=thought)))
         return events
 
     def _tool_events(self, events: Sequence[ToolEvent]) -> list[StreamEvent]:
@@ -153,6 +183,8 @@ class AnthropicStream:
                 output_tokens=output_tokens,
                 cache_creation_input_tokens=usage.cache_creation_input_tokens,
                 cache_read_input_tokens=usage.cache_read_input_tokens,
+                output_tokens_details=OutputTokensDetails(
+                    thinking_tokens=0 if self._thinking is None else self._thinking.tokens),
             ),
         ))
         events.append(MessageStopEvent())
@@ -167,13 +199,20 @@ class AnthropicStream:
     ) -> list[StreamEvent]:
         """Events for one engine delta; the usage figures are the request's running totals."""
         events: list[StreamEvent] = []
+        text = delta.text
+        if self._thinking is not None:
+            split = self._thinking.push(text, delta.token_ids, delta.finish_reason is not None)
+            events.extend(self._thinking_events(split.reasoning))
+            text = split.content
+            if text and self._thinking_open:
+                events.extend(self.content_block_stop())
         if self._parser is not None:
-            pieces = self._parser.feed(delta.text)
+            pieces = self._parser.feed(text)
             if delta.finish_reason is not None:
                 pieces += self._parser.finish()
             events.extend(self._tool_events(pieces))
-        elif delta.text:
-            events.extend(self._text_events(delta.text))
+        elif text:
+            events.extend(self._text_events(text))
         if delta.finish_reason is not None:
             events.extend(self.finish_events(
                 delta.finish_reason, delta.stop_reason, prompt_tokens, output_tokens,
@@ -198,8 +237,11 @@ class MessagesFormat:
     terminator = b""
 
     def __init__(self, model: str, stop_sequences: Sequence[str], request_id: str,
-                 pins: Sequence[Pin] = (), tools: ToolUse | None = None) -> None:
-        self.stream = AnthropicStream(new_message_id(), model, stop_sequences, pins, tools)
+                 pins: Sequence[Pin] = (), tools: ToolUse | None = None,
+                 reasoning: tuple[str, bool] | None = None,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+        self.stream = AnthropicStream(new_message_id(), model, stop_sequences, pins, tools,
+                                      reasoning, token_bytes)
         self.request_id = request_id
         self._started = False
 
@@ -213,7 +255,7 @@ class MessagesFormat:
             stop_sequences=stream.stop_sequences,
             output_tokens=gen.last.num_output_tokens if gen.last is not None else None,
             cache_writes=gen.cache_writes if stream.pins else None,
-            tools=stream.tools,
+            tools=stream.tools, reasoning=stream.reasoning, token_bytes=stream.token_bytes,
         )
 
     def head(self) -> list[BaseModel]:
