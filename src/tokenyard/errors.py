@@ -191,11 +191,6 @@ def authentication_failed(message: str = "Invalid API key.") -> APIError:
     return APIError(401, message, code="invalid_api_key")
 
 
-def permission_denied(message: str) -> APIError:
-    """403 permission_error."""
-    return APIError(403, message)
-
-
 def rate_limited(message: str, retry_after_s: float | None = None, *,
                  code: str = "rate_limit_exceeded") -> APIError:
     """429 rate_limit_error with `retry-after`."""

@@ -108,7 +108,7 @@ def test_admin_arguments_are_validated_in_the_openai_error_shape(server: Server)
     status, err = call(server, "POST", "/admin/v1/orgs", body={"name": "x", "rpm": "many"})
     assert status == 400 and err["error"]["param"] == "rpm"
     status, err = call(server, "POST", "/admin/v1/keys", body={"org_id": "org_nope"})
-    assert status == 400 and err["error"]["param"] == "org_id"
+    assert status == 404 and err["error"]["param"] == "org_id"
     status, err = call(server, "GET", "/admin/v1/orgs", key="sk-ty-wrong")
     assert status == 401 and err["error"]["code"] == "invalid_api_key"
 

@@ -229,3 +229,28 @@ def test_credit_amount_must_be_money(tmp_path: Path) -> None:
             await admin.add_credit(org["id"], {})
 
     run(tmp_path, scenario)
+
+
+def test_cli_spend_cap_for_a_project_not_the_org_s_is_an_error_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """`spend-cap set --project` once printed a foreign-key traceback for an unknown
+    project; a project of another org must not be capped either."""
+    env = {**os.environ, "TOKENYARD_STATE_DIR": str(tmp_path)}
+    env.pop("TOKENYARD_DATABASE_URL", None)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tokenyard.cli", "admin", *args],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    org = json.loads(cli("orgs", "create", "a", "--format", "json").stdout)
+    other = json.loads(cli("orgs", "create", "b", "--format", "json").stdout)
+    theirs = json.loads(cli("projects", "create", other["id"], "p", "--format",
+                            "json").stdout)
+    for project in ("proj_nope", theirs["id"]):
+        done = cli("spend-cap", "set", org["id"], "5", "--project", project)
+        assert done.returncode == 2, done.stderr
+        assert f"no project {project} in org {org['id']}" in done.stderr
+        assert "Traceback" not in done.stderr
+    mine = json.loads(cli("projects", "create", org["id"], "q", "--format", "json").stdout)
+    assert cli("spend-cap", "set", org["id"], "5", "--project", mine["id"]).returncode == 0

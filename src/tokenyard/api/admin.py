@@ -70,6 +70,8 @@ def _reply(value: Any, status: int = 200) -> web.Response:
 
 
 async def request_args(request: web.Request) -> dict[str, Any]:
+    """The body of an admin request, a JSON object (its route's schema has held it,
+    `api/admin_schemas.py`)."""
     raw = await request.read()
     if not raw:
         return {}
@@ -88,6 +90,13 @@ def admin_of(request: web.Request) -> Admin:
     return request.app[_ADMIN_OF](request)
 
 
+def refusal(exc: AdminError) -> APIError:
+    """An admin operation's refusal as the API's error: 400, or 404 for what is not there."""
+    message = str(exc)
+    return APIError(exc.status, message if message.endswith(".") else f"{message}.",
+                    param=exc.field, code="not_found" if exc.status == 404 else None)
+
+
 Handler = Callable[[Admin, web.Request], Awaitable[Any]]
 
 
@@ -97,7 +106,7 @@ def _route(handler: Handler, status: int = 200) -> Callable[[web.Request], Await
         try:
             result = await handler(admin, request)
         except AdminError as exc:
-            raise APIError(400, str(exc), param=exc.field) from None
+            raise refusal(exc) from None
         return result if isinstance(result, web.Response) else _reply(result, status)
 
     return run

@@ -23,6 +23,7 @@ from pathlib import Path
 from aiohttp import web
 
 from tokenyard.api.admin import add_admin_routes
+from tokenyard.api.admin_schemas import admin_schema_middleware
 from tokenyard.api.anthropic.routes import add_anthropic_routes
 from tokenyard.api.batches import install as install_batches
 from tokenyard.api.context import KEY, PIPELINE, STATE, AppState
@@ -84,7 +85,8 @@ def make_app(state: AppState) -> web.Application:
     """The aiohttp application over `state`."""
     # aiohttp's own cap sits just above ours, so an oversized body is refused while
     # reading it, and parse_body's check gives the same 413 for the rest.
-    app = web.Application(middlewares=[middleware], client_max_size=state.max_body_bytes)
+    app = web.Application(middlewares=[middleware, admin_schema_middleware],
+                          client_max_size=state.max_body_bytes)
     app[STATE] = state
     pipeline = app[PIPELINE] = Pipeline(state, images=admit_images)
     app[EDGE] = Edge(state.edge)

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.admin import admin_of, request_args
+from tokenyard.api.admin import admin_of, refusal, request_args
 from tokenyard.api.context import STATE
 from tokenyard.api.replica_scaling import add_replica_routes
 from tokenyard.deployments import AliasSpec, PriceSpec
@@ -80,7 +80,7 @@ async def drain(request: web.Request) -> web.Response:
     try:
         draining = flag(body, "drain", default=True)  # null: refused (it would drain)
     except AdminError as exc:
-        raise invalid_request(f"{exc}.", param=exc.field) from None
+        raise refusal(exc) from None
     if not isinstance(replica, str) or not served.pool.drain(replica, draining):
         known = ", ".join(m.id for m in served.pool.members)
         raise invalid_request(f"No replica {replica!r} in {served.name} (its replicas: "

@@ -3,8 +3,9 @@ calls, with its request and response schemas (the pydantic models the routes val
 with), its path parameters, its security, and the errors it may answer in its dialect.
 
 The API routes are described here by hand, from their models; the administrative routes
-are read off the running router (their bodies are free-form objects the admin layer
-validates), so a route added there is listed without an edit here. The browser pages and
+are read off the running router, each with its request schema (`api/admin_schemas.py`:
+the body of a POST or PUT, the query of a GET), so a route added there is listed without
+an edit here. The browser pages and
 their static files are not API and are left out. A fuzzer (tests/chaos/test_fuzz.py)
 holds the server to this document: any status or body outside it is a finding.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tokenyard.api.admin_schemas import SCHEMAS as ADMIN_SCHEMAS
 from tokenyard.api.anthropic import schemas as sa
 from tokenyard.api.openai import schemas as so
 from tokenyard.api.openai.embeddings import EmbeddingRequest
@@ -168,6 +170,14 @@ def _operation(path: str, ok: str, ok_schema: dict[str, Any],
     return op
 
 
+def _add_schema(schemas: dict[str, Any], model: type[BaseModel], name: str) -> None:
+    """`model`'s JSON schema as `name` among `schemas`; nested models move up beside it,
+    where the $refs point."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[name] = schema
+
+
 @lru_cache(maxsize=4)
 def openapi_document(admin_routes: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
     """The document: the API and public routes, plus `admin_routes` ((method, path) of the
@@ -175,10 +185,7 @@ def openapi_document(admin_routes: tuple[tuple[str, str], ...] = ()) -> dict[str
     change it."""
     schemas: dict[str, Any] = {}
     for model in _SCHEMA_MODELS:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        # Nested models move up to components, where the $refs point.
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
+        _add_schema(schemas, model, model.__name__)
     schemas.update(_INLINE)
     paths: dict[str, dict[str, Any]] = {}
     for path, method, request_name, response_name, ok in _API_ROUTES:
@@ -188,10 +195,18 @@ def openapi_document(admin_routes: tuple[tuple[str, str], ...] = ()) -> dict[str
         paths[path] = {"get": {"security": [], "responses": {
             ok: {"description": "OK", "content": {content_type: {"schema": {}}}}}}}
     for method, path in sorted(admin_routes):
-        body = _ANY_OBJECT if method.lower() in ("post", "put", "patch") else None
-        op = _operation(path, "2XX", _ANY_OBJECT, body)
-        if body is not None:
+        admin_model = ADMIN_SCHEMAS.get((method.upper(), path))
+        body = method.lower() in ("post", "put", "patch")
+        name = f"Admin{admin_model.__name__}" if admin_model is not None else ""
+        if admin_model is not None:
+            _add_schema(schemas, admin_model, name)
+        op = _operation(path, "2XX", _ANY_OBJECT, _ref(name) if body and name else None)
+        if body and admin_model is not None:
             op["requestBody"]["required"] = False
+        elif admin_model is not None:
+            op.setdefault("parameters", []).extend(
+                {"name": field, "in": "query", "required": False,
+                 "schema": {"type": "string"}} for field in admin_model.model_fields)
         paths.setdefault(path, {})[method.lower()] = op
     return {
         "openapi": "3.1.0",

@@ -42,9 +42,19 @@ GROUPS: tuple[str, ...] = get_args(GroupBy)
 class AdminError(ValueError):
     """A bad administrative request: `field` names the argument at fault."""
 
+    #: The HTTP status of the refusal.
+    status = 400
+
     def __init__(self, field: str | None, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class NotFound(AdminError):
+    """The org, project, key or user that `field` names does not exist (where a route
+    names it: in the path, or the body's `org_id`)."""
+
+    status = 404
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -121,6 +131,28 @@ def _models(args: Mapping[str, Any]) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
         raise AdminError("models", "models must be a list of model names or globs")
     return tuple(value)
+
+
+def _flat_scopes(args: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A key's arguments with its `scopes` object (the shape a key is listed with) lifted
+    to the top, where `models`, `max_context_tokens` and `admin` are read; a field given
+    both ways is refused rather than one of them dropped."""
+    scopes = args.get("scopes")
+    if scopes is None:
+        return args
+    if not isinstance(scopes, dict):
+        raise AdminError("scopes", "scopes must be an object {models, max_context_tokens, "
+                                   "admin}")
+    for name in scopes:
+        if name in args:
+            raise AdminError(name, f"{name} is given both at the top and in scopes")
+        if name not in SCOPE_FIELDS:
+            raise AdminError(f"scopes.{name}", f"scopes has no field {name}")
+    return {**{k: v for k, v in args.items() if k != "scopes"}, **scopes}
+
+
+#: The fields of a key's `scopes` object.
+SCOPE_FIELDS = ("models", "max_context_tokens", "admin")
 
 
 def budget_arg(args: Mapping[str, Any]) -> Budget:
@@ -223,6 +255,7 @@ class Admin:
         """A new key; the response is the only place its secret ever appears."""
         org_id = cast(str, _str(args, "org_id"))
         await self._org(org_id)
+        args = _flat_scopes(args)
         scopes = Scopes(models=_models(args),
                         max_context_tokens=_opt_int(args, "max_context_tokens"),
                         admin=flag(args, "admin", default=False))
@@ -250,12 +283,12 @@ class Admin:
 
     async def revoke_key(self, key_id: str) -> Json:
         if not await self.store.revoke_key(key_id):
-            raise AdminError("key_id", f"no active key {key_id}")
+            raise NotFound("key_id", f"no active key {key_id}")
         return {"id": key_id, "revoked": True}
 
     async def set_key_limits(self, key_id: str, args: Mapping[str, Any]) -> Json:
         if not await self.store.set_key_limits(key_id, **_limits(args)):
-            raise AdminError("key_id", f"no key {key_id}")
+            raise NotFound("key_id", f"no key {key_id}")
         return {"id": key_id, **_limits(args)}
 
     async def set_org_limits(self, org_id: str, args: Mapping[str, Any]) -> Json:
@@ -263,7 +296,7 @@ class Admin:
                   "free_tier_daily_requests": _opt_int(args, "free_tier_daily_requests"),
                   "batch_enqueued_tokens": _opt_int(args, "batch_enqueued_tokens")}
         if not await self.store.set_org_limits(org_id, **limits):
-            raise AdminError("org_id", f"no org {org_id}")
+            raise NotFound("org_id", f"no org {org_id}")
         return {"id": org_id, **limits}
 
     async def set_key_priority(self, key_id: str, args: Mapping[str, Any]) -> Json:
@@ -272,14 +305,14 @@ class Admin:
             raise AdminError("priority", "priority is required (\"org\": the org's)")
         priority = _priority(args, follow_org=True)
         if not await self.store.set_key_priority(key_id, priority):
-            raise AdminError("key_id", f"no key {key_id}")
+            raise NotFound("key_id", f"no key {key_id}")
         return {"id": key_id, "priority": priority_name(priority) or "org"}
 
     async def set_org_priority(self, org_id: str, args: Mapping[str, Any]) -> Json:
         """The org's priority class, which its keys without their own follow."""
         priority = cast(int, _priority(args, follow_org=False))
         if not await self.store.set_org_priority(org_id, priority):
-            raise AdminError("org_id", f"no org {org_id}")
+            raise NotFound("org_id", f"no org {org_id}")
         return {"id": org_id, "priority": priority_name(priority)}
 
     async def set_price(self, model: str, args: Mapping[str, Any]) -> Json:
@@ -302,6 +335,9 @@ class Admin:
         await self._org(org_id)
         cap = _money(args, "cap")
         project = _str(args, "project_id", required=False)
+        if project is not None and project not in {
+                p.id for p in await self.store.list_projects(org_id)}:
+            raise NotFound("project_id", f"no project {project} in org {org_id}")
         await self.store.set_spend_cap(org_id, project, cap)
         return {"org_id": org_id, "project_id": project,
                 "cap": format_money(cap) if cap is not None else None}
@@ -355,7 +391,7 @@ class Admin:
 
     async def _org(self, org_id: str) -> None:
         if await self.store.get_org(org_id) is None:
-            raise AdminError("org_id", f"no org {org_id}")
+            raise NotFound("org_id", f"no org {org_id}")
 
 
 # ---------------------------------------------------------------------------- output

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-from tokenyard.gateway.admin import Admin, AdminError, Json, budget_arg, budget_json
+from tokenyard.gateway.admin import Admin, AdminError, Json, NotFound, budget_arg, budget_json
 from tokenyard.store.money import format_money
 from tokenyard.store.records import Budget, UserRecord
 from tokenyard.store.users import Subject
@@ -40,7 +40,7 @@ async def create_user(admin: Admin, args: Mapping[str, Any]) -> Json:
     if not isinstance(org_id, str) or not org_id:
         raise AdminError("org_id", "org_id is required")
     if await admin.store.get_org(org_id) is None:
-        raise AdminError("org_id", f"no org {org_id}")
+        raise NotFound("org_id", f"no org {org_id}")
     name, project_id = args.get("name"), args.get("project_id")
     for field, value in (("name", name), ("project_id", project_id)):
         if value is not None and not isinstance(value, str):
@@ -66,7 +66,7 @@ async def set_budget(admin: Admin, subject: Subject, subject_id: str,
     """Replace the budget of a key or a user: both caps, each absent or null for none."""
     budget = budget_arg(args)
     if not await admin.store.set_budget(subject, subject_id, budget):
-        raise AdminError(f"{subject}_id", f"no {subject} {subject_id}")
+        raise NotFound(f"{subject}_id", f"no {subject} {subject_id}")
     return {"subject": subject, "id": subject_id, **budget_json(budget)}
 
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 
-from tokenyard.errors import APIError, authentication_failed, permission_denied
+from tokenyard.errors import APIError, authentication_failed
 from tokenyard.store.records import KeyContext
 
 logger = logging.getLogger("tokenyard.gateway")
@@ -138,16 +138,15 @@ def authorize(key: KeyContext, model: str, context_tokens: int,
     and `context_tokens` (prompt + max_tokens)."""
     scopes = key.scopes
     if not scopes.allows_model(model) and not (alias and scopes.allows_model(alias)):
-        raise permission_denied(
-            f"The API key {key.prefix}… may not use model '{model}' (scope 'models' allows "
-            f"{', '.join(scopes.models)})."
-        )
+        raise APIError(
+            403, f"The API key {key.prefix}… may not use model '{model}' (scope 'models' "
+            f"allows {', '.join(scopes.models)}).", code="model_not_in_scope")
     cap = scopes.max_context_tokens
     if cap is not None and context_tokens > cap:
-        raise permission_denied(
-            f"The API key {key.prefix}… may use at most {cap} context tokens (scope "
-            f"'max_context_tokens'); this request needs {context_tokens} (prompt + max_tokens)."
-        )
+        raise APIError(
+            403, f"The API key {key.prefix}… may use at most {cap} context tokens (scope "
+            f"'max_context_tokens'); this request needs {context_tokens} (prompt + "
+            "max_tokens).", code="context_over_scope")
 
 
 def require_admin(key: KeyContext) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from tokenyard.balancer.moderation_client import ModerationClient, ModerationUnavailable
 from tokenyard.errors import APIError, overloaded
 from tokenyard.fleet_values import a_blocklist_pattern
-from tokenyard.gateway.admin import AdminError
+from tokenyard.gateway.admin import AdminError, NotFound
 from tokenyard.gateway.batch_writer import BatchWriter
 from tokenyard.moderation_spec import MODERATION_MODES, ModerationSpec
 from tokenyard.store.moderation import (
@@ -404,7 +404,7 @@ async def org_moderation(store: Store, org_id: str, args: Any,
         if args.get(name) is not None and args[name] not in MODERATION_MODES:
             raise AdminError(name, f"{name} must be one of {', '.join(MODERATION_MODES)}")
     if await store.get_org(org_id) is None:
-        raise AdminError("org_id", f"no org {org_id}")
+        raise NotFound("org_id", f"no org {org_id}")
     own = moderator or Moderator(store)
     current = await own.org_policy(org_id)
     policy = (args.get("input") or current[0], args.get("output") or current[1])

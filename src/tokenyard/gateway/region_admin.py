@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tokenyard.fleet_values import valid_region
-from tokenyard.gateway.admin import AdminError, Json
+from tokenyard.gateway.admin import AdminError, Json, NotFound
 from tokenyard.store import regions as stored
 from tokenyard.store.repo import Store
 
@@ -48,7 +48,7 @@ async def set_org_regions(store: Store, org_id: str, args: Mapping[str, Any]) ->
     """Bind the org's requests to regions (or lift the binding)."""
     value = region_args(args)
     if not await stored.set_org_regions(store.db.engine, org_id, value):
-        raise AdminError("org_id", f"no org {org_id}")
+        raise NotFound("org_id", f"no org {org_id}")
     return {"org_id": org_id, FIELD: None if value is None else list(value)}
 
 
@@ -58,7 +58,7 @@ async def set_project_regions(store: Store, project_id: str,
     value = region_args(args)
     org_id, _ = await stored.project_regions(store.db.engine, project_id)
     if org_id is None:
-        raise AdminError("project_id", f"no project {project_id}")
+        raise NotFound("project_id", f"no project {project_id}")
     _, org_list = await stored.org_regions(store.db.engine, org_id)
     if value is not None and org_list is not None and not set(value) <= set(org_list):
         outside = sorted(set(value) - set(org_list))

@@ -23,13 +23,13 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, model_validator
 
-from tokenyard.api.admin import admin_of
+from tokenyard.api.admin import admin_of, refusal
 from tokenyard.api.context import KEY, REQUEST_ID, STATE, TIMELINE, read_request
 from tokenyard.api.errors import schema_error
 from tokenyard.api.moderation import moderator_of
 from tokenyard.api.respond import json_response
 from tokenyard.api.schemas import RequestModel, reject_unknown
-from tokenyard.errors import INVALID_VALUE, APIError, invalid_request, not_found
+from tokenyard.errors import INVALID_VALUE, invalid_request, not_found
 from tokenyard.gateway.admin import AdminError
 from tokenyard.gateway.billing import Usage
 from tokenyard.gateway.gate import COMPLETED, FAILED
@@ -162,17 +162,11 @@ async def set_org_moderation(request: web.Request) -> web.Response:
         body = await request.json()
     except ValueError:
         raise invalid_request("The request body is not valid JSON.") from None
-    for name in sorted(set(body) - {"input", "output"} if isinstance(body, dict) else ()):
-        # Never dropped without a word (a blocklist sent here would seem to be in force).
-        raise invalid_request(
-            f"Unknown field {name!r}: an org's moderation policy sets 'input' and 'output'; "
-            "a classifier and its blocklist patterns belong to a deployment, in the fleet "
-            "file's moderation table.", param=name)
     try:
         result = await org_moderation(admin.store, request.match_info["org_id"], body,
                                       moderator_of(request))
     except AdminError as exc:
-        raise APIError(400, str(exc), param=exc.field) from None
+        raise refusal(exc) from None
     return web.json_response(result)
 
 
