@@ -6,6 +6,7 @@ not exist is a 404; a scope refusal carries a `code`."""
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import openai
@@ -154,3 +155,30 @@ def test_what_does_not_exist_is_a_404(server: Server) -> None:
     for method, path, body in requests:
         status, err = call(server, method, path, body=body)
         assert status == 404 and err["error"]["code"] == "not_found", (path, err)
+
+
+def test_v1_models_lists_only_what_the_key_may_use(server: Server) -> None:
+    """A key scoped to another model, or of an org allowed no region this fleet serves,
+    listed every model; each now sees only what it may use, and 404 for the rest."""
+    status, org = call(server, "POST", "/admin/v1/orgs", body={"name": "listing"})
+    assert status == 201
+    keys = {}
+    for name, scopes in (("mine", [server.model]), ("other", ["other-model"])):
+        status, key = call(server, "POST", "/admin/v1/keys", body={
+            "org_id": org["id"], "scopes": {"models": scopes}})
+        assert status == 201
+        keys[name] = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key["secret"],
+                                   max_retries=0)
+    assert server.model in [m.id for m in keys["mine"].models.list()]
+    assert keys["mine"].models.retrieve(server.model).id == server.model
+    assert [m.id for m in keys["other"].models.list()] == []
+    with pytest.raises(openai.NotFoundError):
+        keys["other"].models.retrieve(server.model)
+    # The org may be served only in a region no deployment here declares.
+    status, _ = call(server, "POST", f"/admin/v1/orgs/{org['id']}/regions",
+                     body={"allowed_regions": ["eu"]})
+    assert status == 200
+    deadline = time.monotonic() + 5
+    while server.model in [m.id for m in keys["mine"].models.list()]:
+        assert time.monotonic() < deadline  # key lookups are cached for about 1 s
+        time.sleep(0.3)

@@ -76,3 +76,17 @@ def test_assistant_prefill_is_continued(client: anthropic.Anthropic, server: Ser
     # of France is Paris."), which joined to the prefill would read "...isThe capital".
     assert m.content[0].type == "text"
     assert (prefill + m.content[0].text).startswith("The capital of France is Paris"), m.content
+
+
+def test_the_sdk_reads_the_request_id_of_an_answer_and_of_a_refusal(
+    client: anthropic.Anthropic, server: Server,
+) -> None:
+    """Anthropic's SDK takes `_request_id` from the `request-id` header: one beside
+    x-request-id, on answers and on errors alike."""
+    message = client.messages.create(model=server.model, max_tokens=2,
+                                     messages=[{"role": "user", "content": "Hi"}])
+    assert message._request_id and message._request_id.startswith("req_")
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=server.model, max_tokens=-1,
+                               messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.request_id and refused.value.request_id.startswith("req_")

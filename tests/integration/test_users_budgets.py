@@ -178,14 +178,18 @@ def test_a_key_budget_and_a_user_budget_refuse_naming_themselves(fleet: Fleet) -
     assert f"total budget of API key {key['id']}" in err.message, err.message
     spent = ledger_cost(fleet, "key", org, 1)[key["id"]]
     assert 0 < Decimal(spent["cost"]) <= Decimal("0.000080")
-    # Anthropic's route refuses it too, in Anthropic's error shape.
+    # Anthropic's route refuses it too, in Anthropic's error shape: a 402 billing_error
+    # (not a 429 rate_limit_error, which its SDK would retry), whose request-id header
+    # the SDK reads.
     messages = anthropic.Anthropic(base_url=fleet.server.base_url, api_key=key["secret"],
                                    max_retries=0)
-    with pytest.raises(anthropic.RateLimitError) as caught:
+    with pytest.raises(anthropic.APIStatusError) as caught:
         messages.messages.create(model=MODEL, max_tokens=200,
                                  messages=[{"role": "user", "content": "Hello there"}])
     body = caught.value.body
+    assert caught.value.status_code == 402 and caught.value.request_id, caught.value
     assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "billing_error"
     assert f"total budget of API key {key['id']}" in body["error"]["message"]
     # A monthly budget below what the key spent: used up (seen within the key cache's
     # second). Raised, the key spends again.

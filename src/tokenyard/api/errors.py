@@ -54,6 +54,8 @@ ANTHROPIC_ERROR_TYPES: dict[int, str] = {
 
 #: Anthropic's status for "the service is overloaded" (OpenAI uses 503).
 ANTHROPIC_OVERLOADED_STATUS = 529
+#: Anthropic's status for a billing_error (OpenAI answers 429 insufficient_quota).
+ANTHROPIC_BILLING_STATUS = 402
 
 
 def anthropic_error_type(status: int) -> str:
@@ -97,7 +99,7 @@ def anthropic_error_body(err: APIError, request_id: str | None = None) -> dict[s
     `ErrorResponse` requires `request_id`, null when the request has none."""
     return {
         "type": "error",
-        "error": {"type": anthropic_error_type(err.status), "message": anthropic_message(err)},
+        "error": {"type": anthropic_error_type(anthropic_status(err)), "message": anthropic_message(err)},
         "request_id": request_id,
     }
 
@@ -108,7 +110,11 @@ def openai_status(err: APIError) -> int:
 
 
 def anthropic_status(err: APIError) -> int:
-    """The status an Anthropic route answers with (503 becomes 529, "overloaded")."""
+    """The status an Anthropic route answers with: 503 becomes 529 ("overloaded"), and an
+    exhausted credit, cap or budget (OpenAI's 429 insufficient_quota) 402, Anthropic's
+    billing_error, which its SDK does not retry as it does a 429."""
+    if err.code == "insufficient_quota":
+        return ANTHROPIC_BILLING_STATUS
     return ANTHROPIC_OVERLOADED_STATUS if err.status == 503 else err.status
 
 

@@ -46,6 +46,7 @@ from tokenyard.telemetry.tracing import TRACEPARENT
 logger = logging.getLogger("tokenyard.api")
 
 REQUEST_ID_HEADER = "x-request-id"
+ANTHROPIC_REQUEST_ID_HEADER = "request-id"
 #: A client's x-request-id is kept (as the prefix of the request's id) only when it is
 #: short, printable and safe in a log line, a URL path and a trace attribute.
 _CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,39}")
@@ -174,6 +175,8 @@ async def _respond(request: web.Request, handler: Handler) -> web.StreamResponse
 def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
     """x-request-id, Server-Timing and (admitted requests) the rate-limit headers."""
     response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
+    # Anthropic's name for it: its SDK reads this one into `_request_id`.
+    response.headers[ANTHROPIC_REQUEST_ID_HEADER] = request[REQUEST_ID]
     server_timing = request[TIMELINE].server_timing()
     if server_timing:
         response.headers["Server-Timing"] = server_timing

@@ -9,7 +9,9 @@ limits). The request says which it speaks: the official Anthropic SDK sends
 neither. Every deployment is listed, then every alias; all fit in one page (the
 Anthropic list's `limit`, `before_id` and `after_id` cut it the way that API does). Each
 OpenAI card says its `region`; a regional endpoint (`serve --region`) lists only its
-region's, and its list says which (`region`).
+region's, and its list says which (`region`). Only what the request's key may use is
+listed (its `models` scope, its org's and project's regions); any other model is a 404,
+as one that does not exist.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel
 
-from tokenyard.api.context import STATE
+from tokenyard.api.context import KEY, STATE
 from tokenyard.api.openai.schemas import ModelCard, ModelList
 from tokenyard.api.respond import json_response
 from tokenyard.api.schemas import page_limit
@@ -81,7 +83,32 @@ class ModelInfoList(BaseModel):
 
 
 def _listed(request: web.Request) -> list[Listed]:
-    """Every deployment (with its context window and output cap), then every alias."""
+    """Every deployment (with its context window and output cap), then every alias, that
+    the request's key may use."""
+    key = request.get(KEY)
+    every = _every(request)
+    if key is None:  # served without keys
+        return every
+    fleet = request.app[STATE].router.fleet
+
+    def usable(name: str) -> bool:
+        alias = fleet.aliases.get(name)
+        if alias is None:
+            region = fleet.deployments[name].region if name in fleet.deployments else None
+            return key.scopes.allows_model(name) and (
+                key.allowed_regions is None or region in key.allowed_regions)
+        # An alias: by its own name or its targets' (as `authorize` allows), in a region
+        # the key may use (as routing takes its targets).
+        targets = [t for t, _ in alias.routes if usable(t) or (
+            key.scopes.allows_model(name) and (key.allowed_regions is None or
+                                               fleet.deployments[t].region
+                                               in key.allowed_regions))]
+        return bool(targets)
+
+    return [m for m in every if usable(m.id)]
+
+
+def _every(request: web.Request) -> list[Listed]:
     state = request.app[STATE]
     fleet = state.router.fleet
     return ([Listed(s.name, s.created, s.window, s.spec.max_output_tokens,
