@@ -146,3 +146,17 @@ def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="no-such-model", messages=HELLO)
     assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_the_embeddings_model_card_states_its_real_input_limit(client: openai.OpenAI) -> None:
+    """The embedded embeddings model takes at most 256 tokens per input; its card said
+    1,048,576 (the window of a deployment that declares none)."""
+    cards = [m for m in client.models.list() if "embeddings" in (m.model_extra or {}).get(
+        "capabilities", [])]
+    assert cards, "the session's server serves embeddings"
+    limit = (cards[0].model_extra or {})["max_model_len"]
+    assert limit == 256
+    # And it is the limit the route holds inputs to.
+    client.embeddings.create(model=cards[0].id, input=[1] * limit)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=cards[0].id, input=[1] * (limit + 1))

@@ -99,7 +99,8 @@ def anthropic_error_body(err: APIError, request_id: str | None = None) -> dict[s
     `ErrorResponse` requires `request_id`, null when the request has none."""
     return {
         "type": "error",
-        "error": {"type": anthropic_error_type(anthropic_status(err)), "message": anthropic_message(err)},
+        "error": {"type": anthropic_error_type(anthropic_status(err)),
+                  "message": anthropic_message(err)},
         "request_id": request_id,
     }
 

@@ -82,11 +82,11 @@ class ModelInfoList(BaseModel):
     last_id: str | None
 
 
-def _listed(request: web.Request) -> list[Listed]:
+async def _listed(request: web.Request) -> list[Listed]:
     """Every deployment (with its context window and output cap), then every alias, that
     the request's key may use."""
     key = request.get(KEY)
-    every = _every(request)
+    every = await _every(request)
     if key is None:  # served without keys
         return every
     fleet = request.app[STATE].router.fleet
@@ -108,14 +108,15 @@ def _listed(request: web.Request) -> list[Listed]:
     return [m for m in every if usable(m.id)]
 
 
-def _every(request: web.Request) -> list[Listed]:
+async def _every(request: web.Request) -> list[Listed]:
     state = request.app[STATE]
     fleet = state.router.fleet
-    return ([Listed(s.name, s.created, s.window, s.spec.max_output_tokens,
+    windows = {name: await s.listed_window() for name, s in state.deployments.items()}
+    return ([Listed(s.name, s.created, windows[name], s.spec.max_output_tokens,
                     capabilities=_capabilities([s.spec]),
                     sampling=s.sampling if s.kind != "embeddings" else None,
                     region=s.spec.region)
-             for s in state.deployments.values()]
+             for name, s in state.deployments.items()]
             + [Listed(name, state.created, capabilities=_capabilities(
                 fleet.deployments[target] for target, _ in alias.routes),
                 region=_one_region({fleet.deployments[t].region for t, _ in alias.routes}))
@@ -177,7 +178,7 @@ def _page(request: web.Request, models: list[Listed]) -> ModelInfoList:
 
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: OpenAI's list, or Anthropic's page."""
-    models = _listed(request)
+    models = await _listed(request)
     if speaks_anthropic(request):
         return json_response(_page(request, models))
     return json_response(ModelList(data=[_card(m) for m in models],
@@ -188,7 +189,7 @@ async def get_model(request: web.Request) -> web.Response:
     """GET /v1/models/{model_id}: one model, in the request's dialect; 404 when neither a
     deployment nor an alias has that name."""
     wanted = request.match_info["model_id"]
-    found = next((m for m in _listed(request) if m.id == wanted), None)
+    found = next((m for m in await _listed(request) if m.id == wanted), None)
     if found is None:
         raise model_not_found(wanted)
     body: Any = _info(found) if speaks_anthropic(request) else _card(found)

@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.pool import Pool
-from tokenyard.balancer.replica_client import ReplicaClient
+from tokenyard.balancer.replica_client import ReplicaClient, ReplicaError
 from tokenyard.deployments import BalancerSpec, DeploymentSpec, FleetSpec
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.routing import Router
@@ -105,6 +105,20 @@ class Served:
         """The context window in tokens (an upstream's declared one, else unbounded)."""
         return (self.info.max_model_len if self.info is not None
                 else self.spec.max_context or 1 << 20)
+
+    async def listed_window(self) -> int | None:
+        """The context window a model card states; an embeddings model's is the most
+        tokens one input may have (its replica's), not the unbounded window of a
+        deployment that declares none (None while no replica has answered)."""
+        if self.kind != "embeddings":
+            return self.window
+        if self.spec.max_context is not None:
+            return self.spec.max_context
+        try:
+            model = await self.pool.info()
+        except ReplicaError:
+            return None
+        return getattr(model, "max_tokens", None)
 
     @property
     def vision(self) -> bool:
