@@ -297,12 +297,16 @@ def test_moderations_endpoint_in_openai_s_shape(setup: tuple[Server, Engine]) ->
     assert result.id.startswith("modr-") and result.model == "omni-moderation-latest"
     calm, rude = result.results
     assert not calm.flagged and rude.flagged
-    assert rude.categories.harassment is False  # OpenAI's categories are all present
+    assert rude.categories.harassment is True  # what the local model measures
     extra = rude.model_dump()
     assert extra["categories"]["profanity"] is True
-    assert extra["category_scores"]["profanity"] > 0.9 > extra[
-        "category_scores"]["harassment"] + 0.5
-    assert calm.category_scores.violence == 0.0
+    assert extra["category_scores"]["profanity"] == extra["category_scores"]["harassment"]
+    assert calm.category_scores.violence == 0.0  # a placeholder, and said to be one:
+    assert "violence" in extra["unmeasured_categories"]
+    assert "harassment" not in extra["unmeasured_categories"]
+    # A threat was flagged only as the non-OpenAI `profanity`.
+    (threat,) = client.moderations.create(input="I will kill you").results
+    assert threat.flagged and threat.categories.harassment is True
 
     # A deployment's name picks its classifier: the blocklist's categories.
     (hit,) = client.moderations.create(model="guarded", input="a terrier").results

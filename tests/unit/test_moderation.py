@@ -47,7 +47,7 @@ def test_local_model_gives_its_package_probabilities(local: ProfanityClassifier)
         assert local.probability(text) == pytest.approx(float(want), abs=1e-9), text
     verdicts = asyncio.run(local.classify(TEXTS))
     assert [v.flagged for v in verdicts] == [float(p) >= 0.5 for p in expected]
-    assert verdicts[1].flagged and verdicts[1].flagged_categories == ["profanity"]
+    assert verdicts[1].flagged and verdicts[1].flagged_categories == ["profanity", "harassment"]
     assert not verdicts[2].flagged and verdicts[2].scores["profanity"] < 0.1
 
 

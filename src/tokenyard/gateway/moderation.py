@@ -86,7 +86,9 @@ def stricter(a: str, b: str) -> str:
 
 
 class ProfanityClassifier:
-    """alt-profanity-check's model (English profanity and insults), category "profanity".
+    """alt-profanity-check's model (English profanity and insults): category "profanity",
+    and OpenAI's "harassment" (abusive language at someone), which is what it measures.
+    It measures none of OpenAI's other categories (the /v1/moderations body lists them).
 
     Its package holds a fitted `TfidfVectorizer` and a `CalibratedClassifierCV` of linear
     SVMs with sigmoid calibration; loading them needs scikit-learn (no torch). A text's
@@ -95,6 +97,8 @@ class ProfanityClassifier:
 
     name = "local"
     CATEGORY = "profanity"
+    #: OpenAI's category whose text it measures: the same probability.
+    OPENAI_CATEGORY = "harassment"
 
     def __init__(self, threshold: float = 0.5) -> None:
         from importlib.resources import files
@@ -143,7 +147,8 @@ class ProfanityClassifier:
     def verdict(self, text: str) -> Verdict:
         p = self.probability(text)
         hit = p >= self.threshold
-        return Verdict(hit, {self.CATEGORY: hit}, {self.CATEGORY: p})
+        return Verdict(hit, {self.CATEGORY: hit, self.OPENAI_CATEGORY: hit},
+                       {self.CATEGORY: p, self.OPENAI_CATEGORY: p})
 
     async def classify(self, texts: Sequence[str]) -> list[Verdict]:
         return [self.verdict(text) for text in texts]

@@ -4,9 +4,11 @@
 (image parts are refused: no classifier here reads images). `model` picks the
 classifier: omitted, `profanity-check` or one of OpenAI's moderation model names → the
 local model (alt-profanity-check's); a deployment's name or an alias → that deployment's
-configured classifier. Each result carries every category of OpenAI's list (false, 0
-unless the classifier has it) plus the classifier's own ("profanity", a blocklist's
-names). The input's tokens (counted with the default deployment's tokenizer) are
+configured classifier. Each result carries every category of OpenAI's list plus the
+classifier's own ("profanity", a blocklist's names); the local model measures OpenAI's
+`harassment` and no other, so each result lists the OpenAI categories its classifier did
+not measure in `unmeasured_categories` (their false and 0.0 are placeholders the schema
+requires, not findings). The input's tokens (counted with the default deployment's tokenizer) are
 admitted and written to the ledger as for embeddings, under the model's name.
 
     POST /admin/v1/orgs/{org_id}/moderation   {input?: off|flag|block, output?: …}
@@ -110,6 +112,7 @@ def _result(verdict: Verdict) -> dict[str, Any]:
     scores = dict.fromkeys(CATEGORIES, 0.0) | verdict.scores
     return {"flagged": verdict.flagged, "categories": categories,
             "category_scores": scores,
+            "unmeasured_categories": [c for c in CATEGORIES if c not in verdict.categories],
             "category_applied_input_types": {name: ["text"] for name in categories}}
 
 
