@@ -129,7 +129,6 @@ def test_a_request_the_server_refuses_shows_its_400_with_the_parameter(
     open_chat(page, server, max_tokens=9_999_999)
     same = {"model": page.locator("#model").input_value(),
             "messages": [{"role": "user", "content": "Hello?"}],
-            "temperature": float(page.locator("#temperature").input_value()),
             "max_tokens": 9_999_999, "stream": True, "stream_options": {"include_usage": True}}
     status, _, body = call(server, "POST", "/v1/chat/completions", same)
     assert status == 400 and body["error"]["param"], body
@@ -139,6 +138,24 @@ def test_a_request_the_server_refuses_shows_its_400_with_the_parameter(
     assert reply.locator(".error").inner_text() == (
         f"Error 400: {error['message']} (parameter: {error['param']})")
     assert page.locator("#input").input_value() == "Hello?"  # nothing came: send again
+
+
+def test_the_page_sends_a_temperature_only_when_the_user_sets_one(
+    page: Any, server: Server,
+) -> None:
+    """It sent 0.7 always, so a deployment's default temperature never applied."""
+    open_chat(page, server, max_tokens=2)
+    bodies: list[dict[str, Any]] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data or "{}"))
+            if r.url.endswith("/v1/chat/completions") else None)
+    assert page.locator("#temperature").input_value() == ""
+    send(page, "Hi")
+    wait_state(page, "done")
+    page.fill("#temperature", "0.3")
+    send(page, "Hi again")
+    page.locator(f"{REPLY}[data-state=done]").nth(1).wait_for(timeout=60_000)
+    assert ["temperature" in b for b in bodies] == [False, True]
+    assert bodies[1]["temperature"] == 0.3
 
 
 def test_bad_input_is_refused_in_the_page_without_a_request(page: Any, server: Server) -> None:

@@ -43,11 +43,12 @@ async function loadModels() {
   }
 }
 
-// The parameters, or an error naming the field that is wrong.
+// The parameters, or an error naming the field that is wrong. An empty temperature is
+// none: the deployment's default applies.
 function readSettings() {
   const t = ui.temperature.value.trim();
-  const temperature = Number(t);
-  if (t === "" || !Number.isFinite(temperature) || temperature < 0 || temperature > 2) {
+  const temperature = t === "" ? undefined : Number(t);
+  if (t !== "" && (!Number.isFinite(temperature) || temperature < 0 || temperature > 2)) {
     return { error: "Temperature must be a number from 0 to 2.", field: ui.temperature };
   }
   const m = ui.maxTokens.value.trim();
@@ -122,9 +123,9 @@ async function send(text) {
   const system = ui.system.value.trim();
   const body = {
     model: settings.model, messages: system ? [{ role: "system", content: system }, ...messages] : messages,
-    temperature: settings.temperature, max_tokens: settings.maxTokens, stream: true,
-    stream_options: { include_usage: true },
+    max_tokens: settings.maxTokens, stream: true, stream_options: { include_usage: true },
   };
+  if (settings.temperature !== undefined) body.temperature = settings.temperature;
   addMessage("user", text);
   ui.input.value = "";
   const reply = addMessage("assistant", "");
