@@ -57,14 +57,16 @@ def add_admin_parser(sub: Any) -> None:
                        help="output format")
     nouns = admin.add_subparsers(dest="noun", required=True)
 
-    orgs = nouns.add_parser("orgs", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    orgs = nouns.add_parser("orgs", parents=[fmt],
+        help="organizations: create, list, moderation policy, body capture").add_subparsers(
+        dest="verb", required=True)
     create = orgs.add_parser("create", parents=[fmt], help="create an org")
     create.add_argument("name")
     create.add_argument("--balance", help="prepaid credit (decimal); none: postpaid")
     create.add_argument("--priority", choices=list(PRIORITY_CLASSES),
                         help="the scheduler class of its requests (default normal)")
     _limit_args(create, free_tier=True)
-    orgs.add_parser("list", parents=[fmt])
+    orgs.add_parser("list", parents=[fmt], help="every org with its limits and balance")
     moderation = orgs.add_parser("set-moderation", parents=[fmt],
                                  help="the org's moderation policy (the stricter of it and "
                                       "the deployment's applies)")
@@ -81,13 +83,16 @@ def add_admin_parser(sub: Any) -> None:
     capture.add_argument("--retention-days", type=int,
                          help="days each capture is kept (default 7)")
 
-    projects = nouns.add_parser("projects", parents=[fmt]).add_subparsers(
+    projects = nouns.add_parser("projects", parents=[fmt],
+        help="projects of an org").add_subparsers(
         dest="verb", required=True)
-    create = projects.add_parser("create", parents=[fmt])
+    create = projects.add_parser("create", parents=[fmt], help="create a project in an org")
     create.add_argument("org_id")
     create.add_argument("name")
 
-    keys = nouns.add_parser("keys", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    keys = nouns.add_parser("keys", parents=[fmt],
+        help="API keys: create (the secret is shown once), list, revoke").add_subparsers(
+        dest="verb", required=True)
     create = keys.add_parser("create", parents=[fmt],
                              help="create a key (its secret is shown once)")
     create.add_argument("--org", dest="org_id", required=True)
@@ -102,12 +107,16 @@ def add_admin_parser(sub: Any) -> None:
     create.add_argument("--priority", choices=_KEY_PRIORITIES,
                         help="the scheduler class of its requests (default: its org's)")
     _limit_args(create)
-    listing = keys.add_parser("list", parents=[fmt])
+    listing = keys.add_parser("list", parents=[fmt],
+        help="keys (never their secrets), of an org with --org")
     listing.add_argument("--org", dest="org_id")
-    revoke = keys.add_parser("revoke", parents=[fmt])
+    revoke = keys.add_parser("revoke", parents=[fmt],
+        help="revoke a key: it stops authenticating within a second")
     revoke.add_argument("key_id")
 
-    limits = nouns.add_parser("limits", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    limits = nouns.add_parser("limits", parents=[fmt],
+        help="a key's or an org's rate limits (rpm, tpm, concurrency)").add_subparsers(
+        dest="verb", required=True)
     set_limits = limits.add_parser("set", parents=[fmt], help="set a key's or an org's limits")
     who = set_limits.add_mutually_exclusive_group(required=True)
     who.add_argument("--key", dest="key_id")
@@ -117,7 +126,8 @@ def add_admin_parser(sub: Any) -> None:
                             help="an org's Batch API quota: estimated tokens its batches "
                             "at work may hold (default: TOKENYARD_BATCH_ENQUEUED_TOKENS)")
 
-    priority = nouns.add_parser("priority", parents=[fmt]).add_subparsers(
+    priority = nouns.add_parser("priority", parents=[fmt],
+        help="a key's or an org's scheduling class (high, normal, low)").add_subparsers(
         dest="verb", required=True)
     set_priority = priority.add_parser(
         "set", parents=[fmt], help="a key's or an org's priority class (high runs first)")
@@ -127,19 +137,26 @@ def add_admin_parser(sub: Any) -> None:
     set_priority.add_argument("priority", choices=_KEY_PRIORITIES,
                               help="'org' (keys only): follow the org's class")
 
-    prices = nouns.add_parser("prices", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    prices = nouns.add_parser("prices", parents=[fmt],
+        help="prices per million tokens, per model").add_subparsers(
+        dest="verb", required=True)
     set_price = prices.add_parser("set", parents=[fmt], help="prices per million tokens")
     set_price.add_argument("model")
     for name in ("input", "cached-input", "output"):
         set_price.add_argument(f"--{name}", default="0")
-    prices.add_parser("list", parents=[fmt])
+    prices.add_parser("list", parents=[fmt], help="every model's prices")
 
-    credit = nouns.add_parser("credit", parents=[fmt]).add_subparsers(dest="verb", required=True)
-    add = credit.add_parser("add", parents=[fmt])
+    credit = nouns.add_parser("credit", parents=[fmt],
+        help="add to an org's credit balance").add_subparsers(
+        dest="verb", required=True)
+    add = credit.add_parser("add", parents=[fmt],
+        help="add an amount (decimal) to an org's balance")
     add.add_argument("org_id")
     add.add_argument("amount")
 
-    cap = nouns.add_parser("spend-cap", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    cap = nouns.add_parser("spend-cap", parents=[fmt],
+        help="an org's or a project's monthly spend cap").add_subparsers(
+        dest="verb", required=True)
     set_cap = cap.add_parser("set", parents=[fmt], help="monthly cap (decimal); 'none' removes it")
     set_cap.add_argument("org_id")
     set_cap.add_argument("cap")
@@ -151,7 +168,8 @@ def add_admin_parser(sub: Any) -> None:
     usage.add_argument("--until", help="ISO 8601 date or time (exclusive)")
     usage.add_argument("--org", dest="org_id")
 
-    regions = nouns.add_parser("regions", parents=[fmt]).add_subparsers(
+    regions = nouns.add_parser("regions", parents=[fmt],
+        help="the regions an org's or a project's requests may be served in").add_subparsers(
         dest="verb", required=True)
     set_regions = regions.add_parser(
         "set", parents=[fmt], help="the regions an org's (or a project's) requests may be "
@@ -161,7 +179,9 @@ def add_admin_parser(sub: Any) -> None:
     who.add_argument("--project", dest="project_id")
     set_regions.add_argument("allowed_regions", nargs="+", metavar="REGION")
 
-    shadow = nouns.add_parser("shadow", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    shadow = nouns.add_parser("shadow", parents=[fmt],
+        help="shadow traffic: compare a shadow deployment with its primary").add_subparsers(
+        dest="verb", required=True)
     report = shadow.add_parser("report", parents=[fmt],
                                help="shadow traffic: each (alias, primary, shadow) pair")
     report.add_argument("--alias")

@@ -31,7 +31,9 @@ def add_budget_args(parser: argparse.ArgumentParser, *flags: str) -> None:
 
 def add_user_parsers(nouns: Any, fmt: argparse.ArgumentParser) -> None:
     """The `users` and `budgets` nouns."""
-    users = nouns.add_parser("users", parents=[fmt]).add_subparsers(dest="verb", required=True)
+    users = nouns.add_parser("users", parents=[fmt],
+        help="users of an org (their keys and budgets)").add_subparsers(
+        dest="verb", required=True)
     create = users.add_parser("create", parents=[fmt], help="create a user of an org")
     create.add_argument("--org", dest="org_id", required=True)
     create.add_argument("--email", required=True)
@@ -39,10 +41,11 @@ def add_user_parsers(nouns: Any, fmt: argparse.ArgumentParser) -> None:
     create.add_argument("--project", dest="project_id",
                         help="the project the user works in (its keys default to it)")
     add_budget_args(create)
-    listing = users.add_parser("list", parents=[fmt])
+    listing = users.add_parser("list", parents=[fmt], help="users, of an org with --org")
     listing.add_argument("--org", dest="org_id")
 
-    budgets = nouns.add_parser("budgets", parents=[fmt]).add_subparsers(
+    budgets = nouns.add_parser("budgets", parents=[fmt],
+        help="a key's or a user's spend budgets").add_subparsers(
         dest="verb", required=True)
     set_budget = budgets.add_parser(
         "set", parents=[fmt], help="replace a key's or a user's budget (an unset cap: none)")

@@ -362,6 +362,11 @@ def run_repl(
     loop = asyncio.new_event_loop()
     try:
         print(HELP, file=out)
+        try:  # say where the conversation goes; a server not up yet is retried at send
+            model = _run_interruptible(loop, session.resolve_model())
+            print(f"[{session.base_url}, model {model}]", file=out)
+        except ChatError as exc:
+            print(f"[{session.base_url}: {exc.message}]", file=out)
         while True:
             try:
                 line = read_line("> ")

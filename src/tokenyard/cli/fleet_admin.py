@@ -34,7 +34,8 @@ def add_fleet_parsers(nouns: Any, fmt: argparse.ArgumentParser) -> None:
                         "the development key of the state directory)")
     nouns.add_parser("deployments", parents=[fmt, server],
                      help="the running server's deployments, replicas and aliases")
-    replicas = nouns.add_parser("replicas", parents=[fmt]).add_subparsers(
+    replicas = nouns.add_parser("replicas", parents=[fmt],
+        help="a deployment's replicas: drain one, or scale a Ray-placed deployment").add_subparsers(
         dest="verb", required=True)
     drain = replicas.add_parser("drain", parents=[fmt, server],
                                 help="stop sending new work to a replica (--undo: resume)")

@@ -177,15 +177,22 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _add_chat_parser(sub: Any) -> None:
-    chat = sub.add_parser("chat", help="chat with a running server in the terminal")
+    chat = sub.add_parser(
+        "chat", help="chat with a running server in the terminal",
+        description="Chat in the terminal with a running tokenyard (or any "
+        "OpenAI-compatible server) through /v1/chat/completions, streamed. It prints the "
+        "URL and the model it talks to before the first prompt; /exit or Ctrl-D ends.")
     chat.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
-                      help="the server's OpenAI-compatible base URL")
-    chat.add_argument("--model", help="model name (default: the first the server lists)")
+                      help="the server's OpenAI-compatible base URL (default: %(default)s)")
+    chat.add_argument("--model", help="model name (default: the first model the key may "
+                      "use, as the server's /v1/models lists them)")
     chat.add_argument("--api-key", help="sent as a bearer token (default: $TOKENYARD_API_KEY, "
                       "else the development key in ./.tokenyard/dev-key)")
     chat.add_argument("--system", help="system message")
-    chat.add_argument("--temperature", type=float)
-    chat.add_argument("--max-tokens", type=int)
+    chat.add_argument("--temperature", type=float,
+                      help="0 to 2 (default: none sent, the deployment's default applies)")
+    chat.add_argument("--max-tokens", type=int,
+                      help="the most tokens per answer (default: the server's)")
 
 
 def _positive_int(text: str) -> int:
