@@ -108,7 +108,9 @@ def test_an_org_bound_to_eu_never_reaches_a_us_deployment(fleet: Fleet) -> None:
     # the API's error shape naming the region.
     assert "region us" in str(refused(eu, US))
     assert "region us" in str(refused(eu, "to-us"))
-    assert "none declared" in str(refused(eu, NOWHERE))
+    # (It said "served in region none declared".)
+    nowhere = str(refused(eu, NOWHERE))
+    assert f"`{NOWHERE}` is served without a declared region;" in nowhere, nowhere
     # A canary split 99 % to us: every conversation lands on the eu target.
     for i in range(12):
         assert ask(eu, "split", f"conversation {i}").choices[0].message.content

@@ -29,14 +29,25 @@ REGION_NOT_ALLOWED = "region_not_allowed"
 
 
 def _names(regions: Collection[str | None]) -> str:
-    return ", ".join(sorted(r or "none declared" for r in regions))
+    return ", ".join(sorted(r for r in regions if r))
+
+
+def _where(regions: Collection[str | None]) -> str:
+    """Where a model is served, in words: "in region eu", "only in regions eu, us",
+    "without a declared region" (a deployment that names none)."""
+    named = _names(regions)
+    count = sum(1 for r in regions if r)
+    where = ("" if not count else f"in region {named}" if count == 1
+             else f"only in regions {named}")
+    if None not in regions:
+        return where
+    return f"{where} and without a declared region" if where else "without a declared region"
 
 
 def outside_regions(model: str, regions: Collection[str | None],
                     allowed: Collection[str]) -> APIError:
     """403 for `model`, served only in `regions`, asked for by a key allowed `allowed`."""
-    where = (f"in region {_names(regions)}" if len(regions) == 1
-             else f"only in regions {_names(regions)}")
+    where = _where(regions)
     return APIError(
         403, f"The model `{model}` is served {where}; this key's organization may be "
              f"served only in {_names(allowed) or 'no region'}.",
