@@ -24,3 +24,25 @@ def test_the_model_list_offers_only_models_that_can_chat(page: Any, server: Serv
     assert server.model in offered, offered
     assert not set(embedders) & set(offered), offered
     assert sorted(offered) == sorted(n for n, caps in can.items() if "chat" in caps)
+
+
+def test_the_picker_offers_only_what_the_key_may_use(page: Any, server: Server) -> None:
+    """A key scoped to one model was offered every model, and a 403 when it picked one."""
+    status, _, org = call(server, "POST", "/admin/v1/orgs", {"name": "picker"})
+    assert status == 201, org
+    keys = {}
+    for name, models in (("one", [server.model]), ("none", ["not-served-here"])):
+        status, _, key = call(server, "POST", "/admin/v1/keys", {
+            "org_id": org["id"], "scopes": {"models": models}})
+        assert status == 201, key
+        keys[name] = key["secret"]
+    open_chat(page, server, key=keys["one"])
+    offered = page.locator("#model option").evaluate_all("options => options.map(o => o.value)")
+    assert offered == [server.model]
+    page.fill("#key", keys["none"])
+    page.press("#key", "Tab")
+    page.wait_for_function("() => !document.querySelector('#model option[value]')"
+                           " || document.querySelectorAll('#model option').length === 0")
+    offered = page.locator("#model option").evaluate_all(
+        "options => options.map(o => o.value).filter(Boolean)")
+    assert offered == [], offered
