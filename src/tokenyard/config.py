@@ -111,6 +111,9 @@ class EngineConfig(Settings):
     # Plan each step while the one before computes (engine/core.py); see operations.md
     # for what it measured on this machine.
     async_scheduling: bool = False
+    # A model that computes nothing in place of `model`'s weights (engine/null_model.py):
+    # what `tokenyard bench host` measures the host path with.
+    null_model: bool = False
 
     _ENV: ClassVar[dict[str, str]] = {
         "model": "TOKENYARD_MODEL",
@@ -122,6 +125,7 @@ class EngineConfig(Settings):
         "prefill_chunk": "TOKENYARD_PREFILL_CHUNK",
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
         "async_scheduling": "TOKENYARD_ASYNC_SCHEDULING",
+        "null_model": "TOKENYARD_NULL_MODEL",
     }
 
     def validate(self) -> None:

@@ -13,6 +13,8 @@ docs/benchmarks.md rewritten from their output.
 7. async scheduling off and on, served side by side at 1, 8 and 32 streams.
 8. the Batch API's lane against the engine alone and beside live traffic (`bench batch`,
    which writes its own section).
+9. the host path with a model that costs nothing, the engine alone and served
+   (`bench host`).
 
 Each section names the machine, the versions and the exact command. The hand-written
 "## Profile" part of the page is kept.
@@ -332,6 +334,19 @@ def async_scheduling_section() -> str:
                     [("Served, side by side", shown, "\n".join(rows))], intro)
 
 
+def host_section() -> str:
+    """bench host: the null model, the engine alone against served, alternating."""
+    cmd = _cli("bench", "host")
+    intro = ("The host path alone (issue 37): a model that computes nothing "
+             "(engine/null_model.py) behind the real scheduler, KV manager, sampler, output "
+             "processing, replica server, balancer and gateway (auth on, streamed). Goals, "
+             "on this machine: the engine alone ≤ 30 µs of host time per sequence per step "
+             "at 256 sequences and ≤ 1 ms per step at 1; served ≥ 80 % of the engine "
+             "alone's tok/s at 256 streams and ≥ 95 % at 1.")
+    return _section("The host path (`tokenyard bench host`)",
+                    [("Engine alone and served, a null model", cmd, _run(cmd))], intro)
+
+
 #: The page's sections after the engine's, by name (`--only`).
 SECTIONS: dict[str, Any] = {
     "serving": lambda args: serving_section(args.img_dir),
@@ -340,6 +355,7 @@ SECTIONS: dict[str, Any] = {
     "grammar": lambda args: grammar_section(),
     "moderation": lambda args: moderation_section(),
     "async": lambda args: async_scheduling_section(),
+    "host": lambda args: host_section(),
     "batch": lambda args: _run(_cli("bench", "batch")) + "\n",
     "ray": lambda args: _run(_cli("bench", "ray")) + "\n",  # cli/ray_bench.py
 }

@@ -153,6 +153,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.batch import main as batch_main
 
         return batch_main(args)
+    if args.bench_command == "host":
+        from tokenyard.bench.host_path import main as host_main
+
+        return host_main(args)
     if args.bench_command == "ray":
         from tokenyard.cli.ray_bench import main as ray_bench_main
 
@@ -358,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_batch.add_arguments(bench_sub.add_parser(
         "batch", help="the Batch API's lane against the engine alone and beside live "
                       "traffic"))
+    from tokenyard.bench import host_path as bench_host
+
+    bench_host.add_arguments(bench_sub.add_parser(
+        "host", help="the host path alone: a model that costs nothing, the engine alone "
+                     "and served"))
     from tokenyard.cli import ray_bench
 
     ray_bench.add_arguments(bench_sub.add_parser(

@@ -12,13 +12,14 @@ import ctypes
 import gc
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from tokenyard.config import EngineConfig
 from tokenyard.engine.core import EngineCore, kernel_thread, resolve_device
 from tokenyard.engine.models.config import ModelConfig
+from tokenyard.engine.models.families import CausalLM
 from tokenyard.engine.models.loader import build_model, load_model
 from tokenyard.engine.request import Request
 from tokenyard.text.output_processor import OutputProcessor, child_params
@@ -79,6 +80,8 @@ def _build_core(config: EngineConfig, show_progress: bool,
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if config.null_model:
+        return _build_null_core(config, device, dtype, kernels)
     loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
     model = build_model(loaded)
     if config.weights not in ("auto", "float32") and device.type != "cpu":
@@ -100,6 +103,20 @@ def _build_core(config: EngineConfig, show_progress: bool,
     core = EngineCore(model, loaded.config, config, device, dtype, tokenizer=tokenizer,
                       kernels=kernels)
     return BuiltCore(core, tokenizer, loaded.config, eos, weights)
+
+
+def _build_null_core(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                     kernels: ThreadPoolExecutor | None) -> BuiltCore:
+    """An engine core around the model that computes nothing (engine/null_model.py)."""
+    from tokenyard.engine.null_model import NullModel, null_model_config
+
+    model_config, tokenizer = null_model_config(config.cache_dir)
+    # The runner calls the model through the families' interface, which NullModel has.
+    model = cast(CausalLM, NullModel().to(device))
+    eos = frozenset(set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids))
+    core = EngineCore(model, model_config, config, device, dtype, tokenizer=tokenizer,
+                      kernels=kernels)
+    return BuiltCore(core, tokenizer, model_config, eos, "null")
 
 
 def release_freed_memory() -> None:
