@@ -301,7 +301,8 @@ def render(results: Results, args: argparse.Namespace) -> str:
 def main(args: argparse.Namespace) -> int:
     if args.rounds < 1 or min(args.levels) < 1:
         raise SystemExit("--rounds and every level must be >= 1")
-    results = measure(args, say=lambda m: print(m, flush=True))
+    # Progress on stderr: stdout is the section `bench suite` writes into the docs.
+    results = measure(args, say=lambda m: print(m, file=sys.stderr, flush=True))
     print(render(results, args))
     if args.json:
         args.json.write_text(json.dumps({
