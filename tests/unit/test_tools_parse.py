@@ -18,8 +18,9 @@ from tokenyard.text.tool_calls import (
     ToolEvent,
     split_tool_calls,
 )
-from tokenyard.text.tool_grammar import constrained, structural_tag
+from tokenyard.text.tool_grammar import TEXT_EXCLUDES, constrained, markup_free, structural_tag
 from tokenyard.text.tools import (
+    MARKUP,
     PastCall,
     Tool,
     ToolChoice,
@@ -38,7 +39,7 @@ AUTO = ToolUse(tuple(Tool(name) for name in sorted(NAMES)))
 
 WEATHER = call_text("get_weather", '{"city": "Pa}ris \\"x\\" </tool_call>", "days": [1, {"a": 2}]}')
 #: Text, a streamed-header call, a call whose keys come in another order (read whole), a
-#: call of an unknown tool and one that is no JSON (both stay text), then more text.
+#: call of an unknown tool and one that is no JSON (both markup: dropped), then more text.
 OUTPUT = (
     "Sure, let me look.\n"
     f"{WEATHER}\n"
@@ -81,8 +82,8 @@ def test_whole_output_parses_into_text_and_calls() -> None:
     assert json.loads(calls[0][2]) == {"city": 'Pa}ris "x" </tool_call>', "days": [1, {"a": 2}]}
     assert calls[1][1:] == ("search", '{"q": "caf\u00e9"}')
     assert len(calls) == 2
-    assert text == ('Sure, let me look.\n and <tool_call>{"name": "nope", "arguments": {}}'
-                    "</tool_call><tool_call>not json</tool_call> done.")
+    # A call of no given tool, and one that does not parse, are markup: never text.
+    assert text == "Sure, let me look.\n and  done."
 
 
 @pytest.mark.parametrize("cut", range(1, len(OUTPUT)))
@@ -152,8 +153,56 @@ def test_unfinished_header_is_dropped_at_the_end() -> None:
 def test_split_tool_calls_numbers_valid_calls_in_order() -> None:
     bad = '<tool_call>{"name": "search", "arguments": {"q": nope}}</tool_call>'
     text, calls = split_tool_calls(f"{bad}{call_text('search', '{}')}", AUTO, lambda: "c")
-    assert text == bad
+    assert text == ""
     assert [(c.index, c.name, c.input) for c in calls] == [(0, "search", {})]
+
+
+#: After a tool result SmolLM2 likes to write a result of its own, then answer: the result
+#: is parsed out (not stopped on: the stop string ended such replies empty), the answer
+#: stays; stray closing tags go too.
+ECHOED = ("<tool_response>\nSunny, 21C\n</tool_response>\nIt is sunny</tool_call> in Paris."
+          "</tool_response><tool_response>cut")
+
+
+@pytest.mark.parametrize("cut", range(1, len(ECHOED)))
+def test_a_result_the_model_writes_is_parsed_out_and_the_answer_stays(cut: int) -> None:
+    events, parser = _run([ECHOED[:cut], ECHOED[cut:]])
+    assert _summary(events) == ("\nIt is sunny in Paris.", {})
+    assert not parser.made_calls
+
+
+def test_markup_never_stays_in_text_without_tools() -> None:
+    """With no active tool a reply has no calls; a call, a result and the tags the
+    model writes are parsed out of its text all the same."""
+    reply = (f"Hi {call_text('get_weather', '{}')} there <tool_response>x</tool_response>"
+             "</tool_call>!")
+    for use in (None, ToolUse(AUTO.tools, ToolChoice("none"))):
+        text, calls = split_tool_calls(reply, use)
+        assert (text, calls) == ("Hi  there !", [])  # the text's own spaces stay
+        assert not any(tag in text for tag in MARKUP)
+
+
+def test_the_grammar_keeps_markup_out_of_free_text() -> None:
+    """The structural tag of `auto` (one call, several, or `none`'s text alone) accepts
+    an answer and a call, and refuses a result the model writes, its variants and a stray
+    closing tag."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    weather = call_text("get_weather", '{"city": "Paris"}')
+    specs = [structural_tag(AUTO, 1), structural_tag(AUTO, 3), structural_tag(AUTO, None)]
+    for spec in specs:
+        grammar = xgrammar.Grammar.from_structural_tag(json.dumps(spec))
+        assert _is_grammar_accept_string(grammar, "It is sunny.")
+        assert _is_grammar_accept_string(grammar, f"Let me see. {weather}")
+        for bad in ("<tool_response>\nSunny\n</tool_response>", "<tool_response_json>{}",
+                    "It is sunny.</tool_response>", "<tools>x</tools>"):
+            assert not _is_grammar_accept_string(grammar, bad), (spec, bad)
+    text_only = xgrammar.Grammar.from_structural_tag(json.dumps(markup_free()))
+    assert _is_grammar_accept_string(text_only, "It is sunny, 21C.")
+    assert not _is_grammar_accept_string(text_only, weather)
+    assert not _is_grammar_accept_string(text_only, "<tool_response>x")
+    assert set(TEXT_EXCLUDES) <= {*json.loads(json.dumps(specs[0]))["format"]["excludes"]}
 
 
 def test_arguments_given_as_a_json_string_are_read() -> None:
@@ -191,8 +240,7 @@ def test_past_calls_and_results_render_back_readably() -> None:
     assert text == 'Checking.\n<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>'
     assert split_tool_calls(text, AUTO, lambda: "c")[1][0].input == {"q": 1}
     assert results_text([ToolResult("17 C", "get_weather"), ToolResult("oops", None, True)]) == (
-        '<tool_response>{"name": "get_weather", "content": "17 C"}</tool_response>\n'
-        '<tool_response>{"content": "oops", "is_error": true}</tool_response>'
+        "<tool_response>\n17 C\n</tool_response>\n<tool_response>\nError: oops\n</tool_response>"
     )
 
 
@@ -213,9 +261,10 @@ def test_constrained_sets_a_grammar_only_for_active_tools() -> None:
     params = SamplingParams()
     guided = constrained(params, ToolUse(TOOLS)).guided
     assert guided is not None and guided.kind == "structural_tag" and guided.param == "tools"
-    assert constrained(params, ToolUse(TOOLS)).stop == ["<tool_response>"]
+    assert constrained(params, ToolUse(TOOLS)).stop == []  # parsed, not stopped on
     assert json.loads(guided.spec) == structural_tag(ToolUse(TOOLS), DEFAULT_MAX_TOOL_CALLS)
-    assert constrained(params, ToolUse(TOOLS, ToolChoice("none"))).guided is None
+    none = constrained(params, ToolUse(TOOLS, ToolChoice("none"))).guided
+    assert none is not None and json.loads(none.spec) == markup_free()
     assert constrained(params, None) is params
 
 
@@ -268,6 +317,5 @@ def test_a_template_that_uses_tools_renders_them_natively() -> None:
     )
     assert template_tools(use, native=False) is None
     fallback = result_turns([ToolResult("found", "search")], native=False, text="thanks")
-    assert fallback == [{"role": "user", "content": '<tool_response>{"name": "search", '
-                                                    '"content": "found"}</tool_response>\n'
-                                                    "thanks"}]
+    assert fallback == [{"role": "user",
+                         "content": "<tool_response>\nfound\n</tool_response>\nthanks"}]

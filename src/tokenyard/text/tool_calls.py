@@ -4,8 +4,11 @@
 as it comes (whitespace next to a call is dropped), a call's start (its name) as soon as
 its header ``{"name": "…", "arguments": `` is read, then its arguments' JSON text in
 fragments, ending where the arguments object closes. A call whose header does not come
-first is held whole until ``</tool_call>`` and parsed then; one that does not parse, or
-names no given tool, stays text. `split_tool_calls` does the same for a finished text.
+first is held whole until ``</tool_call>`` and parsed then. Tool markup never reaches the
+text: a call that does not parse or names no given tool (every call, when no tool is
+active) is dropped, and so is a ``<tool_response>`` the model wrote itself (a result it
+has not got: it is parsed out, the reply goes on) and any stray closing tag.
+`split_tool_calls` does the same for a finished text.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenyard.text.tool_formats import native_calls
-from tokenyard.text.tools import CLOSE, OPEN, ToolUse
+from tokenyard.text.tools import CLOSE, OPEN, RESPONSE_CLOSE, RESPONSE_OPEN, ToolUse
 
 #: A call's header, written first: ``{"name": "NAME", "arguments": `` (spaces optional).
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -114,6 +117,17 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+#: Tags met in the text: a call opens; a result the model writes is skipped to its end;
+#: a stray closing tag is dropped.
+_TAGS = (OPEN, RESPONSE_OPEN, CLOSE, RESPONSE_CLOSE)
+
+
+def _first_tag(text: str) -> tuple[int, str]:
+    """Where the first of `_TAGS` starts in `text`, and which (-1, "" for none)."""
+    found = [(at, tag) for tag in _TAGS if (at := text.find(tag)) >= 0]
+    return min(found, key=lambda f: f[0]) if found else (-1, "")
+
+
 class ToolCallParser:
     """Splits streamed output into text and the calls of tools named in `names`.
 
@@ -133,6 +147,7 @@ class ToolCallParser:
         self.calls: list[ParsedCall] = []
         self._buf = ""  # TEXT: not yet sent; CALL: the call's body read so far
         self._in_call = False
+        self._in_result = False  # inside a <tool_response> the model wrote: dropped
         self._call: ParsedCall | None = None  # the call being streamed, header read
         self._scanner: _ArgumentsScanner | None = None
         self._args_done = False
@@ -156,12 +171,14 @@ class ToolCallParser:
         """Events for what was held back once the output ended. A call whose tag never
         closed (the output cut inside it) is never text: one whose header was read stays
         in `calls`, incomplete (streamed already); one cut before that is dropped, with
-        the whitespace before it (as is a cut ``<tool_`` when the reply is `forced`)."""
+        the whitespace before it (as are an unclosed result, and a cut ``<tool_`` when
+        the reply is `forced`)."""
         if self._native is not None:
             self._buf += self._native.finish()
             while self._step():
                 pass
-        if self._in_call or (self.forced and OPEN.startswith(self._buf.strip())):
+        if self._in_call or self._in_result or (
+                self.forced and OPEN.startswith(self._buf.strip())):
             self._ws = ""
         else:
             self._text(self._buf)
@@ -176,16 +193,26 @@ class ToolCallParser:
 
     def _step(self) -> bool:
         """Move on as far as the buffer allows; True when more may follow at once."""
+        if self._in_result:
+            end = self._buf.find(RESPONSE_CLOSE)
+            if end < 0:
+                keep = _held_prefix(self._buf, RESPONSE_CLOSE)
+                self._buf = self._buf[len(self._buf) - keep:]
+                return False
+            self._buf = self._buf[end + len(RESPONSE_CLOSE):]
+            self._in_result = False
+            return True
         if not self._in_call:
-            at = self._buf.find(OPEN)
+            at, tag = _first_tag(self._buf)
             if at < 0:
-                keep = _held_prefix(self._buf, OPEN)
+                keep = max(_held_prefix(self._buf, t) for t in _TAGS)
                 self._text(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 return False
             self._text(self._buf[:at])
-            self._buf = self._buf[at + len(OPEN):]
-            self._in_call = True
+            self._buf = self._buf[at + len(tag):]
+            self._in_call = tag == OPEN
+            self._in_result = tag == RESPONSE_OPEN
             return True
         if self._call is None:
             return self._read_header()
@@ -250,8 +277,7 @@ class ToolCallParser:
             except ValueError:
                 args = None
         if name not in self.names or not isinstance(args, dict):
-            self._text(OPEN + body + CLOSE)
-            return
+            return  # markup, not a call: never text
         assert isinstance(name, str)
         arguments = json.dumps(args, ensure_ascii=False)
         call = ParsedCall(len(self.calls), self.new_id(), name, arguments, True,
@@ -280,6 +306,10 @@ def call_parser(use: ToolUse | None, new_id: Callable[[], str]) -> ToolCallParse
     return ToolCallParser(use.names, new_id, use.choice.mode == "required", use.syntax)
 
 
+def _no_calls() -> str:
+    raise AssertionError("a reply without active tools makes no call")
+
+
 def _json_string(raw: str) -> str | None:
     try:
         value = json.loads(f'"{raw}"')
@@ -288,12 +318,16 @@ def _json_string(raw: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def split_tool_calls(text: str, use: ToolUse, new_id: Callable[[], str]
+def split_tool_calls(text: str, use: ToolUse | None, new_id: Callable[[], str] = _no_calls
                      ) -> tuple[str, list[ParsedCall]]:
-    """A finished reply's text and its valid calls. A call that never closed (the reply
-    was cut inside it) is neither: its markup never reaches the text; one that closed
-    with arguments that are no JSON object stays in the text, as written."""
-    parser = ToolCallParser(use.names, new_id, use.choice.mode == "required", use.syntax)
+    """A finished reply's text and its valid calls (none without active tools: then the
+    text alone, its markup parsed out). A call that never closed (the reply was cut
+    inside it), or closed with arguments that are no JSON object, is neither: its markup
+    never reaches the text."""
+    active = use is not None and use.active
+    parser = ToolCallParser(use.names if use is not None and active else (), new_id,
+                            active and use is not None and use.choice.mode == "required",
+                            use.syntax if use is not None else None)
     pieces: list[str] = []
     calls: list[ParsedCall] = []
     for event in parser.feed(text) + parser.finish():
@@ -303,8 +337,6 @@ def split_tool_calls(text: str, use: ToolUse, new_id: Callable[[], str]
             call = parser.calls[event.index]
             if call.valid:
                 calls.append(call)
-            elif call.complete:
-                pieces.append(call.raw)
     for i, call in enumerate(calls):
         call.index = i
     return "".join(pieces), calls

@@ -7,6 +7,13 @@ call, the call is one of the tools' with arguments valid against its schema. The
 of calls is bounded (the request's `max_calls`, the deployment's cap): once the last one
 allowed is written, the grammar allows only the end of the turn, so a small model that
 opens call after call cannot run until the output cap.
+
+The free text around calls cannot hold tool markup (`TEXT_EXCLUDES`): after a tool result
+SmolLM2's likeliest reply is a ``<tool_response>`` of its own, the result echoed or made
+up. A stop string there ended the reply empty; the grammar makes the model answer instead,
+and markup that still comes (a reply under another grammar) is parsed out of the text,
+never sent (`tokenyard.text.tool_calls`). With tools offered but `tool_choice` "none" the
+reply is text without any markup (`markup_free`).
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ from dataclasses import replace
 from typing import Any
 
 from tokenyard.deployments import DEFAULT_MAX_TOOL_CALLS
-from tokenyard.text.tools import CALL_END, OPEN, RESPONSE_OPEN, ToolUse, call_begin
+from tokenyard.text.tools import CALL_END, OPEN, ToolUse, call_begin
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
-#: The most stop strings a request may have (`SamplingParams.validate`).
-MAX_STOP = 16
+#: What free text may not hold: the start of a tool result (``<tool_response>`` and the
+#: variants a small model makes of it: ``<tool_response_json>``), any closing tool tag, and
+#: the tool list's tag. A call's own ``</tool_call>`` is inside its tag, not free text.
+TEXT_EXCLUDES = ["<tool_r", "</tool", "<tools"]
 
 
 def call_limit(use: ToolUse, cap: int | None) -> int | None:
@@ -54,7 +63,8 @@ def structural_tag(use: ToolUse, limit: int | None = None) -> dict[str, Any]:
     shape: dict[str, Any] = (
         {"type": "tags_with_separator", "separator": "\n", "at_least_one": True}
         if use.choice.mode == "required"
-        else {"type": "triggered_tags", "triggers": [OPEN], "at_least_one": False}
+        else {"type": "triggered_tags", "triggers": [OPEN], "at_least_one": False,
+              "excludes": TEXT_EXCLUDES}
     )
     shape.update(tags=tags, stop_after_first=not use.choice.parallel or limit == 1)
     return {"type": "structural_tag", "format": shape}
@@ -70,11 +80,11 @@ def _bounded(use: ToolUse, tags: list[dict[str, Any]], limit: int) -> dict[str, 
         return {"type": "sequence", "elements": [
             call, {"type": "repeat", "min": 0, "max": limit - 1, "content": more}]}
     text_then_call = {"type": "sequence", "elements": [
-        {"type": "any_text", "excludes": [OPEN]}, call]}
+        {"type": "any_text", "excludes": [OPEN, *TEXT_EXCLUDES]}, call]}
     return {"type": "sequence", "elements": [
         {"type": "repeat", "min": 0, "max": limit - 1, "content": text_then_call},
         {"type": "triggered_tags", "triggers": [OPEN], "tags": tags, "at_least_one": False,
-         "stop_after_first": True},
+         "stop_after_first": True, "excludes": TEXT_EXCLUDES},
     ]}
 
 
@@ -84,22 +94,27 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema if "type" in schema else {"type": "object", **schema}
 
 
+def markup_free() -> dict[str, Any]:
+    """The structural tag of a reply in text alone: no call, no tool markup."""
+    return {"type": "structural_tag",
+            "format": {"type": "any_text", "excludes": [OPEN, *TEXT_EXCLUDES]}}
+
+
 def constrained(
     params: SamplingParams, use: ToolUse | None, max_calls: int | None = DEFAULT_MAX_TOOL_CALLS
 ) -> SamplingParams:
-    """`params` for a reply that may call `use`'s tools: ``<tool_response>`` stops it (the
-    model would be writing a result it has not got), and the grammar that forces valid
-    calls (`structural_tag`) is set unless another one (a response_format) already is and
-    the choice lets the model answer in text. A forced call (required, or a named tool)
-    takes the grammar even then, as OpenAI's tool_choice does: the reply is calls only,
-    which a text format does not govern (instructor sends both in its Responses mode).
-    `max_calls` is the deployment's cap on calls per response (`call_limit`). Unchanged
-    when the tools are not active."""
-    if use is None or not use.active:
+    """`params` for a reply that may call `use`'s tools: the grammar that forces valid
+    calls in markup-free text (`structural_tag`) is set unless another one (a
+    response_format) already is and the choice lets the model answer in text. A forced
+    call (required, or a named tool) takes the grammar even then, as OpenAI's tool_choice
+    does: the reply is calls only, which a text format does not govern (instructor sends
+    both in its Responses mode). `max_calls` is the deployment's cap on calls per
+    response (`call_limit`). Tools offered with `tool_choice` "none": text without
+    markup (`markup_free`), unless another grammar is set. Unchanged without tools."""
+    if use is None or not use.tools:
         return params
-    stop = params.stop if len(params.stop) >= MAX_STOP else [*params.stop, RESPONSE_OPEN]
     if params.guided is not None and use.choice.mode != "required":
-        return replace(params, stop=stop)
-    spec = json.dumps(structural_tag(use, call_limit(use, max_calls)), ensure_ascii=False)
-    return replace(params, stop=stop,
-                   guided=GuidedDecoding("structural_tag", spec, param="tools"))
+        return params
+    spec = markup_free() if not use.active else structural_tag(use, call_limit(use, max_calls))
+    return replace(params, guided=GuidedDecoding(
+        "structural_tag", json.dumps(spec, ensure_ascii=False), param="tools"))

@@ -15,7 +15,13 @@ them itself — the fallback every template can render:
   ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``, one tag per call;
 - an assistant turn that made calls is rendered back the same way, after its text;
 - tool results become a user turn the model can read, each as
-  ``<tool_response>{"name": ..., "content": ...}</tool_response>``, in order.
+  ``<tool_response>\n...\n</tool_response>``, in order: the form SmolLM2's tool-calling
+  template gives them (its Ollama template; Hermes and Qwen 2.5 write them the same way),
+  an error's text led by ``Error:``.
+
+Tool markup (`MARKUP`) is parsed out of every reply, never stopped on and never sent as
+text (`tokenyard.text.tool_calls`), and the grammar keeps the model from writing a
+result of its own (`tokenyard.text.tool_grammar`).
 
 An OpenAI-compatible upstream gets the tools as body fields (`openai_tools`), and its
 streamed calls come back written as the same tags (`CallsAsText`).
@@ -38,6 +44,8 @@ OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 RESPONSE_OPEN = "<tool_response>"
 RESPONSE_CLOSE = "</tool_response>"
+#: The tags of the tool format: none of them reaches a reply's text.
+MARKUP = (OPEN, CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE, "<tools>", "</tools>")
 
 Mode = Literal["none", "auto", "required"]
 
@@ -173,17 +181,11 @@ def assistant_text(text: str, calls: Sequence[PastCall]) -> str:
 
 
 def results_text(results: Sequence[ToolResult]) -> str:
-    """Tool results as the user turn that carries them back, in order."""
-    out = []
-    for r in results:
-        body: dict[str, Any] = {}
-        if r.name is not None:
-            body["name"] = r.name
-        body["content"] = r.content
-        if r.is_error:
-            body["is_error"] = True
-        out.append(f"{RESPONSE_OPEN}{json.dumps(body, ensure_ascii=False)}{RESPONSE_CLOSE}")
-    return "\n".join(out)
+    """Tool results as the user turn that carries them back, in order, each in its
+    ``<tool_response>`` tag on lines of its own (the calls' order names them)."""
+    return "\n".join(
+        f"{RESPONSE_OPEN}\n{'Error: ' if r.is_error else ''}{r.content}\n{RESPONSE_CLOSE}"
+        for r in results)
 
 
 #: A template that uses a `tools` variable renders tools itself.

@@ -80,9 +80,8 @@ def tool_messages(req: MessagesRequest | CountTokensRequest,
 
 def content_blocks(text: str, use: ToolUse | None) -> tuple[list[ResponseBlock], bool]:
     """A finished reply's content blocks, and whether it made a call: with active tools,
-    its calls as tool_use blocks after its text (a text block only when there is text)."""
-    if use is None or not use.active:
-        return [TextBlock(text=text)], False
+    its calls as tool_use blocks after its text (a text block only when there is text);
+    tool markup never stays in the text, with or without tools."""
     content, calls = split_tool_calls(text, use, new_tool_use_id)
     if not calls:
         return [TextBlock(text=content)], False

@@ -97,9 +97,8 @@ def _tool_call(name: str, call_id: str, arguments: str) -> ToolCall:
 def assistant_message(completion: Completion, use: ToolUse | None,
                       finish: FinishReason) -> tuple[AssistantMessage, FinishReason]:
     """A finished choice's message and finish reason: with active tools, its calls
-    split out of the text (finish "tool_calls" when it stopped having made one)."""
-    if use is None or not use.active:
-        return AssistantMessage(content=completion.text), finish
+    split out of the text (finish "tool_calls" when it stopped having made one); tool
+    markup never stays in the text, with or without tools."""
     content, calls = split_tool_calls(completion.text, use, new_call_id)
     if not calls:
         return AssistantMessage(content=content), finish

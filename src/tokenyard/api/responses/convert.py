@@ -266,9 +266,8 @@ def output_items(text: str, use: ToolUse | None,
     reply is calls only), then each call it made as a function_call item. `logprobs` (one
     per generated token) go with the text when the reply made no call (a call's tokens
     are not the message's)."""
-    calls: list[ParsedCall] = []
-    if use is not None and use.active:
-        text, calls = split_tool_calls(text, use, new_call_id)
+    calls: list[ParsedCall]
+    text, calls = split_tool_calls(text, use, new_call_id)  # markup never stays in text
     items: list[OutputItem] = []
     if text or not calls:
         part = OutputText(text=text, logprobs=[] if calls else logprobs or [])
