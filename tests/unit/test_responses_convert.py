@@ -91,11 +91,11 @@ def _round_trip_items() -> list[dict[str, Any]]:
 def test_calls_and_outputs_are_written_into_the_turns_for_a_plain_template() -> None:
     req = _request(input=_round_trip_items(), tools=[WEATHER])
     messages = item_messages(request_items(req), None, tool_use(req))
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    # The output continues the turn that made the call: the reply goes on after it.
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"]
     assert "get_weather" in messages[0]["content"]  # the tools' system prompt
-    assert messages[2]["content"] == call_text("get_weather", '{"city": "Paris"}')
-    result = messages[3]["content"]
-    assert result == f"{RESPONSE_OPEN}\nSunny\n</tool_response>"
+    assert messages[2]["content"] == (call_text("get_weather", '{"city": "Paris"}')
+                                      + f"\n{RESPONSE_OPEN}\nSunny\n</tool_response>\n")
 
 
 def test_a_native_template_gets_tool_calls_and_tool_messages() -> None:

@@ -27,7 +27,10 @@ from tokenyard.text.tools import (
     ToolResult,
     ToolUse,
     assistant_text,
+    assistant_turn,
     call_text,
+    continues_results,
+    result_turns,
     results_text,
     with_tools,
 )
@@ -203,6 +206,31 @@ def test_the_grammar_keeps_markup_out_of_free_text() -> None:
     assert not _is_grammar_accept_string(text_only, weather)
     assert not _is_grammar_accept_string(text_only, "<tool_response>x")
     assert set(TEXT_EXCLUDES) <= {*json.loads(json.dumps(specs[0]))["format"]["excludes"]}
+
+
+def test_results_that_end_the_conversation_continue_the_calling_turn() -> None:
+    """Results right after the turn that made the calls continue it, and the reply
+    goes on from there; results followed by the user's text, or after no call, stay a
+    user turn; a template that renders tools gets `tool` messages as before."""
+    use = ToolUse(TOOLS)
+    call = assistant_turn({"role": "assistant", "content": "Let me see."},
+                          [PastCall("get_weather", '{"city": "Paris"}')], native=False)
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    results = result_turns([ToolResult("Sunny, 21C"), ToolResult("oops", None, True)], False)
+    messages = with_tools([ask, call, *results], use)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"]
+    assert messages[-1]["content"] == (
+        'Let me see.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "</tool_call>\n<tool_response>\nSunny, 21C\n</tool_response>\n"
+        "<tool_response>\nError: oops\n</tool_response>\n")
+    assert continues_results(messages)
+    followed = with_tools([ask, call, *result_turns([ToolResult("x")], False, "and?")], use)
+    assert followed[-1]["role"] == "user" and not continues_results(followed)
+    assert with_tools([ask, *results], use)[-1] == results[0]  # no calling turn before
+    native = [ask, assistant_turn({"role": "assistant", "content": ""},
+                                  [PastCall("search", "{}")], native=True),
+              *result_turns([ToolResult("x")], True)]
+    assert with_tools(native, use, native=True) == native
 
 
 def test_arguments_given_as_a_json_string_are_read() -> None:

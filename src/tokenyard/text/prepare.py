@@ -19,7 +19,7 @@ from tokenyard.text.content import TemplateMessage
 from tokenyard.text.prompts import Conversation, render_conversation
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.text.tool_grammar import constrained
-from tokenyard.text.tools import ToolUse
+from tokenyard.text.tools import ToolUse, continues_results
 from tokenyard.wire.sampling_params import SamplingParams
 
 
@@ -131,10 +131,12 @@ class Preparer:
         self, messages: Sequence[TemplateMessage], timeline: Timeline, *, prefill: bool,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation: templated (with the prefill rule when `prefill`;
+        """Token ids of a conversation: templated (with the prefill rule when `prefill`,
+        or when tool results continue the last assistant turn, `continues_results`;
         `tools` for a template that renders them), then tokenized; `timeline` gets the
         "templated" and "tokenized" marks."""
-        text = (self.template_with_prefill(messages, tools) if prefill
+        text = (self.template_with_prefill(messages, tools)
+                if prefill or continues_results(messages)
                 else self.template(messages, True, tools))
         timeline.mark("templated")
         ids = self.encode_rendered(text)

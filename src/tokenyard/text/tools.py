@@ -249,12 +249,37 @@ def _object_or_text(arguments: str) -> Any:
         return arguments
 
 
+def _results_only(message: TemplateMessage) -> bool:
+    """Whether `message` is a user turn of tool results alone (`result_turns`)."""
+    text = message["content"]
+    return (message["role"] == "user" and "parts" not in message
+            and text.startswith(RESPONSE_OPEN) and text.endswith(RESPONSE_CLOSE))
+
+
+def continues_results(messages: Sequence[TemplateMessage]) -> bool:
+    """Whether the conversation ends in an assistant turn that its tool results continue
+    (`with_tools`): the reply goes on from there, the turn left open."""
+    return (bool(messages) and messages[-1]["role"] == "assistant"
+            and messages[-1]["content"].endswith(RESPONSE_CLOSE + "\n"))
+
+
 def with_tools(messages: Sequence[TemplateMessage], use: ToolUse | None, native: bool = False
                ) -> list[TemplateMessage]:
     """The conversation with the tools' system prompt merged into its system message
     (or a new one first) when the tools are active and the template does not render
-    them; unchanged otherwise."""
+    them.
+
+    With a template that renders no tools, results that end the conversation right after
+    the assistant turn that made the calls continue that turn: its calls, then the
+    results, each tag on a line, and the reply goes on from there (`continues_results`).
+    That is where SmolLM2 itself writes a ``<tool_response>`` after its call; given the
+    results as a user turn of their own it echoes them (or calls again) instead of
+    answering (0 answers in 40 at its default sampling, 32 in 40 continuing the turn)."""
     out = list(messages)
+    if (not native and len(out) >= 2 and _results_only(out[-1])
+            and out[-2]["role"] == "assistant" and OPEN in out[-2]["content"]):
+        call, results = out[-2], out.pop()
+        out[-1] = {**call, "content": f"{call['content']}\n{results['content']}\n"}
     if use is None or not use.active or native:
         return out
     prompt = system_prompt(use)
