@@ -50,9 +50,9 @@ pytestmark = pytest.mark.slow
 TRIES = 20
 #: Room for a short answer; a cut one still counts as text (openai-agents' Chat
 #: Completions model and pydantic-ai take a length finish as an answer).
-MAX_TOKENS = 40
+MAX_TOKENS = 48
 #: A model that calls again after the result gets another round, up to this many turns.
-MAX_TURNS = 4
+MAX_TURNS = 6
 
 
 def _recording(sent: list[dict[str, Any]]) -> Callable[[Any], Awaitable[None]]:

@@ -201,11 +201,14 @@ def test_the_grammar_keeps_markup_out_of_free_text() -> None:
         for bad in ("<tool_response>\nSunny\n</tool_response>", "<tool_response_json>{}",
                     "It is sunny.</tool_response>", "<tools>x</tools>"):
             assert not _is_grammar_accept_string(grammar, bad), (spec, bad)
+    one_call = xgrammar.Grammar.from_structural_tag(json.dumps(specs[0]))
+    for empty in ("", "\n", "\n\n"):  # a reply that answers nothing
+        assert not _is_grammar_accept_string(one_call, empty)
     text_only = xgrammar.Grammar.from_structural_tag(json.dumps(markup_free()))
     assert _is_grammar_accept_string(text_only, "It is sunny, 21C.")
     assert not _is_grammar_accept_string(text_only, weather)
     assert not _is_grammar_accept_string(text_only, "<tool_response>x")
-    assert set(TEXT_EXCLUDES) <= {*json.loads(json.dumps(specs[0]))["format"]["excludes"]}
+    assert set(TEXT_EXCLUDES) <= {*specs[2]["format"]["elements"][0]["excludes"]}
 
 
 def test_results_that_end_the_conversation_continue_the_calling_turn() -> None:
@@ -280,6 +283,8 @@ def test_structural_tag_forces_the_offered_tools() -> None:
     assert [t["begin"] for t in fmt["tags"]] == ['<tool_call>{"name": "search", "arguments": ']
     assert fmt["tags"][0]["content"]["json_schema"] == {"type": "object"}
     auto = structural_tag(ToolUse(TOOLS))["format"]
+    assert auto["type"] == "or"  # a call first, or text (never an empty reply)
+    auto = auto["elements"][1]["elements"][1]
     assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"]
     assert not auto["at_least_one"] and not auto["stop_after_first"]
     assert len(auto["tags"]) == 2
