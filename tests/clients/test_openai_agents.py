@@ -93,10 +93,9 @@ def _tool_run(t: Target, chat_completions: bool, what: str) -> None:
     assert outputs and WEATHER_RESULT in str(outputs[0].output), (
         f"{what}: the tool's output is not in the run: {result.new_items!r}")
     # The second step runs with tool_choice back at auto and the tools still in the
-    # prompt; SmolLM2 often answers by starting a <tool_response> of its own, which ends
-    # the reply empty. The protocol is what is checked: the second request carried the
+    # prompt. The protocol is what is checked here: the second request carried the
     # tool's output, tied to the call's id, and its prompt grew by them; its reply, with
-    # no further call, ended the run.
+    # no further call, ended the run (the final answer's text: test_agent_loops.py).
     second_body = json.dumps(sent[1]) if len(sent) == 2 else ""
     assert WEATHER_RESULT in second_body and raw.call_id in second_body, (
         f"{what}: the second request did not carry the tool's output: {sent!r}")
