@@ -120,11 +120,13 @@ def test_streamed_output_in_pieces_of_any_size_gives_the_same(
     assert [(name, json.loads(args)) for name, args in got_calls] == calls
 
 
-def test_a_call_of_an_unknown_tool_stays_text() -> None:
+def test_a_call_of_an_unknown_tool_is_no_call_and_no_text() -> None:
+    """Issue 41: tool markup never reaches the content; a call of no given tool is
+    dropped (it was text before)."""
     output = '[TOOL_CALLS][{"name": "delete_all", "arguments": {}}]'
     text, calls = split_tool_calls(output, ToolUse(TOOLS, syntax="mistral"), _ids())
     assert calls == []
-    assert "delete_all" in text
+    assert "delete_all" not in text
 
 
 def test_unknown_parser_names_are_refused_and_every_known_one_builds() -> None:
