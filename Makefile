@@ -73,7 +73,8 @@ chaos: venv
 	mkdir -p $(dir $(CHAOS_RESULTS)) && rm -f $(CHAOS_RESULTS)
 	TOKENYARD_CHAOS=full TOKENYARD_CHAOS_RESULTS=$(abspath $(CHAOS_RESULTS)) \
 		timeout -s INT -k 30 $(CHAOS_TIMEOUT_S) \
-		$(PY) -m pytest -q -p no:cacheprovider tests/chaos tests/e2e/test_output_caps.py
+		$(PY) -m pytest -q -p no:cacheprovider tests/chaos tests/e2e/test_output_caps.py \
+		tests/clients/test_agent_loops.py
 	$(PY) -m tests.chaos.report $(CHAOS_RESULTS) > docs/reliability.md
 
 serve: venv

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import typing
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -47,7 +48,13 @@ from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-TRIES = 20
+#: `make chaos` (TOKENYARD_CHAOS=full) runs the issue's 20 tries per API, every one of
+#: which must end in text; `make test` runs a short 6 (a few minutes less on 2 cores), of
+#: which one may still be calling the tool when its turns run out (a 135M model sampling
+#: at temperature 1). An HTTP error or tool markup fails either.
+FULL = os.environ.get("TOKENYARD_CHAOS", "").strip().lower() == "full"
+TRIES = 20 if FULL else 6
+MAY_MISS = 0 if FULL else 1
 #: Room for a short answer; a cut one still counts as text (openai-agents' Chat
 #: Completions model and pydantic-ai take a length finish as an answer).
 MAX_TOKENS = 48
@@ -88,7 +95,8 @@ def _all(run: Callable[[int], Awaitable[tuple[str, list[str]]]], what: str) -> N
     failed = [r for r in results if isinstance(r, BaseException)]
     answers = [r for r in results if not isinstance(r, BaseException)]
     empty = [a for a, _ in answers if not a.strip()]
-    assert not failed and not empty, (
+    http = [r for r in failed if isinstance(r, openai.APIError | anthropic.APIError)]
+    assert not http and len(failed) + len(empty) <= MAY_MISS, (
         f"{what}: {TRIES - len(failed) - len(empty)} of {TRIES} runs ended in text; "
         f"errors {failed[:3]!r}, empty answers {len(empty)}")
     _no_markup([text for _, texts in answers for text in texts], what)
