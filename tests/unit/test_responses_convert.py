@@ -128,7 +128,6 @@ def test_tool_choice_and_parallel_calls_become_the_tool_use() -> None:
     ({"tools": [{"type": "web_search_preview"}]}, "tools.0.type"),
     ({"tools": [WEATHER, {"type": "code_interpreter", "container": {}}]}, "tools.1.type"),
     ({"background": True}, "background"),
-    ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"top_k": 5}, "top_k"),  # frequency_penalty is honoured since issue 27

@@ -303,6 +303,21 @@ stored_responses = Table(
     Column("expires_at", UTCDateTime, nullable=False, index=True),
 )
 
+conversations = Table(
+    "conversations",
+    metadata,
+    # One row per conversation of the Conversations API: whose it is, its metadata, and
+    # its items in order (a response made with `conversation` appends its input and
+    # output items); rows of another org are never seen.
+    Column("id", String(RESPONSE_ID), primary_key=True),
+    Column("org_id", String(ID), nullable=False, index=True),
+    Column("project_id", String(ID), nullable=True),
+    Column("key_id", String(ID), nullable=True),
+    Column("metadata", JSON, nullable=False),
+    Column("items", JSON, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
 request_records = Table(
     "request_records",
     metadata,

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokenyard.api.context import read_request
 from tokenyard.api.respond import Plan, answer
-from tokenyard.api.responses import stored
+from tokenyard.api.responses import conversations, stored
 from tokenyard.api.responses.convert import (
     first_user_text,
     fitted_conversation,
@@ -29,6 +29,7 @@ from tokenyard.api.responses.convert import (
 )
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
+from tokenyard.errors import invalid_request
 from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, prepared, text_size
 from tokenyard.telemetry.timeline import Timeline
 
@@ -40,9 +41,23 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = await read_request(request, ResponsesRequest)
     earlier = []
     if req.previous_response_id is not None:
+        if req.conversation is not None:
+            raise invalid_request("'conversation' and 'previous_response_id' cannot be "
+                                  "used together.", param="conversation")
         earlier = await stored.expand_previous(request, req.previous_response_id)
-    return await answer(request, response_plan(
-        req, earlier, lambda response, items: stored.remember(request, response, items)))
+    conversation_id = None
+    if req.conversation is not None:
+        conversation_id = conversations.conversation_id(req.conversation)
+        earlier = await conversations.items_of(request, conversation_id)
+
+    async def keep(response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        if conversation_id is not None:
+            await conversations.append(request, conversation_id,
+                                       [*items, *(response.get("output") or [])])
+        if req.store is not False:
+            await stored.remember(request, response, items)
+
+    return await answer(request, response_plan(req, earlier, keep))
 
 
 #: Stores a finished response with its turn's input items (`stored.remember`).
@@ -89,10 +104,11 @@ def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
     return Plan(req.model, build, fmt, bool(req.stream), dict(
         text_size=text_size(plain), param="input", bounded=not truncate,
         first_user_text=first_user_text(conversation)),
-        finish=remember if req.store is not False else None)
+        finish=remember if req.store is not False or req.conversation is not None else None)
 
 
 def add_responses_routes(app: web.Application) -> None:
     """The Responses dialect's POST route on `app` (the stored responses' GET, DELETE
     and input_items routes are `stored.py`'s)."""
     app.router.add_post("/v1/responses", create_response)
+    conversations.add_conversation_routes(app)

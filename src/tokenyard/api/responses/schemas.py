@@ -4,7 +4,7 @@ Validated as strictly as the chat dialect's (`api/schemas.RequestModel`): an unk
 top-level field is a 400 naming it. What this server cannot do is refused with a 400 that
 names the field rather than silently dropped: hosted tools (web search, file search, code
 interpreter, computer use, image generation, MCP, ...), reasoning effort (the model does
-not reason), background mode, conversations, prompt templates, context compaction and
+not reason), background mode, prompt templates, context compaction and
 moderation per request. Item types other than messages, function calls and their outputs
 are refused the same way.
 
@@ -286,8 +286,6 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Acceptable, str]] = {
     "background": (_none_or_false, "Background responses are not supported by this server."),
     "background_options": (is_none, "'background_options' is not supported: background "
                            "responses are not supported by this server."),
-    "conversation": (is_none, "Conversations are not supported by this server; "
-                     "chain responses with 'previous_response_id'."),
     "prompt": (is_none, "Prompt templates are not supported by this server."),
     "reasoning": (_no_effort, "Reasoning effort is not supported: the model does not "
                   "reason (send no 'reasoning', or effort 'none')."),

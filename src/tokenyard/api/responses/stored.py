@@ -109,11 +109,7 @@ async def input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}/input_items: one page of the response's own input items."""
     response_id = request.match_info["response_id"]
     query = request.query
-    limit = page_limit(query, DEFAULT_LIMIT, MAX_LIMIT)
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise invalid_request(f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.",
-                              param="order", code="invalid_value")
+    limit, order = paging(query)
     responses = _responses(request)
     found = None if responses is None else await responses.get(request[KEY], response_id)
     if found is None:
@@ -125,6 +121,21 @@ async def input_items(request: web.Request) -> web.Response:
         raise invalid_request(
             f"Invalid '{unknown.param}': response '{response_id}' has no input item "
             f"'{unknown.item_id}'.", param=unknown.param, code="invalid_value") from None
+    return listing(data, has_more)
+
+
+def paging(query: Any) -> tuple[int, str]:
+    """A listing's `limit` (1..100, 20) and `order` ('asc' or 'desc', the default)."""
+    limit = page_limit(query, DEFAULT_LIMIT, MAX_LIMIT)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_request(f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.",
+                              param="order", code="invalid_value")
+    return limit, order
+
+
+def listing(data: list[dict[str, Any]], has_more: bool) -> web.Response:
+    """An OpenAI list object of items."""
     return json_response({
         "object": "list", "data": data,
         "first_id": data[0].get("id") if data else None,
