@@ -22,6 +22,9 @@ from tests.conftest import require_service
 from tests.unit.test_batch_store import (  # noqa: F401
     test_claims_leases_results_and_ending_once,
 )
+from tests.unit.test_conversations_store import (  # noqa: F401
+    test_racing_appends_all_land_and_other_orgs_see_nothing,
+)
 from tests.unit.test_idempotency_owner import (  # noqa: F401
     test_0008_makes_the_records_per_key_and_route_and_back,
     test_a_record_is_its_api_key_s_and_its_route_s,

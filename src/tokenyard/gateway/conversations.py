@@ -106,4 +106,4 @@ class Conversations:
         with _store_failures():
             changed = await change_conversation(self.store.db, conversation_id,
                                                 org_id=scope, change=drop)
-        return changed, bool(found and found[0])
+        return changed, bool(found and found[-1])

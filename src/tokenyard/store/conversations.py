@@ -1,11 +1,13 @@
 """Conversations in the store: one row per conversation, its items a JSON list kept in
 order. Every read and write takes `org_id` (None: any org, for admin keys): a row of
-another org is treated exactly like a missing one. Items are changed under the row's
-own transaction (`SELECT ... FOR UPDATE` where the database has it), so two responses
-appending to one conversation both land."""
+another org is treated exactly like a missing one. A change writes only over the
+revision it read and is otherwise redone on the new row, so two responses appending to
+one conversation both land, on SQLite as on PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -28,6 +30,7 @@ class Conversation:
     metadata: dict[str, str]
     items: list[dict[str, Any]]
     created_at: datetime
+    revision: int = 0
 
 
 def _mine(conversation_id: str, org_id: str | None) -> ColumnElement[bool]:
@@ -55,23 +58,38 @@ async def get_conversation(db: Database, conversation_id: str, *,
     return None if row is None else _record(row)
 
 
+#: How many times a change is redone after losing a race before it gives up.
+MAX_TRIES = 50
+
+
+class ChangeConflict(RuntimeError):
+    """A conversation changed under every one of `MAX_TRIES` tries of a change."""
+
+
 async def change_conversation(
     db: Database, conversation_id: str, *, org_id: str | None,
     change: Callable[[Conversation], Conversation],
 ) -> Conversation | None:
-    """Apply `change` to the conversation's metadata and items in one transaction (the
-    row locked where the database can); the new row, or None if `org_id` cannot see it."""
-    query = select(conversations).where(_mine(conversation_id, org_id))
-    if db.engine.dialect.name == "postgresql":
-        query = query.with_for_update()
-    async with db.engine.begin() as conn:
-        row = (await conn.execute(query)).mappings().first()
+    """Apply `change` to the conversation's metadata and items, redone on the new row
+    when another change landed in between; the new row, or None if `org_id` cannot see
+    it."""
+    t = conversations
+    for _ in range(MAX_TRIES):
+        async with db.engine.connect() as conn:
+            row = (await conn.execute(select(t).where(_mine(conversation_id, org_id))
+                                      )).mappings().first()
         if row is None:
             return None
-        new = change(_record(row))
-        await conn.execute(update(conversations).where(conversations.c.id == conversation_id)
-                           .values(metadata=new.metadata, items=new.items))
-    return new
+        old = _record(row)
+        new = dataclasses.replace(change(old), revision=old.revision + 1)
+        async with db.engine.begin() as conn:
+            written = await conn.execute(
+                update(t).where(t.c.id == conversation_id, t.c.revision == old.revision)
+                .values(metadata=new.metadata, items=new.items, revision=new.revision))
+        if written.rowcount == 1:
+            return new
+        await asyncio.sleep(0)
+    raise ChangeConflict(f"conversation {conversation_id} kept changing")
 
 
 async def delete_conversation(db: Database, conversation_id: str, *,

@@ -315,6 +315,8 @@ conversations = Table(
     Column("key_id", String(ID), nullable=True),
     Column("metadata", JSON, nullable=False),
     Column("items", JSON, nullable=False),
+    # Bumped by every change: a change writes only over the revision it read.
+    Column("revision", Integer, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
 )
 

@@ -1,7 +1,8 @@
 """Conversations (issue 41): the Conversations API's conversations and their items.
 
 One row per conversation: its id, the org (and project, key) it belongs to, its
-metadata, its items in order (JSON), and when it was created.
+metadata, its items in order (JSON), its revision (bumped by each change, which
+writes only over the revision it read), and when it was created.
 
 Revision ID: 0013
 Revises: 0012
@@ -31,6 +32,7 @@ def upgrade() -> None:
         sa.Column("key_id", sa.String(32), nullable=True),
         sa.Column("metadata", sa.JSON, nullable=False),
         sa.Column("items", sa.JSON, nullable=False),
+        sa.Column("revision", sa.Integer, nullable=False),
         sa.Column("created_at", TIMESTAMP, nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_conversations"),
     )
