@@ -244,8 +244,9 @@ def _six_at_once(srv: Server, secret: str, max_tokens: int
 
 @pytest.mark.parametrize("fits", [0, 3])
 def test_concurrent_requests_cannot_overdraw_a_prepaid_balance(srv: Server, fits: int) -> None:
-    """`fits` 0: the balance ($0.0001) is below one request's maximum cost, which then
-    runs alone; 3: it covers three requests' maximum cost, and three run together."""
+    """`fits` 0: the balance ($0.0001) is below one request's maximum cost, so every
+    request is refused (issue 40: it used to run one and end at -$0.00156); 3: it covers
+    three requests' maximum cost, and three run together."""
     max_tokens = 24
     status, _, body = _post(srv, srv.api_key or "", {
         "model": srv.model, "max_tokens": 1,
@@ -259,7 +260,7 @@ def test_concurrent_requests_cannot_overdraw_a_prepaid_balance(srv: Server, fits
     answers = _six_at_once(srv, secret, max_tokens)
     ok = [b for status, b in answers if status == 200]
     refused = [(status, b) for status, b in answers if status != 200]
-    assert len(ok) == max(fits, 1), answers
+    assert len(ok) == fits, answers
     for status, b in refused:
         assert status == 429 and b["error"]["code"] == "insufficient_quota", (status, b)
         assert "balance" in b["error"]["message"]
@@ -271,7 +272,4 @@ def test_concurrent_requests_cannot_overdraw_a_prepaid_balance(srv: Server, fits
             "cached_tokens"]), cached, b["usage"]["completion_tokens"]) for b in ok)
     final = _poll(lambda: _with_store(_state(srv), lambda store: store.balance(org_id)),
                   lambda b: b == balance - spent, 10.0, "the balance debited")
-    assert final >= -max_cost, f"overdrawn by {-final} micros, more than one request's " \
-                               f"maximum cost ({max_cost})"
-    if fits:
-        assert final >= 0
+    assert final >= 0, f"overdrawn by {-final} micros"

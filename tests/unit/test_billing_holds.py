@@ -89,25 +89,21 @@ def test_the_first_requests_of_an_org_all_wait_for_its_balance(tmp_path: Path) -
     assert all(isinstance(r, APIError) and "used up" in r.message for r in results), results
 
 
-def test_a_balance_below_one_maximum_cost_serves_one_request_at_a_time(
+def test_a_balance_below_one_maximum_cost_is_refused_not_overdrawn(
     tmp_path: Path,
 ) -> None:
-    async def body(billing: Billing, key: KeyContext) -> list[str]:
-        seen = []
+    """Issue 40: a $0.0001 balance ended at -$0.00156 after one request; a request whose
+    maximum cost exceeds what is left is refused, with or without holds in flight."""
+    async def body(billing: Billing, key: KeyContext) -> list[APIError]:
         holds, refused = await _reserve_all(billing, key, 3)
-        seen.append(f"{len(holds)} held, {len(refused)} refused")
-        # It used all it could: 250 of a balance of 100.
-        cost = _meter(billing, key, "r1", Usage(100, 0, 75))
-        billing.release(holds[0])
-        seen.append(f"cost {cost}")
-        try:
-            await billing.reserve(key, PRICES, MAX)
-        except APIError as err:
-            seen.append("used up" if "used up" in err.message else err.message)
-        return seen
+        assert holds == []
+        return refused
 
-    # The overdraft (150) is below one request's maximum cost (300).
-    assert _run(tmp_path, 100, body) == ["1 held, 2 refused", "cost 250", "used up"]
+    refused = _run(tmp_path, 100, body)
+    assert len(refused) == 3
+    for err in refused:
+        assert err.status == 429 and err.code == "insufficient_quota"
+        assert "prepaid balance" in err.message and "0.000300" in err.message
 
 
 def test_metering_and_release_settle_a_hold_to_the_real_cost(tmp_path: Path) -> None:

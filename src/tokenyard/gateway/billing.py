@@ -12,9 +12,8 @@ Against a prepaid balance, admission (`reserve`) also holds the request's maximu
 (every prompt token at the input price, every token its completions may generate at the
 output price) until it is metered (`release`), so requests in flight see each other: a
 request is refused when the balance left, less what is held, does not cover its maximum
-cost — unless nothing is held, so that a balance smaller than one request's maximum cost
-still serves one request at a time. The org's overdraft is then bounded by one request's
-maximum cost. Holds live in this process, like the local spend: see
+cost, even when nothing is held: one process never overdraws a balance (issue 40).
+Holds live in this process, like the local spend: see
 docs/architecture.md for what several gateway processes bound together.
 """
 
@@ -159,8 +158,8 @@ class Billing:
     async def reserve(self, key: KeyContext, prices: Prices, max_usage: Usage) -> Hold:
         """`precheck`, and hold the cost of `max_usage` (the most the request may use, at
         its model's `prices`) against the org's prepaid balance until `release`: refused
-        when the balance left less what is held does not cover it, unless nothing is
-        held. Release the hold once the request is metered (or never ran)."""
+        when the balance left less what is held does not cover it (so a balance is never
+        overdrawn). Release the hold once the request is metered (or never ran)."""
         view = await self._view(key.org_id)
         micros = self.cost(prices, max_usage)
         budget = None
@@ -202,7 +201,7 @@ class Billing:
             if left <= 0:
                 raise _quota(f"Your organization's prepaid balance is used up "
                              f"({format_money(left)} left). Add credit to continue.")
-            if view.held and left - view.held < cost:
+            if left - view.held < cost:
                 raise _quota(
                     f"Your organization's prepaid balance ({format_money(left)} left, "
                     f"{format_money(view.held)} of it held by requests in flight) does not "
