@@ -397,8 +397,10 @@ def test_billing_refuses_an_empty_balance_then_meters_every_request_exactly(gw: 
     assert err.status_code == 429 and err.code == "insufficient_quota"
     assert err.response.headers["x-should-retry"] == "false"
     assert "balance" in err.message
-    with pytest.raises(anthropic.RateLimitError) as refused_a:
+    # Anthropic's dialect: its billing error (402), not a rate limit.
+    with pytest.raises(anthropic.PaymentRequiredError) as refused_a:
         gw.anthropic_client(secret).messages.create(model=gw.model, messages=HELLO, max_tokens=1)
+    assert refused_a.value.body["error"]["type"] == "billing_error"  # type: ignore[index]
     assert refused_a.value.response.headers["x-should-retry"] == "false"
 
     credit = 10_000_000
