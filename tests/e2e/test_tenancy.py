@@ -16,7 +16,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.e2e.conftest import Server, running_server
+from tests.e2e.conftest import Server, replica_get, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -120,18 +120,27 @@ def test_a_high_priority_key_s_request_overtakes_low_priority_ones_in_the_queue(
             await r.read()
         return time.monotonic()
 
+    async def waiting(count: int) -> None:
+        """Until the replica's queue holds `count` requests (not a fixed sleep: on a
+        loaded machine a request may take longer than one to reach the queue)."""
+        deadline = time.monotonic() + 60
+        while (await asyncio.to_thread(replica_get, server, "/v1/engine/stats")
+               )["num_waiting"] < count:
+            assert time.monotonic() < deadline, f"fewer than {count} requests queued"
+            await asyncio.sleep(0.05)
+
     async def main() -> tuple[float, float]:
         async with aiohttp.ClientSession() as session:
             # A long low-priority request takes the one running slot ...
-            async with session.post(url, json={**body(120), "stream": True},
+            async with session.post(url, json={**body(200), "stream": True},
                                     headers={"Authorization": f"Bearer {low}"}) as running:
                 assert running.status == 200
                 await running.content.readline()  # it runs: its first event arrived
                 # ... then a low-priority request queues, and a high-priority one after it.
                 queued_low = asyncio.create_task(post(session, low, 8))
-                await asyncio.sleep(0.5)
+                await waiting(1)
                 queued_high = asyncio.create_task(post(session, high, 8))
-                await asyncio.sleep(0.5)
+                await waiting(2)
                 await running.read()
             return await queued_low, await queued_high
 
