@@ -101,8 +101,7 @@ class Pool:
             self.policy.watch(self.members)
 
     async def stop_health(self) -> None:
-        """Stop polling health: at shutdown, replicas that drain answer 503 by design,
-        which is no failure to log."""
+        """Stop polling health (at shutdown draining replicas answer 503: no failure)."""
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(BaseException):
