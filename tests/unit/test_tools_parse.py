@@ -13,6 +13,7 @@ from tokenyard.deployments import DEFAULT_MAX_TOOL_CALLS
 from tokenyard.text.tool_calls import (
     CallArguments,
     CallStart,
+    MarkupFilter,
     TextPiece,
     ToolCallParser,
     ToolEvent,
@@ -183,6 +184,20 @@ def test_markup_never_stays_in_text_without_tools() -> None:
         text, calls = split_tool_calls(reply, use)
         assert (text, calls) == ("Hi  there !", [])  # the text's own spaces stay
         assert not any(tag in text for tag in MARKUP)
+
+
+REPLY_WITH_MARKUP = (f"Hi {call_text('get_weather', '{}')} there <tool_response>x"
+                     "</tool_response></tool_call>! a < b")
+
+
+@pytest.mark.parametrize("cut", range(1, len(REPLY_WITH_MARKUP)))
+def test_a_stream_without_tools_has_its_markup_parsed_out_at_every_split(cut: int) -> None:
+    """Streamed without active tools (no tools, or `tool_choice: none`), the text that
+    goes out is the finished reply's clean text, however the deltas split the markup."""
+    for use in (None, ToolUse(AUTO.tools, ToolChoice("none"))):
+        plain = MarkupFilter(use)
+        text = plain.feed(REPLY_WITH_MARKUP[:cut]) + plain.feed(REPLY_WITH_MARKUP[cut:], True)
+        assert text == split_tool_calls(REPLY_WITH_MARKUP, use)[0] == "Hi  there ! a < b"
 
 
 def test_the_grammar_keeps_markup_out_of_free_text() -> None:

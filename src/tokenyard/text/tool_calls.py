@@ -110,11 +110,10 @@ class _ArgumentsScanner:
 
 
 def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could be the start of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+    """Length of the longest end of `text` that could be the start of `tag`. Every tag
+    holds one ``<``, its first character, so only the end from the last ``<`` can be."""
+    at = text.rfind("<", max(0, len(text) - len(tag) + 1))
+    return len(text) - at if at >= 0 and tag.startswith(text[at:]) else 0
 
 
 #: Tags met in the text: a call opens; a result the model writes is skipped to its end;
@@ -203,6 +202,10 @@ class ToolCallParser:
             self._in_result = False
             return True
         if not self._in_call:
+            if "<" not in self._buf:  # plain text, the common piece: no tag, none begun
+                self._text(self._buf)
+                self._buf = ""
+                return False
             at, tag = _first_tag(self._buf)
             if at < 0:
                 keep = max(_held_prefix(self._buf, t) for t in _TAGS)
@@ -299,11 +302,34 @@ class ToolCallParser:
             self._after_call = False
 
 
+def reply_parser(use: ToolUse | None, new_id: Callable[[], str]) -> ToolCallParser:
+    """A parser of one reply: its calls when tools are active; without, it makes no call
+    and only keeps the markup the model writes out of the text."""
+    active = use is not None and use.active
+    return ToolCallParser(use.names if use is not None and active else (), new_id,
+                          active and use is not None and use.choice.mode == "required",
+                          use.syntax if use is not None else None)
+
+
 def call_parser(use: ToolUse | None, new_id: Callable[[], str]) -> ToolCallParser | None:
-    """A streaming parser of one reply's calls, or None when tools are not active."""
-    if use is None or not use.active:
-        return None
-    return ToolCallParser(use.names, new_id, use.choice.mode == "required", use.syntax)
+    """A streaming parser of one reply's calls, or None when tools are not active (then
+    a `MarkupFilter` keeps the text clean)."""
+    return reply_parser(use, new_id) if use is not None and use.active else None
+
+
+class MarkupFilter:
+    """The streamed text of a reply made without active tools, the tool markup the model
+    writes (calls, results, stray tags) parsed out: it never reaches the content."""
+
+    def __init__(self, use: ToolUse | None = None) -> None:
+        self._parser = reply_parser(use, _no_calls)
+
+    def feed(self, text: str, final: bool = False) -> str:
+        """The clean text of the next piece (`final`: the reply ends with it)."""
+        events = self._parser.feed(text)
+        if final:
+            events += self._parser.finish()
+        return "".join(e.text for e in events if isinstance(e, TextPiece))
 
 
 def _no_calls() -> str:
@@ -324,10 +350,7 @@ def split_tool_calls(text: str, use: ToolUse | None, new_id: Callable[[], str] =
     text alone, its markup parsed out). A call that never closed (the reply was cut
     inside it), or closed with arguments that are no JSON object, is neither: its markup
     never reaches the text."""
-    active = use is not None and use.active
-    parser = ToolCallParser(use.names if use is not None and active else (), new_id,
-                            active and use is not None and use.choice.mode == "required",
-                            use.syntax if use is not None else None)
+    parser = reply_parser(use, new_id)
     pieces: list[str] = []
     calls: list[ParsedCall] = []
     for event in parser.feed(text) + parser.finish():

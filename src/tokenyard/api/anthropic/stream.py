@@ -43,7 +43,14 @@ from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.errors import APIError
 from tokenyard.gateway.pipeline import Generated
 from tokenyard.text.reasoning import ReasoningStream
-from tokenyard.text.tool_calls import CallArguments, CallStart, TextPiece, ToolCallParser, ToolEvent
+from tokenyard.text.tool_calls import (
+    CallArguments,
+    CallStart,
+    MarkupFilter,
+    TextPiece,
+    ToolCallParser,
+    ToolEvent,
+)
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, RequestOutput
 from tokenyard.wire.protocol import Pin, cache_writes
@@ -77,9 +84,12 @@ class AnthropicStream:
     _index: int = 0  # the open (or last) block's index
     _blocks: int = 0  # blocks opened so far
     _parser: ToolCallParser | None = None
+    _plain: MarkupFilter | None = None  # without tools: the text, markup parsed out
 
     def __post_init__(self) -> None:
         self._parser = tool_parser(self.tools)
+        if self._parser is None:
+            self._plain = MarkupFilter(self.tools)
         if self.reasoning is not None:
             self._thinking = ReasoningStream(self.token_bytes or (lambda _: b""),
                                              *self.reasoning)
@@ -211,7 +221,8 @@ class AnthropicStream:
             if delta.finish_reason is not None:
                 pieces += self._parser.finish()
             events.extend(self._tool_events(pieces))
-        elif text:
+        elif self._plain is not None and (text := self._plain.feed(
+                text, delta.finish_reason is not None)):
             events.extend(self._text_events(text))
         if delta.finish_reason is not None:
             events.extend(self.finish_events(

@@ -42,7 +42,7 @@ from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
 from tokenyard.errors import APIError
 from tokenyard.gateway.pipeline import Generated
 from tokenyard.text.reasoning import ReasoningDelta, ReasoningStream
-from tokenyard.text.tool_calls import ToolCallParser
+from tokenyard.text.tool_calls import MarkupFilter, ToolCallParser
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, PromptLogprobs, RequestOutput
 
@@ -71,6 +71,7 @@ class ChatStream:
     reasoning: tuple[str, bool] | None = None
     _started: set[int] = field(default_factory=set)
     _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
+    _plain: dict[int, MarkupFilter] = field(default_factory=dict)  # choices without tools
     _thinking: dict[int, ReasoningStream] = field(default_factory=dict)
 
     def _chunk(self, choice: ChunkChoice) -> ChatCompletionChunk:
@@ -110,6 +111,11 @@ class ChatStream:
                 events += parser.finish()
             text, tool_deltas = delta_parts(events)
             calls = tool_deltas or None
+        else:
+            plain = self._plain.get(delta.index)
+            if plain is None:
+                plain = self._plain[delta.index] = MarkupFilter(self.tools)
+            text = plain.feed(text, delta.finish_reason is not None)
         if text or logprobs is not None or calls or thought:
             out.append(self._chunk(ChunkChoice(
                 index=delta.index,

@@ -42,7 +42,7 @@ from tokenyard.api.responses.objects import (
 from tokenyard.api.sse import sse_event
 from tokenyard.errors import APIError
 from tokenyard.gateway.pipeline import Generated
-from tokenyard.text.tool_calls import CallArguments, CallStart, TextPiece, ToolEvent
+from tokenyard.text.tool_calls import CallArguments, CallStart, MarkupFilter, TextPiece, ToolEvent
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, Logprob, RequestOutput
 
@@ -66,6 +66,7 @@ class ResponsesFormat:
         #: them, the text's pieces are not its tokens).
         self.token_bytes = token_bytes
         self._parser = tool_parser(tools)
+        self._plain = MarkupFilter(tools)  # without active tools: markup parsed out
         self._logprobs: list[TokenLogprob] = []  # of tokens whose text has not gone out
         self._sequence = 0
         self._open: OutputItem | None = None
@@ -118,7 +119,8 @@ class ResponsesFormat:
         self._logprobs.extend(self._token_logprobs(delta.logprobs))
         pieces: list[ToolEvent]
         if self._parser is None:
-            pieces = [TextPiece(delta.text)] if delta.text else []
+            text = self._plain.feed(delta.text, delta.finish_reason is not None)
+            pieces = [TextPiece(text)] if text else []
         else:
             pieces = self._parser.feed(delta.text)
             if delta.finish_reason is not None:
