@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenyard.engine.attention_backend import AttentionBackend
 from tokenyard.engine.kernels.blocks import BlockWeight
+from tokenyard.engine.lora.bank import LoraWeights
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.rope import apply_rope, rope_tables
 
@@ -75,19 +76,26 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.in_features, self.out_features = in_features, out_features
         self.packed: object | None = None
         self.blocks: BlockWeight | None = None
         self.parts = 1  # row slices for split_linear; set by LlamaForCausalLM.set_threads
+        #: Resident LoRA adapters of this projection (engine/lora/bank.py), if any.
+        self.lora: LoraWeights | None = None
 
     def apply_(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
         if self.blocks is not None:
             y = self.blocks.matmul(x)
-        elif self.packed is not None:
-            return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        elif self.packed is not None:  # the packed weight carries the bias
+            y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
         else:
             y = split_linear(x, self.weight, self.parts)
-        return y if self.bias is None else y.add_(self.bias)
+        if self.bias is not None and self.packed is None:
+            y = y.add_(self.bias)
+        if self.lora is not None and self.lora.rows.slots is not None:
+            y = y.add_(self.lora.delta(x))
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.apply_(x)
