@@ -10,7 +10,6 @@ slice of that projection's output it writes, and B already carries the scale
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+
+from tokenyard.engine.models.hf_loader import read_json_object
 
 #: A Hugging Face projection -> (the fused Linear of a decoder layer, its output slice).
 FUSED: dict[str, tuple[str, int]] = {
@@ -61,13 +62,7 @@ class LoraAdapter:
 
 
 def _config(folder: Path) -> dict[str, Any]:
-    path = folder / "adapter_config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"cannot read {path}: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{path} does not hold a JSON object")
+    config = read_json_object(folder / "adapter_config.json", AdapterError)
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise AdapterError(f"{folder}: peft_type {kind!r}; only LORA adapters are served")

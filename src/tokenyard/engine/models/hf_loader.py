@@ -21,13 +21,14 @@ class HFModelError(ValueError):
     """The folder is not a loadable Hugging Face checkpoint."""
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, error: type[ValueError] = HFModelError) -> dict[str, Any]:
+    """The JSON object in `path`; `error` when it cannot be read or holds something else."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise HFModelError(f"cannot read {path}: {exc}") from exc
+        raise error(f"cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
-        raise HFModelError(f"{path} does not hold a JSON object")
+        raise error(f"{path} does not hold a JSON object")
     return data
 
 
@@ -91,7 +92,7 @@ def _sliding_window(folder: Path, cfg: dict[str, Any]) -> int | None:
 def read_hf_config(folder: str | Path) -> ModelConfig:
     """Build a ModelConfig from `folder/config.json` (+ generation_config.json eos ids)."""
     folder = Path(folder)
-    cfg = _read_json(folder / "config.json")
+    cfg = read_json_object(folder / "config.json")
     model_type = cfg.get("model_type")
     family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
@@ -107,7 +108,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     eos_ids = _as_id_list(cfg.get("eos_token_id"))
     gen_path = folder / "generation_config.json"
     if gen_path.is_file():
-        for tid in _as_id_list(_read_json(gen_path).get("eos_token_id")):
+        for tid in _as_id_list(read_json_object(gen_path).get("eos_token_id")):
             if tid not in eos_ids:
                 eos_ids.append(tid)
 
@@ -151,7 +152,7 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = read_json_object(index).get("weight_map", {})
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:

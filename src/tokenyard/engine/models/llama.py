@@ -14,7 +14,7 @@ piece into its slice (Phi-3's checkpoints hold the fused tensors already).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +22,11 @@ from torch import nn
 
 from tokenyard.engine.attention_backend import AttentionBackend
 from tokenyard.engine.kernels.blocks import BlockWeight
-from tokenyard.engine.lora.bank import LoraWeights
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.rope import apply_rope, rope_tables
+
+if TYPE_CHECKING:  # the bank reads models' folders: no import at run time
+    from tokenyard.engine.lora.bank import LoraWeights
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
