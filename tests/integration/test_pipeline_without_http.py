@@ -17,7 +17,7 @@ from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import APIError
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import Call, Pipeline, Prepared, prepared
+from tokenyard.gateway.pipeline import Call, Pipeline, Prepared, preparer
 from tokenyard.gateway.routing import Router
 from tokenyard.gateway.served import Fleet, Served, build_served, replica_client
 from tokenyard.store.records import Scopes
@@ -28,7 +28,7 @@ MODEL = "mock-2026-11-26"
 
 
 def _build(served: Served, timeline: Timeline) -> Prepared:
-    prepare, _ = prepared(served)
+    prepare, _ = preparer(served)
     messages = [{"role": "user", "content": "Say hi."}]
     prompt = prepare.conversation(messages, timeline, prefill=False)
     params = prepare.fit(len(prompt), SamplingParams(max_tokens=4, temperature=0.0), "messages")

@@ -54,7 +54,7 @@ class LocalReplica:
 
 
 @dataclass(eq=False)
-class Fleet:
+class FleetBuilder:
     """What serve runs: the spec, its local children and how to start more."""
 
     spec: FleetSpec
@@ -232,7 +232,7 @@ class Fleet:
                     child.proc.kill()
 
 
-async def reload(fleet: Fleet, state: AppState) -> str:
+async def reload(fleet: FleetBuilder, state: AppState) -> str:
     """Re-read the fleet file and swap the new deployments in without dropping requests:
     unchanged deployments keep their pools; new or changed ones (running URLs and
     upstreams) get new pools; removed ones stop being routed to and drain. A deployment's

@@ -31,7 +31,7 @@ from tokenyard.api.convert import now
 from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.replica_client import ReplicaError
-from tokenyard.cli.fleet import Fleet, Starter, reload
+from tokenyard.cli.fleet import FleetBuilder, Starter, reload
 from tokenyard.cli.gc_tuning import tune_gc
 from tokenyard.cli.processes import start_child
 from tokenyard.cli.ray_admin import ray_scaler
@@ -196,7 +196,7 @@ async def run(
             policy=policy,
             queue_timeout_s=queue_timeout_s, max_output_tokens=max_output_tokens,
             tool_call_parser=parsers[0], reasoning_parser=parsers[1])
-    fleet = Fleet(spec, make_starter(engine_args, config), config,
+    fleet = FleetBuilder(spec, make_starter(engine_args, config), config,
                   cache_dir or default_cache_dir(),
                   affinity=make_affinity(config.redis_url))
     if auth:
@@ -284,7 +284,7 @@ async def run(
         await fleet.stop(0.0)
 
 
-def _name_default(fleet: Fleet, deployments: dict[str, Served]) -> dict[str, Served]:
+def _name_default(fleet: FleetBuilder, deployments: dict[str, Served]) -> dict[str, Served]:
     """Without a fleet file the engine deployment is named after the model its replica
     reports (as before deployments existed)."""
     served = deployments.pop("")
@@ -296,7 +296,7 @@ def _name_default(fleet: Fleet, deployments: dict[str, Served]) -> dict[str, Ser
     return out
 
 
-async def _reload(fleet: Fleet, state: AppState) -> None:
+async def _reload(fleet: FleetBuilder, state: AppState) -> None:
     """SIGHUP: reload the fleet file (`reload` logs the outcome)."""
     try:
         await reload(fleet, state)

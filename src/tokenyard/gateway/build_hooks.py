@@ -16,7 +16,7 @@ from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.text.tools import ToolUse, renders_tools
 
-__all__ = ["ToolPlacement", "first_user_text", "placed", "prepared", "text_size"]
+__all__ = ["ToolPlacement", "first_user_text", "placed", "preparer", "text_size"]
 
 
 class ToolPlacement(NamedTuple):
@@ -46,12 +46,13 @@ def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
     return ToolPlacement(tools, None, native)
 
 
-def prepared(served: Served) -> tuple[Preparer, Tokenizer]:
-    """The deployment's prepare stage and tokenizer (400 for a kind that has none)."""
-    if served.prepare is None or served.tokenizer is None:
+def preparer(served: Served) -> tuple[Preparer, Tokenizer]:
+    """The deployment's prepare stage (its `Preparer`) and tokenizer (400 for a kind that
+    has none)."""
+    if served.preparer is None or served.tokenizer is None:
         raise invalid_request(f"The model `{served.name}` does not generate text.",
                               param="model", code="model_not_supported")
-    return served.prepare, served.tokenizer
+    return served.preparer, served.tokenizer
 
 
 def first_user_text(messages: Sequence[Any]) -> str | None:

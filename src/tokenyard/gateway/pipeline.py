@@ -35,13 +35,13 @@ from tokenyard.gateway.build_hooks import (
     ToolPlacement,
     first_user_text,
     placed,
-    prepared,
+    preparer,
     text_size,
 )
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.moderate import check_input, policy_for, tap
-from tokenyard.gateway.moderation import Moderator, Policy
+from tokenyard.gateway.moderation import ModerationPolicy, Moderator
 from tokenyard.gateway.routing import Route, conversation_key, require
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.gateway.shadow_copies import Shadows
@@ -262,7 +262,7 @@ class Pipeline:
             gateway.finish(ticket, None, "completed")
         return len(ready.prompts[0])
 
-    async def _expensive(self, call: Call, served: Served, ready: Prepared) -> Policy:
+    async def _expensive(self, call: Call, served: Served, ready: Prepared) -> ModerationPolicy:
         """What an admitted request may cost: its images loaded, its input moderated;
         returns its moderation policy, which its output goes through too."""
         if ready.messages is not None and image_parts(ready.messages):
@@ -290,7 +290,7 @@ class Run:
     place it is settled."""
 
     def __init__(self, pipeline: Pipeline, call: Call, served: Served, ready: Prepared,
-                 ticket: Ticket | None, policy: Policy) -> None:
+                 ticket: Ticket | None, policy: ModerationPolicy) -> None:
         self.pipeline, self.call, self.served, self.ready = pipeline, call, served, ready
         self.ticket = ticket
         gateway, key = pipeline.fleet.gateway, call.key
@@ -415,4 +415,4 @@ def _generation(
 
 
 __all__ = ["Build", "Call", "Generated", "LoadsImages", "Pipeline", "Prepared", "Run",
-           "Served", "ToolPlacement", "first_user_text", "placed", "prepared", "text_size"]
+           "Served", "ToolPlacement", "first_user_text", "placed", "preparer", "text_size"]

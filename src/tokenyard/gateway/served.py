@@ -53,11 +53,11 @@ class Served:
     #: What a request that leaves a sampling parameter out gets (`sampling_defaults.py`):
     #: the fleet file's `defaults` over the model's recommendation.
     sampling: SamplingDefaults = NONE
-    prepare: Preparer | None = field(default=None, init=False)
+    preparer: Preparer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None:
-            self.prepare = Preparer(self.tokenizer, self.window, self.spec.max_output_tokens,
+            self.preparer = Preparer(self.tokenizer, self.window, self.spec.max_output_tokens,
                                     self.spec.max_tool_calls)
 
     @property
