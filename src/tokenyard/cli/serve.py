@@ -197,8 +197,8 @@ async def run(
             queue_timeout_s=queue_timeout_s, max_output_tokens=max_output_tokens,
             tool_call_parser=parsers[0], reasoning_parser=parsers[1])
     fleet = FleetBuilder(spec, make_starter(engine_args, config), config,
-                  cache_dir or default_cache_dir(),
-                  affinity=make_affinity(config.redis_url))
+                         cache_dir or default_cache_dir(),
+                         affinity=make_affinity(config.redis_url))
     if auth:
         gateway, api_key, key_file = await open_gateway(config)
     runner: web.AppRunner | None = None

@@ -72,7 +72,7 @@ async def run_worker(spec: WorkerSpec) -> int:
                 config.database, limiter, config.journal_dir / f"worker-{spec.index}",
                 config=config)
         fleet = FleetBuilder(spec.fleet_spec(), _no_local_replicas, config,
-                      Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
+                             Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
         deployments = await fleet.build()
         state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
