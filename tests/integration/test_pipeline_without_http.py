@@ -15,9 +15,10 @@ from tests.e2e.test_gateway import _db_url, _ledger_rows, _mock_replica
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import APIError
+from tokenyard.gateway.call import Call, Prepared
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import Call, Pipeline, Prepared, preparer
+from tokenyard.gateway.pipeline import Pipeline, preparer
 from tokenyard.gateway.routing import Router
 from tokenyard.gateway.served import Fleet, Served, build_served, replica_client
 from tokenyard.store.records import Scopes

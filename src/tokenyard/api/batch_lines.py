@@ -40,7 +40,8 @@ from tokenyard.api.responses.stored import expand_with
 from tokenyard.errors import APIError, authentication_failed, internal_error, invalid_request
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.batches import Claimed, line_request_id
-from tokenyard.gateway.pipeline import Call, Pipeline
+from tokenyard.gateway.call import Call
+from tokenyard.gateway.pipeline import Pipeline
 from tokenyard.telemetry.timeline import Timeline
 
 logger = logging.getLogger("tokenyard.api.batches")

@@ -42,8 +42,9 @@ from tokenyard.api.edge import EDGE
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, internal_error
+from tokenyard.gateway.call import Build, Call, Generated
 from tokenyard.gateway.gate import Ticket
-from tokenyard.gateway.pipeline import Build, Call, Generated, Run
+from tokenyard.gateway.pipeline import Run
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import Completion, RequestOutput
 

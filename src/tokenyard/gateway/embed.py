@@ -13,8 +13,9 @@ from tokenyard.balancer.generation import replica_error
 from tokenyard.balancer.replica_client import ReplicaError
 from tokenyard.errors import INVALID_VALUE, invalid_request
 from tokenyard.gateway.billing import Usage
+from tokenyard.gateway.call import Call
 from tokenyard.gateway.gate import ABORTED, COMPLETED, FAILED
-from tokenyard.gateway.pipeline import OFF_LOOP_BYTES, Call, Pipeline
+from tokenyard.gateway.pipeline import OFF_LOOP_BYTES, Pipeline
 from tokenyard.gateway.served import Served
 from tokenyard.wire.embeddings import EmbedResult
 

@@ -24,12 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 from tokenyard.balancer.generation import Generation, finished_completions, merged
 from tokenyard.errors import invalid_request
-from tokenyard.gateway.auth import KeyContext, authorize
+from tokenyard.gateway.auth import authorize
 from tokenyard.gateway.billing import Cost
 from tokenyard.gateway.build_hooks import (
     ToolPlacement,
@@ -38,19 +37,17 @@ from tokenyard.gateway.build_hooks import (
     preparer,
     text_size,
 )
+from tokenyard.gateway.call import Call, Generated, Prepared
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.moderate import check_input, policy_for, tap
 from tokenyard.gateway.moderation import ModerationPolicy, Moderator
-from tokenyard.gateway.routing import Route, conversation_key, require
+from tokenyard.gateway.routing import conversation_key, require
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.gateway.shadow_copies import Shadows
 from tokenyard.telemetry.metrics import TokenyardMetrics
-from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, image_parts, require_vision
-from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, RequestOutput
-from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.gateway")
@@ -62,94 +59,11 @@ _T = TypeVar("_T")
 OFF_LOOP_BYTES = 16 * 1024
 
 
-class Generated(Protocol):
-    """What a dialect's renderer reads of one generation (the balancer's `Generation`)."""
-
-    @property
-    def params(self) -> SamplingParams: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def num_cached_tokens(self) -> int: ...
-
-    @property
-    def last(self) -> RequestOutput | None: ...
-
-    @property
-    def cache_writes(self) -> tuple[int, int]: ...
-
-    @property
-    def finish_reasons(self) -> list[str | None]: ...
-
-
 class LoadsImages(Protocol):
     """The image stage (fetch, decode, re-encode), given to the pipeline by its builder."""
 
     def __call__(self, messages: Sequence[TemplateMessage], *, model: str,
                  vision: bool) -> Awaitable[list[TemplateMessage]]: ...
-
-
-@dataclass
-class Prepared:
-    """What a dialect's `build` makes of its request for the chosen deployment."""
-
-    #: One prompt's token ids per sequence group, and each one's fitted parameters.
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    #: The chat messages (an upstream's body, moderation's input, the images to load).
-    messages: list[TemplateMessage] | None = None
-    #: The prompt texts (a completions request to an upstream), None where token ids.
-    texts: list[str | None] | None = None
-    #: Prompt prefixes the replica keeps cached (Anthropic's cache_control).
-    pins: Sequence[Pin] = ()
-    #: Tools an upstream gets in its body (an engine sees them in its prompt).
-    passed_on: ToolUse | None = None
-    #: The request's tools as its reply is parsed for calls (wherever they went).
-    tools: ToolUse | None = None
-    #: Whatever else the dialect's build hands its renderer (completions' echo texts).
-    note: Any = None
-
-
-#: A dialect's prompt work for one deployment: tool messages, template, tokenize, fit. It
-#: may run on a worker thread (a large input), so it touches nothing but its arguments.
-Build = Callable[[Served, Timeline], Prepared]
-
-
-@dataclass(eq=False)
-class Call:
-    """One request, converted from its dialect, on its way through the pipeline."""
-
-    endpoint: str
-    request_id: str
-    timeline: Timeline
-    #: The model name the client asked for (a deployment or an alias).
-    model: str
-    build: Build
-    #: The authenticated key (None: served without a gateway).
-    key: KeyContext | None = None
-    capability: str = "chat"
-    #: The longest single input's text, in characters (at most its UTF-8 bytes): bounded
-    #: against the window before anything is tokenized. `param` names it in a refusal;
-    #: `bounded=False` for a request that truncates its input to fit (the Responses
-    #: API's "auto").
-    text_size: int = 0
-    param: str = "messages"
-    bounded: bool = True
-    #: The first user message's text: what a conversation's canary draw sticks to.
-    first_user_text: str | None = None
-    #: The body as received, for an org that captures bodies.
-    raw: bytes | None = None
-    #: The batch this call is a line of (None: a live request): it runs at the batch
-    #: priority, priced at the batch price, its ledger row tagged with the batch.
-    batch: str | None = None
-    # Filled in as the request goes, for the caller's summary and headers, whether or
-    # not it got through:
-    route: Route | None = None
-    served: Served | None = None
-    ticket: Ticket | None = None
-    gens: list[Generation] = field(default_factory=list)
 
 
 class Pipeline:
@@ -414,5 +328,5 @@ def _generation(
     )
 
 
-__all__ = ["Build", "Call", "Generated", "LoadsImages", "Pipeline", "Prepared", "Run",
-           "Served", "ToolPlacement", "first_user_text", "placed", "preparer", "text_size"]
+__all__ = ["LoadsImages", "Pipeline", "Run", "Served", "ToolPlacement", "first_user_text",
+           "placed", "preparer", "text_size"]

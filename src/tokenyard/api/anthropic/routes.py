@@ -22,8 +22,8 @@ from tokenyard.api.anthropic.stream import MessagesFormat
 from tokenyard.api.anthropic.tools import tool_messages, tool_use
 from tokenyard.api.context import read_request
 from tokenyard.api.respond import Plan, answer, count, json_response, new_call
+from tokenyard.gateway.call import Prepared
 from tokenyard.gateway.pipeline import (
-    Prepared,
     Run,
     Served,
     ToolPlacement,

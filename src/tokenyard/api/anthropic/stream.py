@@ -41,7 +41,7 @@ from tokenyard.api.anthropic.tool_schemas import ToolUseBlock
 from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.errors import APIError
-from tokenyard.gateway.pipeline import Generated
+from tokenyard.gateway.call import Generated
 from tokenyard.text.reasoning import ReasoningStream
 from tokenyard.text.tool_calls import CallArguments, CallStart, TextPiece, ToolCallParser, ToolEvent
 from tokenyard.text.tools import ToolUse

@@ -21,8 +21,9 @@ from tokenyard.api.errors import schema_error
 from tokenyard.api.respond import json_response, new_call, note
 from tokenyard.api.schemas import RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE
+from tokenyard.gateway.call import Call, Prepared
 from tokenyard.gateway.embed import embed
-from tokenyard.gateway.pipeline import Call, Pipeline, Prepared, Served
+from tokenyard.gateway.pipeline import Pipeline, Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.embeddings import EmbedResult, unpack_floats
 

@@ -18,7 +18,8 @@ from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionReques
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.openai.tools import tool_messages, tool_use
 from tokenyard.api.respond import Plan, answer
-from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, preparer
+from tokenyard.gateway.call import Prepared
+from tokenyard.gateway.pipeline import Run, Served, placed, preparer
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.tools import template_tools
 

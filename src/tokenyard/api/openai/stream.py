@@ -40,7 +40,7 @@ from tokenyard.api.openai.tools import delta_parts
 from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
 from tokenyard.errors import APIError
-from tokenyard.gateway.pipeline import Generated
+from tokenyard.gateway.call import Generated
 from tokenyard.text.reasoning import ReasoningDelta, ReasoningStream
 from tokenyard.text.tool_calls import ToolCallParser
 from tokenyard.text.tools import ToolUse

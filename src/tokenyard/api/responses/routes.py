@@ -30,7 +30,8 @@ from tokenyard.api.responses.convert import (
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
 from tokenyard.errors import invalid_request
-from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, preparer, text_size
+from tokenyard.gateway.call import Prepared
+from tokenyard.gateway.pipeline import Run, Served, placed, preparer, text_size
 from tokenyard.telemetry.timeline import Timeline
 
 logger = logging.getLogger("tokenyard.api")

@@ -41,7 +41,7 @@ from tokenyard.api.responses.objects import (
 )
 from tokenyard.api.sse import sse_event
 from tokenyard.errors import APIError
-from tokenyard.gateway.pipeline import Generated
+from tokenyard.gateway.call import Generated
 from tokenyard.text.tool_calls import CallArguments, CallStart, TextPiece, ToolEvent
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, Logprob, RequestOutput
