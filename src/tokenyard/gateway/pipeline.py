@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
-from tokenyard.balancer.generation import Generation, finished_completions, merged
+from tokenyard.balancer.generation import Generation
 from tokenyard.errors import invalid_request
 from tokenyard.gateway.auth import authorize
 from tokenyard.gateway.billing import Cost
@@ -37,7 +37,7 @@ from tokenyard.gateway.build_hooks import (
     preparer,
     text_size,
 )
-from tokenyard.gateway.call import Call, Generated, Prepared
+from tokenyard.gateway.call import Call, Generating, Prepared, outcome
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.moderate import check_input, policy_for, tap
@@ -193,10 +193,10 @@ class Pipeline:
                           request_id=call.request_id, timeline=call.timeline)
         return policy
 
-    def _settle(self, ticket: Ticket | None, gens: Sequence[Generation]) -> None:
+    def _settle(self, ticket: Ticket | None, gens: Sequence[Generating]) -> None:
         gateway = self.fleet.gateway
         if gateway is not None and ticket is not None:
-            gateway.settle(ticket, gens)
+            gateway.finish(ticket, *outcome(gens))
 
 
 class Run:
@@ -235,13 +235,9 @@ class Run:
             messages=ready.messages, texts=ready.texts,
             cache_salt=ticket.cache_salt if ticket is not None else None)
         # Output moderation: held back and checked.
-        self.gens: list[Generation] = tap(pipeline.moderator, policy, gens, base,
+        self.gens: list[Generating] = tap(pipeline.moderator, policy, gens, base,
                                           call.timeline)
         self._settled = False
-
-    @property
-    def generated(self) -> Sequence[Generated]:
-        return cast(Sequence[Generated], self.gens)
 
     @property
     def cost(self) -> Cost | None:
@@ -287,13 +283,54 @@ class Run:
             self.capture.send(None)
 
 
-async def _single(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _single(gen: Generating) -> AsyncIterator[tuple[int, RequestOutput]]:
     async for out in gen:
         yield 0, out
 
 
+async def finished_completions(gen: Generating) -> list[Completion]:
+    """Run a generation to its end, accumulating each choice."""
+    completions = [Completion(index=i) for i in range(gen.params.n)]
+    try:
+        async for out in gen:
+            for delta in out.deltas:
+                completions[delta.index].add(delta)
+    finally:
+        await gen.close()
+    return completions
+
+
+async def merged(gens: Sequence[Generating]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several generations as they arrive, tagged with their position."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generating) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as exc:  # delivered to the consumer, which raises it
+            await queue.put(exc)
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _each(
-    gens: Sequence[Generation], fn: Callable[[Generation], Awaitable[_T]]
+    gens: Sequence[Generating], fn: Callable[[Generating], Awaitable[_T]]
 ) -> list[_T]:
     """`fn(gen)` for every generation, concurrently (no task for a lone one)."""
     if len(gens) == 1:
@@ -304,7 +341,7 @@ async def _each(
 def _generation(
     served: Served, request_id: str, prompt: list[int], params: SamplingParams, call: Call,
     ready: Prepared, text: str | None, table: Any, metrics: TokenyardMetrics,
-) -> Generation:
+) -> Generating:
     """A generation on the deployment's pool for an admitted request, salted and
     prioritised as its ticket says (without a gateway: one tenant, no salt, normal
     priority)."""
@@ -314,12 +351,12 @@ def _generation(
     if served.kind == "upstream":
         from tokenyard.balancer.upstream_generation import UpstreamGeneration
 
-        return cast(Generation, UpstreamGeneration(
+        return UpstreamGeneration(
             served.pool, request_id, messages=ready.messages, prompt=text, params=params,
             model=served.spec.model or served.name, timeline=call.timeline,
             metrics=metrics, prompt_tokens_estimate=len(prompt), tokens=table,
             tools=ready.passed_on, cache_salt=salt,
-        ))
+        )
     assert served.tokenizer is not None
     return Generation(
         served.pool, served.tokenizer, request_id, prompt, params,
