@@ -17,10 +17,11 @@ from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import APIError
 from tokenyard.gateway.call import Call, Prepared
 from tokenyard.gateway.gate import Gateway
+from tokenyard.gateway.kinds import build_served, replica_client
 from tokenyard.gateway.limits import InProcessLimiter
 from tokenyard.gateway.pipeline import Pipeline, preparer
 from tokenyard.gateway.routing import Router
-from tokenyard.gateway.served import Fleet, Served, build_served, replica_client
+from tokenyard.gateway.served import Fleet, Served
 from tokenyard.store.records import Scopes
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.sampling_params import SamplingParams

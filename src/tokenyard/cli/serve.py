@@ -39,6 +39,7 @@ from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
 from tokenyard.gateway.gate import Gateway
+from tokenyard.gateway.kinds import kind_of
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.routing import Router
 from tokenyard.gateway.served import Served
@@ -85,12 +86,9 @@ def make_starter(engine_args: Sequence[str], config: ServeConfig) -> Starter:
     serve command's engine flags, the deployment's own and its model; `tokenyard embed`."""
     async def start(spec: DeploymentSpec, token: str, port: int) -> tuple[
             asyncio.subprocess.Process, str, asyncio.Task[None]]:
-        if spec.kind == "embeddings":
-            return await start_child(["embed", *spec.engine_args], config, token, port=port,
-                                     what="embeddings replica")
-        model = ["--model", spec.model] if spec.model and "--model" not in engine_args else []
-        return await start_child(["engine", *engine_args, *spec.engine_args, *model], config,
-                                 token, port=port)
+        kind = kind_of(spec)
+        return await start_child(kind.replica_command(spec, engine_args), config, token,
+                                 port=port, what=f"{kind.name} replica")
     return start
 
 
@@ -218,8 +216,6 @@ async def run(
         state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
-        state.embeddings = {n: s.pool for n, s in deployments.items()
-                            if s.kind == "embeddings"}
         state.scaler = ray_scaler(fleet.spec, config)
         if config.workers > 1:  # they serve; this process supervises (cli/workers.py)
             workers = WorkerPool(config.workers, host, port, fleet=fleet, state=state,

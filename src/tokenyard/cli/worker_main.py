@@ -79,8 +79,6 @@ async def run_worker(spec: WorkerSpec) -> int:
         state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
-        state.embeddings = {n: s.pool for n, s in deployments.items()
-                            if s.kind == "embeddings"}
         state.scaler = ray_scaler(fleet.spec, config)
         app = make_app(state)
         pid = str(os.getpid())

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from tokenyard.errors import invalid_request
+from tokenyard.gateway.kinds import kind_of
 from tokenyard.gateway.routing import require
 from tokenyard.gateway.served import Served
 from tokenyard.text.content import TemplateMessage
@@ -33,7 +34,8 @@ def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
     """Where `tools` go on deployment `served`: an upstream gets active tools passed on,
     an engine in its prompt; 400 naming `tools` for a deployment that does not declare
     them."""
-    native = (served.kind != "upstream" and served.tokenizer is not None
+    passes_on = kind_of(served.spec).passes_tools_on
+    native = (not passes_on and served.tokenizer is not None
               and renders_tools(served.tokenizer.chat_template))
     if tools is None or not tools.active:
         return ToolPlacement(tools, None, native)
@@ -41,7 +43,7 @@ def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
         # The model writes calls its own way (the fallback prompt teaches <tool_call>).
         tools = replace(tools, syntax=served.tool_syntax)
     require(served.spec, "tools", "tools")
-    if served.kind == "upstream":
+    if passes_on:
         return ToolPlacement(None, tools, native)
     return ToolPlacement(tools, None, native)
 

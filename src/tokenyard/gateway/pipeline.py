@@ -26,7 +26,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from tokenyard.balancer.generation import Generation
 from tokenyard.errors import invalid_request
 from tokenyard.gateway.auth import authorize
 from tokenyard.gateway.billing import Cost
@@ -40,15 +39,14 @@ from tokenyard.gateway.build_hooks import (
 from tokenyard.gateway.call import Call, Generating, Prepared, outcome
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.gate import Ticket
+from tokenyard.gateway.kinds import Opening, kind_of
 from tokenyard.gateway.moderate import check_input, policy_for, tap
 from tokenyard.gateway.moderation import ModerationPolicy, Moderator
 from tokenyard.gateway.routing import conversation_key, require
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.gateway.shadow_copies import Shadows
-from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.text.content import TemplateMessage, image_parts, require_vision
 from tokenyard.wire.outputs import Completion, RequestOutput
-from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.gateway")
 
@@ -211,29 +209,26 @@ class Run:
         self.capture = (BodyCapture(gateway.requests, call.request_id, key, call.raw or b"")
                         if gateway is not None and key is not None
                         and gateway.requests.capturing(key) else None)
-        self.token_bytes: Callable[[int], bytes]
-        table = None
-        if served.kind == "upstream":
-            from tokenyard.balancer.upstream_generation import TokenTable
-
-            self.token_bytes = table = TokenTable()
-        else:
-            assert served.tokenizer is not None
-            self.token_bytes = served.tokenizer.id_to_token_bytes
+        ticket_salt = ticket.cache_salt if ticket is not None else None
         base = call.request_id
         many = len(ready.prompts) > 1
-        gens = call.gens = [
-            _generation(served, f"{base}-{i}" if many else base, p, fp, call, ready,
-                        ready.texts[i] if ready.texts else None, table,
-                        pipeline.fleet.metrics)
-            for i, (p, fp) in enumerate(zip(ready.prompts, ready.params, strict=True))
-        ]
+        opened = kind_of(served.spec).open(served, [
+            Opening(f"{base}-{i}" if many else base, prompt, params, messages=ready.messages,
+                    text=ready.texts[i] if ready.texts else None, pins=ready.pins,
+                    tools=ready.passed_on, cache_salt=ticket_salt,
+                    priority=ticket.priority if ticket is not None else 0,
+                    timeline=call.timeline, metrics=pipeline.fleet.metrics)
+            for i, (prompt, params) in enumerate(zip(ready.prompts, ready.params,
+                                                     strict=True))])
+        #: Spells the ids of the outputs' logprobs (what the dialect's format is given).
+        self.token_bytes = opened.token_bytes
+        gens = call.gens = opened.gens
         # Shadow traffic: the copy starts now, in the background (untouched without one).
         assert call.route is not None
         gens = pipeline.shadows.tap(
             call.route, served, gens, base, ready.prompts, ready.params,
             messages=ready.messages, texts=ready.texts,
-            cache_salt=ticket.cache_salt if ticket is not None else None)
+            cache_salt=ticket_salt)
         # Output moderation: held back and checked.
         self.gens: list[Generating] = tap(pipeline.moderator, policy, gens, base,
                                           call.timeline)
@@ -336,33 +331,6 @@ async def _each(
     if len(gens) == 1:
         return [await fn(gens[0])]
     return list(await asyncio.gather(*(fn(gen) for gen in gens)))
-
-
-def _generation(
-    served: Served, request_id: str, prompt: list[int], params: SamplingParams, call: Call,
-    ready: Prepared, text: str | None, table: Any, metrics: TokenyardMetrics,
-) -> Generating:
-    """A generation on the deployment's pool for an admitted request, salted and
-    prioritised as its ticket says (without a gateway: one tenant, no salt, normal
-    priority)."""
-    ticket = call.ticket
-    salt = ticket.cache_salt if ticket is not None else None
-    priority = ticket.priority if ticket is not None else 0
-    if served.kind == "upstream":
-        from tokenyard.balancer.upstream_generation import UpstreamGeneration
-
-        return UpstreamGeneration(
-            served.pool, request_id, messages=ready.messages, prompt=text, params=params,
-            model=served.spec.model or served.name, timeline=call.timeline,
-            metrics=metrics, prompt_tokens_estimate=len(prompt), tokens=table,
-            tools=ready.passed_on, cache_salt=salt,
-        )
-    assert served.tokenizer is not None
-    return Generation(
-        served.pool, served.tokenizer, request_id, prompt, params,
-        timeline=call.timeline, metrics=metrics, cache_salt=salt, priority=priority,
-        pins=ready.pins,
-    )
 
 
 __all__ = ["LoadsImages", "Pipeline", "Run", "Served", "ToolPlacement", "first_user_text",

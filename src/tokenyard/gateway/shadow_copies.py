@@ -2,8 +2,9 @@
 
 `tap` is the one call the pipeline makes. Without a shadow on the request's route it
 returns the generations untouched (no cost). With one, it starts the copy at once in a
-background task — same prompt (token ids for an engine with the same vocabulary as the
-primary's tokenizer, the messages or texts for an upstream), same sampling parameters,
+background task — same prompt (as the shadow's kind takes it: token ids for an engine
+with the same vocabulary as the primary's tokenizer, the messages or texts for an
+upstream; `gateway/kinds.py`), same sampling parameters,
 the scheduler's low class, the request's own cache salt — and wraps the primary's
 generations so their text is kept as it goes by. The copy is never awaited by the caller
 and never billed (no ticket, no ledger row); its failures are only logged. When both
@@ -22,8 +23,8 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from tokenyard.balancer.generation import Generation
 from tokenyard.gateway.call import Generating, Wrapper
+from tokenyard.gateway.kinds import Opening, kind_of
 from tokenyard.gateway.routing import Route
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.gateway.shadow import ShadowRecord, ShadowRecorder
@@ -108,26 +109,14 @@ def _copies(
     texts: Sequence[str | None] | None, cache_salt: str | None,
 ) -> list[Generating] | None:
     """The shadow's generations of the same prompts (None: they cannot go there)."""
-    ids = [f"{request_id[:48]}-shadow-{i}" for i in range(len(prompts))]
-    if shadow.kind == "upstream":
-        from tokenyard.balancer.upstream_generation import UpstreamGeneration
-
-        if messages is None and (texts is None or any(t is None for t in texts)):
-            return None
-        return [UpstreamGeneration(
-            shadow.pool, rid, messages=messages,
-            prompt=None if messages is not None else (texts or [None])[i], params=p,
-            model=shadow.spec.model or shadow.name, prompt_tokens_estimate=len(prompt),
-            cache_salt=cache_salt,
-        ) for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True))]
-    same_vocab = (shadow.tokenizer is not None and primary.tokenizer is not None
-                  and shadow.tokenizer.vocab_size == primary.tokenizer.vocab_size)
-    if shadow.kind != "engine" or not same_vocab:
+    kind = kind_of(shadow.spec)
+    if not kind.takes_copy(shadow, primary, messages, texts):
         return None
-    assert shadow.tokenizer is not None
-    return [Generation(shadow.pool, shadow.tokenizer, rid, list(prompt), p,
-                       cache_salt=cache_salt, priority=SHADOW_PRIORITY)
-            for rid, prompt, p in zip(ids, prompts, params, strict=True)]
+    return kind.open(shadow, [
+        Opening(f"{request_id[:48]}-shadow-{i}", list(prompt), p, messages=messages,
+                text=texts[i] if texts else None, cache_salt=cache_salt,
+                priority=SHADOW_PRIORITY)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]).gens
 
 
 class _Side:

@@ -111,8 +111,7 @@ async def embedding_body(pipeline: Pipeline, state: AppState, req: EmbeddingRequ
                          call: Call) -> dict[str, Any]:
     """Embed `req` through the pipeline as `call`: OpenAI's response body."""
     texts, ids = req.inputs()
-    result = await embed(pipeline, call, lambda served: state.embeddings[served.name],
-                         texts=texts, ids=ids, dimensions=req.dimensions)
+    result = await embed(pipeline, call, texts=texts, ids=ids, dimensions=req.dimensions)
     assert call.served is not None
     return _body(result, call.served.name, req.encoding_format)
 
