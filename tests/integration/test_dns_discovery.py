@@ -168,9 +168,9 @@ async def _count(pool: Pool, request_id: str, max_tokens: int = 8) -> int:
 
 def test_serve_fleet_file_with_a_dns_entry_follows_the_name(
         dns_server: tuple[str, Zone]) -> None:
-    """`serve`'s own path (`Fleet.served`): the fleet file's `dns+http://` entry and
+    """`serve`'s own path (`FleetBuilder.served`): the fleet file's `dns+http://` entry and
     `balancer.dns_server` give the deployment a pool of every address, kept following."""
-    from tokenyard.cli.fleet import Fleet
+    from tokenyard.cli.fleet import FleetBuilder
     from tokenyard.config import ServeConfig, default_cache_dir
     from tokenyard.deployments import parse_fleet
 
@@ -186,7 +186,7 @@ def test_serve_fleet_file_with_a_dns_entry_follows_the_name(
             "deployments": [{"name": "dep", "urls": [f"dns+http://{NAME}:{port}"]}]})
         config = ServeConfig.from_env(replica_token="dns-test-token")
         async with _replicas(port, MockConfig(output_len=8, itl_ms=1)):
-            fleet = Fleet(fleet_spec, unused_starter, config, default_cache_dir())
+            fleet = FleetBuilder(fleet_spec, unused_starter, config, default_cache_dir())
             served = await fleet.served(fleet_spec.deployments["dep"])
             try:
                 pool = served.pool

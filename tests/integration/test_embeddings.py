@@ -104,7 +104,6 @@ class App:
                               capabilities=frozenset({"embeddings"}))
         pool = Pool(MODEL, [(self.replica.url, self.client)])
         state = AppState.single(Served(spec, pool, now()), now())
-        state.embeddings = {MODEL: pool}
         state.gateway = self.gateway
         self.runner = web.AppRunner(make_app(state), handler_cancellation=True)
         await self.runner.setup()

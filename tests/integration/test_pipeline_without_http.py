@@ -15,11 +15,13 @@ from tests.e2e.test_gateway import _db_url, _ledger_rows, _mock_replica
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import APIError
+from tokenyard.gateway.call import Call, Prepared
 from tokenyard.gateway.gate import Gateway
+from tokenyard.gateway.kinds import build_served, replica_client
 from tokenyard.gateway.limits import InProcessLimiter
-from tokenyard.gateway.pipeline import Call, Pipeline, Prepared, prepared
+from tokenyard.gateway.pipeline import Pipeline, preparer
 from tokenyard.gateway.routing import Router
-from tokenyard.gateway.served import Fleet, Served, build_served, replica_client
+from tokenyard.gateway.served import Fleet, Served
 from tokenyard.store.records import Scopes
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.sampling_params import SamplingParams
@@ -28,7 +30,7 @@ MODEL = "mock-2026-11-26"
 
 
 def _build(served: Served, timeline: Timeline) -> Prepared:
-    prepare, _ = prepared(served)
+    prepare, _ = preparer(served)
     messages = [{"role": "user", "content": "Say hi."}]
     prompt = prepare.conversation(messages, timeline, prefill=False)
     params = prepare.fit(len(prompt), SamplingParams(max_tokens=4, temperature=0.0), "messages")

@@ -218,12 +218,12 @@ def test_scale_one_two_one_loses_no_request(cluster: Any) -> None:
 
 def test_serve_places_a_real_engine_replica_on_ray_and_serves_through_it(
         cluster: Any) -> None:
-    """`serve`'s own path (`Fleet.served`): a fleet file's `placement = "ray"` deployment
+    """`serve`'s own path (`FleetBuilder.served`): a fleet file's `placement = "ray"` deployment
     gets its first replica placed as an actor running the real `tokenyard engine` (the
     embedded model), found through the registry, and a request generates through it."""
     import ray
 
-    from tokenyard.cli.fleet import Fleet
+    from tokenyard.cli.fleet import FleetBuilder
     from tokenyard.config import ServeConfig, default_cache_dir
     from tokenyard.deployments import parse_fleet
     from tokenyard.wire.sampling_params import SamplingParams
@@ -238,7 +238,7 @@ def test_serve_places_a_real_engine_replica_on_ray_and_serves_through_it(
         raise AssertionError("a Ray-placed deployment starts no local child")
 
     async def scenario() -> tuple[int, float]:
-        fleet = Fleet(fleet_spec, unused_starter, config, default_cache_dir())
+        fleet = FleetBuilder(fleet_spec, unused_starter, config, default_cache_dir())
         served = await fleet.served(fleet_spec.deployments[name])
         try:
             assert not fleet.children

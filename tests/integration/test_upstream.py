@@ -28,7 +28,6 @@ from tests.e2e.conftest import Server, running_server
 from tokenyard.api.anthropic.stream import MessagesFormat
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.sse import parse_sse
-from tokenyard.balancer.generation import finished_completions
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
     ReplicaError,
@@ -41,6 +40,7 @@ from tokenyard.balancer.upstream_generation import UpstreamGeneration, request_b
 from tokenyard.bench.mock_core import MOCK_MODEL, MOCK_TOKENS, MockConfig
 from tokenyard.bench.mock_replica import MockReplica
 from tokenyard.errors import APIError
+from tokenyard.gateway.pipeline import finished_completions
 from tokenyard.text.content import ImagePart, NormalisedImage, TemplateMessage
 from tokenyard.wire.outputs import Completion, RequestOutput
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams

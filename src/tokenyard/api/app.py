@@ -47,8 +47,9 @@ from tokenyard.deployments import BalancerSpec, DeploymentSpec
 from tokenyard.errors import not_found
 from tokenyard.gateway.admin import Admin
 from tokenyard.gateway.auth import require_admin
+from tokenyard.gateway.kinds import build_served, replica_client
 from tokenyard.gateway.pipeline import Pipeline
-from tokenyard.gateway.served import Served, build_served, replica_client
+from tokenyard.gateway.served import Served
 
 __all__ = ["AppState", "Served", "build_served", "build_state", "make_app"]
 

@@ -40,7 +40,8 @@ from tokenyard.api.responses.stored import expand_with
 from tokenyard.errors import APIError, authentication_failed, internal_error, invalid_request
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.batches import Claimed, line_request_id
-from tokenyard.gateway.pipeline import Call, Pipeline
+from tokenyard.gateway.call import Call
+from tokenyard.gateway.pipeline import Pipeline
 from tokenyard.telemetry.timeline import Timeline
 
 logger = logging.getLogger("tokenyard.api.batches")
@@ -56,7 +57,7 @@ def _responses_plan(req: BaseModel) -> Plan:
 
 
 @dataclass(frozen=True)
-class Route:
+class Batchable:
     """A batchable route: its schema and its plan (None: embeddings)."""
 
     schema: type[BaseModel]
@@ -64,12 +65,12 @@ class Route:
 
 
 #: The routes a batch line may name.
-ROUTES: dict[str, Route] = {
-    "/v1/chat/completions": Route(ChatCompletionRequest, chat_plan),
-    "/v1/completions": Route(CompletionRequest, completion_plan),
-    "/v1/embeddings": Route(EmbeddingRequest, None),
-    "/v1/responses": Route(ResponsesRequest, _responses_plan),
-    "/v1/messages": Route(MessagesRequest, messages_plan),
+ROUTES: dict[str, Batchable] = {
+    "/v1/chat/completions": Batchable(ChatCompletionRequest, chat_plan),
+    "/v1/completions": Batchable(CompletionRequest, completion_plan),
+    "/v1/embeddings": Batchable(EmbeddingRequest, None),
+    "/v1/responses": Batchable(ResponsesRequest, _responses_plan),
+    "/v1/messages": Batchable(MessagesRequest, messages_plan),
 }
 
 
@@ -144,7 +145,7 @@ async def run_line(pipeline: Pipeline, state: AppState, line: Claimed,
         await run.close()
 
 
-def _plan(req: BaseModel, route: Route, state: AppState,
+def _plan(req: BaseModel, route: Batchable, state: AppState,
           key: KeyContext) -> Plan | Awaitable[Plan]:
     """The line's plan; a Responses line continues its previous response and is stored
     as the live route stores it."""

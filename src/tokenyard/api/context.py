@@ -43,8 +43,6 @@ class AppState(Fleet):
     max_body_bytes: int = ServeConfig.max_body_bytes
     #: Per client address: connections, request rate, header timeout and size.
     edge: EdgeLimits = field(default_factory=EdgeLimits)
-    #: Embeddings deployments by name → what their route calls.
-    embeddings: dict[str, Any] = field(default_factory=dict)
     #: What scales the Ray-placed deployments (None: this process serves none).
     scaler: ReplicaScaler | None = None
 

@@ -31,6 +31,7 @@ from tokenyard.api.schemas import page_limit
 from tokenyard.deployments import DeploymentSpec
 from tokenyard.errors import INVALID_VALUE, invalid_request, model_not_found
 from tokenyard.gateway.auth import X_API_KEY
+from tokenyard.gateway.kinds import kind_of
 from tokenyard.sampling_defaults import SamplingDefaults
 
 #: Anthropic's default and largest page (`limit`).
@@ -111,10 +112,11 @@ async def _listed(request: web.Request) -> list[Listed]:
 async def _every(request: web.Request) -> list[Listed]:
     state = request.app[STATE]
     fleet = state.router.fleet
-    windows = {name: await s.listed_window() for name, s in state.deployments.items()}
+    windows = {name: await kind_of(s.spec).listed_window(s)
+               for name, s in state.deployments.items()}
     return ([Listed(s.name, s.created, windows[name], s.spec.max_output_tokens,
                     capabilities=_capabilities([s.spec]),
-                    sampling=s.sampling if s.kind != "embeddings" else None,
+                    sampling=s.sampling if s.generates else None,
                     region=s.spec.region)
              for name, s in state.deployments.items()]
             + [Listed(name, state.created, capabilities=_capabilities(

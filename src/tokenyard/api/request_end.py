@@ -32,7 +32,7 @@ from tokenyard.api.context import (
 )
 from tokenyard.api.request_trace import trace_request
 from tokenyard.gateway.billing import Usage
-from tokenyard.gateway.gate import outcome
+from tokenyard.gateway.call import outcome
 from tokenyard.telemetry import request_log
 from tokenyard.telemetry.request_log import RequestSummary
 

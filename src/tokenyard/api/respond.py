@@ -42,8 +42,9 @@ from tokenyard.api.edge import EDGE
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, internal_error
+from tokenyard.gateway.call import Build, Call, Generating
 from tokenyard.gateway.gate import Ticket
-from tokenyard.gateway.pipeline import Build, Call, Generated, Run
+from tokenyard.gateway.pipeline import Run
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import Completion, RequestOutput
 
@@ -58,7 +59,7 @@ class Format(Protocol):
     terminator: bytes
 
     def body(
-        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         """The non-streamed body; `completions[i]` are prompt i's finished choices."""
         ...
@@ -71,7 +72,7 @@ class Format(Protocol):
         """The events of one step's output of prompt `index`."""
         ...
 
-    def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
+    def tail(self, gens: Sequence[Generating]) -> list[BaseModel]:
         """Events after every generation finished (a usage event)."""
         ...
 
@@ -200,7 +201,7 @@ async def complete(run: Run, fmt: Format,
     """A started run's non-streamed body in `fmt`'s shape (the caller closes the run)."""
     completions = await run.completions()
     run.settle()  # the body carries the cost the ledger row charges
-    body = stamped(fmt.body(run.generated, completions), run.call.timeline, run.call.ticket)
+    body = stamped(fmt.body(run.gens, completions), run.call.timeline, run.call.ticket)
     if finish is not None:
         await finish()
     run.captured(body)
@@ -234,12 +235,12 @@ async def _stream(
         pending.append(fmt.error(err))
         stream_failed(request, response, err)
     else:
-        final.extend(fmt.tail(run.generated))
+        final.extend(fmt.tail(run.gens))
         run.settle()  # metered before the last byte: see the module's docstring
         if final:
             final[-1] = with_timings(final[-1], request)
         if run.capture is not None:
-            run.captured(with_timings(fmt.body(run.generated, run.capture.completions),
+            run.captured(with_timings(fmt.body(run.gens, run.capture.completions),
                                       request))
         pending.extend(fmt.encode(event) for event in final)
         pending.append(fmt.terminator)

@@ -30,7 +30,7 @@ from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.output_processor import OutputProcessor, child_params
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.abort import AbortReport
-from tokenyard.wire.outputs import Completion, EngineCoreOutput, RequestOutput
+from tokenyard.wire.outputs import EngineCoreOutput, RequestOutput
 from tokenyard.wire.protocol import CoreDelta, Pin, cache_writes
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -331,44 +331,3 @@ def _merged(reports: Sequence[AbortReport | None]) -> AbortReport | None:
         return None
     furthest = max(found, key=lambda r: r.num_prompt_tokens)
     return replace(furthest, num_output_tokens=sum(r.num_output_tokens for r in found))
-
-
-async def finished_completions(gen: Generation) -> list[Completion]:
-    """Run a generation to its end, accumulating each choice."""
-    completions = [Completion(index=i) for i in range(gen.params.n)]
-    try:
-        async for out in gen:
-            for delta in out.deltas:
-                completions[delta.index].add(delta)
-    finally:
-        await gen.close()
-    return completions
-
-
-async def merged(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of several generations as they arrive, tagged with their position."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
-
-    async def pump(i: int, gen: Generation) -> None:
-        try:
-            async for out in gen:
-                await queue.put((i, out))
-        except Exception as exc:  # delivered to the consumer, which raises it
-            await queue.put(exc)
-        await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -31,6 +31,7 @@ from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, openai_content
 from tokenyard.text.tools import CallsAsText, ToolUse, openai_tools
+from tokenyard.wire.abort import AbortReport
 from tokenyard.wire.outputs import CompletionDelta, Logprob, RequestOutput
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams
 
@@ -255,6 +256,8 @@ class UpstreamGeneration:
         self.stop_reasons: list[int | str | None] = [None] * params.n
         #: The last RequestOutput yielded.
         self.last: RequestOutput | None = None
+        #: An upstream does not say what a request cut before its first chunk computed.
+        self.abort_report: AbortReport | None = None
         self.failed = False
         self._usage: dict[str, Any] | None = None
         self._counted_tokens = 0  # tokens seen before usage arrives (an estimate)

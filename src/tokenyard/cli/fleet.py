@@ -22,12 +22,12 @@ from urllib.parse import urlsplit
 from tokenyard.api.context import AppState
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.discovery import Discovery, dns_source, is_dns_url, make_resolver
-from tokenyard.balancer.replica_client import ReplicaClient
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec, load_fleet
 from tokenyard.fleet_values import FleetConfigError
+from tokenyard.gateway.kinds import build_served, kind_of
 from tokenyard.gateway.regions import regional_fleet
-from tokenyard.gateway.served import Served, build_served
+from tokenyard.gateway.served import Served
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenyard.serve")
@@ -54,7 +54,7 @@ class LocalReplica:
 
 
 @dataclass(eq=False)
-class Fleet:
+class FleetBuilder:
     """What serve runs: the spec, its local children and how to start more."""
 
     spec: FleetSpec
@@ -180,7 +180,7 @@ class Fleet:
         upstream is someone else's server: it gets its own key (`token_env`) or none,
         never the replica token, which would let whoever runs it call our replicas."""
         token = spec.token()
-        if spec.kind != "upstream":
+        if kind_of(spec).own_replicas:
             return token or self.config.replica_token
         if token is None and spec.token_env:
             logger.warning("upstream %s: %s is not set; its requests go without a key",
@@ -190,16 +190,7 @@ class Fleet:
         return token
 
     def _client(self, spec: DeploymentSpec, url: str, token: str | None) -> Any:
-        if spec.kind == "upstream":
-            from tokenyard.balancer.upstream import UpstreamClient
-
-            return UpstreamClient(url, api_key=token, model=spec.model or spec.name,
-                                  deployment=spec.name, salts_cache=spec.salts_cache)
-        if spec.kind == "embeddings":
-            from tokenyard.balancer.embeddings_client import EmbeddingsClient
-
-            return EmbeddingsClient(url, token=token)
-        return ReplicaClient(url, token=token)
+        return kind_of(spec).client(spec, url, token)
 
     async def build(self) -> dict[str, Served]:
         """Start every local child, then one Served per deployment."""
@@ -232,7 +223,7 @@ class Fleet:
                     child.proc.kill()
 
 
-async def reload(fleet: Fleet, state: AppState) -> str:
+async def reload(fleet: FleetBuilder, state: AppState) -> str:
     """Re-read the fleet file and swap the new deployments in without dropping requests:
     unchanged deployments keep their pools; new or changed ones (running URLs and
     upstreams) get new pools; removed ones stop being routed to and drain. A deployment's

@@ -31,7 +31,7 @@ from tokenyard.api.convert import now
 from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.replica_client import ReplicaError
-from tokenyard.cli.fleet import Fleet, Starter, reload
+from tokenyard.cli.fleet import FleetBuilder, Starter, reload
 from tokenyard.cli.gc_tuning import tune_gc
 from tokenyard.cli.processes import start_child
 from tokenyard.cli.ray_admin import ray_scaler
@@ -39,6 +39,7 @@ from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
 from tokenyard.gateway.gate import Gateway
+from tokenyard.gateway.kinds import kind_of
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.routing import Router
 from tokenyard.gateway.served import Served
@@ -85,12 +86,9 @@ def make_starter(engine_args: Sequence[str], config: ServeConfig) -> Starter:
     serve command's engine flags, the deployment's own and its model; `tokenyard embed`."""
     async def start(spec: DeploymentSpec, token: str, port: int) -> tuple[
             asyncio.subprocess.Process, str, asyncio.Task[None]]:
-        if spec.kind == "embeddings":
-            return await start_child(["embed", *spec.engine_args], config, token, port=port,
-                                     what="embeddings replica")
-        model = ["--model", spec.model] if spec.model and "--model" not in engine_args else []
-        return await start_child(["engine", *engine_args, *spec.engine_args, *model], config,
-                                 token, port=port)
+        kind = kind_of(spec)
+        return await start_child(kind.replica_command(spec, engine_args), config, token,
+                                 port=port, what=f"{kind.name} replica")
     return start
 
 
@@ -196,9 +194,9 @@ async def run(
             policy=policy,
             queue_timeout_s=queue_timeout_s, max_output_tokens=max_output_tokens,
             tool_call_parser=parsers[0], reasoning_parser=parsers[1])
-    fleet = Fleet(spec, make_starter(engine_args, config), config,
-                  cache_dir or default_cache_dir(),
-                  affinity=make_affinity(config.redis_url))
+    fleet = FleetBuilder(spec, make_starter(engine_args, config), config,
+                         cache_dir or default_cache_dir(),
+                         affinity=make_affinity(config.redis_url))
     if auth:
         gateway, api_key, key_file = await open_gateway(config)
     runner: web.AppRunner | None = None
@@ -218,8 +216,6 @@ async def run(
         state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
-        state.embeddings = {n: s.pool for n, s in deployments.items()
-                            if s.kind == "embeddings"}
         state.scaler = ray_scaler(fleet.spec, config)
         if config.workers > 1:  # they serve; this process supervises (cli/workers.py)
             workers = WorkerPool(config.workers, host, port, fleet=fleet, state=state,
@@ -284,7 +280,7 @@ async def run(
         await fleet.stop(0.0)
 
 
-def _name_default(fleet: Fleet, deployments: dict[str, Served]) -> dict[str, Served]:
+def _name_default(fleet: FleetBuilder, deployments: dict[str, Served]) -> dict[str, Served]:
     """Without a fleet file the engine deployment is named after the model its replica
     reports (as before deployments existed)."""
     served = deployments.pop("")
@@ -296,7 +292,7 @@ def _name_default(fleet: Fleet, deployments: dict[str, Served]) -> dict[str, Ser
     return out
 
 
-async def _reload(fleet: Fleet, state: AppState) -> None:
+async def _reload(fleet: FleetBuilder, state: AppState) -> None:
     """SIGHUP: reload the fleet file (`reload` logs the outcome)."""
     try:
         await reload(fleet, state)

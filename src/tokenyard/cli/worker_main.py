@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenyard.api.context import AppState
 from tokenyard.api.edge import EdgeLimits, edge_runner, start_edge
-from tokenyard.cli.fleet import Fleet
+from tokenyard.cli.fleet import FleetBuilder
 from tokenyard.cli.gc_tuning import tune_gc
 from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import READY_MARK, WORKER_HEADER, WORKER_SPEC_ENV, WorkerSpec
@@ -71,16 +71,14 @@ async def run_worker(spec: WorkerSpec) -> int:
             gateway, _ = await Gateway.open(
                 config.database, limiter, config.journal_dir / f"worker-{spec.index}",
                 config=config)
-        fleet = Fleet(spec.fleet_spec(), _no_local_replicas, config,
-                      Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
+        fleet = FleetBuilder(spec.fleet_spec(), _no_local_replicas, config,
+                             Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
         deployments = await fleet.build()
         state = AppState(deployments, Router(fleet.spec), now())
         state.gateway = gateway
         state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
-        state.embeddings = {n: s.pool for n, s in deployments.items()
-                            if s.kind == "embeddings"}
         state.scaler = ray_scaler(fleet.spec, config)
         app = make_app(state)
         pid = str(os.getpid())

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenyard.api.context import AppState
-from tokenyard.cli.fleet import Fleet
+from tokenyard.cli.fleet import FleetBuilder
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.telemetry.metrics import MULTIPROC_DIR_ENV, mark_worker_dead
@@ -126,7 +126,7 @@ class WorkerSpec:
         return spec
 
 
-def worker_fleet(fleet: Fleet, state: AppState) -> tuple[FleetSpec, dict[str, str]]:
+def worker_fleet(fleet: FleetBuilder, state: AppState) -> tuple[FleetSpec, dict[str, str]]:
     """The fleet a worker serves, and the environment it needs for it: the parent's spec,
     with each deployment's local replicas (the parent's children, which it keeps and
     restarts on their ports) turned into running URLs whose token the worker reads from a
@@ -191,7 +191,7 @@ class WorkerPool:
     """N worker processes serving host:port, supervised by this (the parent) process."""
 
     def __init__(
-        self, count: int, host: str, port: int, *, fleet: Fleet, state: AppState,
+        self, count: int, host: str, port: int, *, fleet: FleetBuilder, state: AppState,
         config: ServeConfig, cache_dir: Path | None = None, auth: bool = True,
     ) -> None:
         """`fleet` and `state`: what the parent built (its replicas started, its

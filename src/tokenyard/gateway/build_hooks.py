@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from tokenyard.errors import invalid_request
+from tokenyard.gateway.kinds import kind_of
 from tokenyard.gateway.routing import require
 from tokenyard.gateway.served import Served
 from tokenyard.text.content import TemplateMessage
@@ -16,7 +17,7 @@ from tokenyard.text.prepare import Preparer
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.text.tools import ToolUse, renders_tools
 
-__all__ = ["ToolPlacement", "first_user_text", "placed", "prepared", "text_size"]
+__all__ = ["ToolPlacement", "first_user_text", "placed", "preparer", "text_size"]
 
 
 class ToolPlacement(NamedTuple):
@@ -33,7 +34,8 @@ def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
     """Where `tools` go on deployment `served`: an upstream gets active tools passed on,
     an engine in its prompt; 400 naming `tools` for a deployment that does not declare
     them."""
-    native = (served.kind != "upstream" and served.tokenizer is not None
+    passes_on = kind_of(served.spec).passes_tools_on
+    native = (not passes_on and served.tokenizer is not None
               and renders_tools(served.tokenizer.chat_template))
     if tools is None or not tools.active:
         return ToolPlacement(tools, None, native)
@@ -41,17 +43,18 @@ def placed(tools: ToolUse | None, served: Served) -> ToolPlacement:
         # The model writes calls its own way (the fallback prompt teaches <tool_call>).
         tools = replace(tools, syntax=served.tool_syntax)
     require(served.spec, "tools", "tools")
-    if served.kind == "upstream":
+    if passes_on:
         return ToolPlacement(None, tools, native)
     return ToolPlacement(tools, None, native)
 
 
-def prepared(served: Served) -> tuple[Preparer, Tokenizer]:
-    """The deployment's prepare stage and tokenizer (400 for a kind that has none)."""
-    if served.prepare is None or served.tokenizer is None:
+def preparer(served: Served) -> tuple[Preparer, Tokenizer]:
+    """The deployment's prepare stage (its `Preparer`) and tokenizer (400 for a kind that
+    has none)."""
+    if served.preparer is None or served.tokenizer is None:
         raise invalid_request(f"The model `{served.name}` does not generate text.",
                               param="model", code="model_not_supported")
-    return served.prepare, served.tokenizer
+    return served.preparer, served.tokenizer
 
 
 def first_user_text(messages: Sequence[Any]) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenyard.balancer.generation import Generation
+from tokenyard.gateway.call import Generating
 from tokenyard.gateway.requests import RequestLog
 from tokenyard.store.records import KeyContext
 from tokenyard.wire.outputs import Completion, RequestOutput
@@ -28,7 +28,7 @@ class BodyCapture:
         self.completions: list[list[Completion]] = []
         self.sent = False
 
-    def watch(self, gens: Sequence[Generation]) -> None:
+    def watch(self, gens: Sequence[Generating]) -> None:
         """Collect a stream's deltas from now on (`add`)."""
         self.completions = [[Completion(index=j) for j in range(gen.params.n)] for gen in gens]
 

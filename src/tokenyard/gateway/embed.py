@@ -6,27 +6,26 @@ and settlement — its prompt tokens if it was embedded, else nothing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from tokenyard.balancer.generation import replica_error
 from tokenyard.balancer.replica_client import ReplicaError
 from tokenyard.errors import INVALID_VALUE, invalid_request
 from tokenyard.gateway.billing import Usage
+from tokenyard.gateway.call import Call
 from tokenyard.gateway.gate import ABORTED, COMPLETED, FAILED
-from tokenyard.gateway.pipeline import OFF_LOOP_BYTES, Call, Pipeline
-from tokenyard.gateway.served import Served
+from tokenyard.gateway.pipeline import OFF_LOOP_BYTES, Pipeline
 from tokenyard.wire.embeddings import EmbedResult
 
 
 async def embed(
-    pipeline: Pipeline, call: Call, target_of: Callable[[Served], Any], *,
-    texts: list[str] | None, ids: list[list[int]] | None, dimensions: int | None,
+    pipeline: Pipeline, call: Call, *, texts: list[str] | None, ids: list[list[int]] | None,
+    dimensions: int | None,
 ) -> EmbedResult:
-    """Embed `texts` (or token-id lists `ids`) on the deployment `call` names;
-    `target_of(served)` is the deployment's embeddings pool."""
+    """Embed `texts` (or token-id lists `ids`) on the embeddings pool of the deployment
+    `call` names."""
     served = pipeline.route(call)
-    target = target_of(served)
+    target: Any = served.pool  # its members are embeddings clients: `info` is their model
     timeline = call.timeline
     try:
         model = await target.info()

@@ -4,9 +4,9 @@
     → billing pre-check (6) → … engine … → settle + meter (19)
 
 A `Ticket` is what admission hands out (`admit_prompts` reserves what a request's
-prompts and their completions may use); `Gateway.settle` reads what the request's
-generations really used and how they ended, and `Gateway.finish` settles the ticket with
-it exactly once, whatever way the request ended (completed, stopped, aborted by the
+prompts and their completions may use); `Gateway.finish` settles the ticket with what
+the request really used and how it ended (`call.outcome` reads them off its generations)
+exactly once, whatever way the request ended (completed, stopped, aborted by the
 client, failed), in a task of its own so a cancelled handler cannot leave a concurrency
 slot taken.
 """
@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenyard.balancer.generation import Generation
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import PriceSpec
 from tokenyard.errors import APIError, overloaded
@@ -95,41 +94,6 @@ class Ticket:
         """The scheduler's class of the request (the key's, else its org's; a batch's
         line: `BATCH_PRIORITY`)."""
         return BATCH_PRIORITY if self.batch_id is not None else self.key.priority
-
-
-def outcome(gens: Sequence[Generation]) -> tuple[Usage | None, str]:
-    """What a request's generations used (None: none of them ran) and how it ended, as
-    the ledger records it: failed if any failed, aborted if any completion was cut off or
-    never finished, stopped if a stop string or stop token of the client's ended one,
-    else completed. A generation cut before its first output used what its replica
-    reported computing by the abort (`Generation.abort_report`: the prefill that ran);
-    one cut while still queued computed nothing and is not billed. (An upstream's
-    generation has no such report: getattr.)"""
-    ran = [gen for gen in gens if gen.last is not None]
-    cut = [report for gen in gens if gen.last is None
-           and (report := getattr(gen, "abort_report", None)) is not None
-           and report.num_prompt_tokens + report.num_output_tokens > 0]
-    usage = Usage(
-        prompt_tokens=sum(gen.num_prompt_tokens for gen in ran)
-        + sum(r.num_prompt_tokens for r in cut),
-        cached_tokens=sum(gen.num_cached_tokens for gen in ran)
-        + sum(r.num_cached_tokens for r in cut),
-        output_tokens=sum(gen.last.num_output_tokens for gen in ran if gen.last is not None)
-        + sum(r.num_output_tokens for r in cut),
-        cache_write_5m_tokens=sum(gen.cache_writes[0] for gen in ran),
-        cache_write_1h_tokens=sum(gen.cache_writes[1] for gen in ran),
-    ) if ran or cut else None
-    reasons = [reason for gen in gens for reason in gen.finish_reasons]
-    if any(gen.failed for gen in gens):
-        status = FAILED
-    elif "abort" in reasons or None in reasons:
-        status = ABORTED
-    elif any(isinstance(r, str) or r in gen.params.stop_token_ids
-             for gen in gens for r in gen.stop_reasons if r is not None):
-        status = STOPPED
-    else:
-        status = COMPLETED
-    return usage, status
 
 
 def _subjects(key: KeyContext) -> list[Subject]:
@@ -311,11 +275,6 @@ class Gateway:
                                for p, fp in zip(prompts, params, strict=True)),
             timeline=timeline, alias=alias, region=region, batch=batch,
         )
-
-    def settle(self, ticket: Ticket, gens: Sequence[Generation]) -> None:
-        """`finish` the ticket with what `gens` really used and how they ended."""
-        usage, status = outcome(gens)
-        self.finish(ticket, usage, status)
 
     def finish(self, ticket: Ticket, usage: Usage | None, status: str) -> None:
         """Settle the reservation with the real usage (None: nothing ran), release the

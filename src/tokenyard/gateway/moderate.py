@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from typing import Any
 
-from tokenyard.balancer.generation import Generation
-from tokenyard.gateway.moderation import OFF, Moderator, Policy, Verdict, blocked
+from tokenyard.gateway.call import Generating, Wrapper
+from tokenyard.gateway.moderation import OFF, ModerationPolicy, Moderator, Verdict, blocked
 from tokenyard.gateway.served import Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.outputs import CompletionDelta, RequestOutput
@@ -30,7 +30,8 @@ from tokenyard.wire.outputs import CompletionDelta, RequestOutput
 CONTENT_FILTER = "content_filter"
 
 
-async def policy_for(moderator: Moderator | None, served: Served, org_id: str | None) -> Policy:
+async def policy_for(moderator: Moderator | None, served: Served,
+                     org_id: str | None) -> ModerationPolicy:
     """The request's policy (off without a moderator)."""
     if moderator is None:
         return OFF
@@ -56,9 +57,9 @@ def input_texts(
 
 
 async def check_input(
-    moderator: Moderator | None, policy: Policy, served: Served, prompts: Sequence[list[int]],
-    *, messages: Sequence[Any] | None, texts: Sequence[str | None] | None, request_id: str,
-    timeline: Timeline,
+    moderator: Moderator | None, policy: ModerationPolicy, served: Served,
+    prompts: Sequence[list[int]], *, messages: Sequence[Any] | None,
+    texts: Sequence[str | None] | None, request_id: str, timeline: Timeline,
 ) -> None:
     """Stage 8: refuse a flagged input (block) or audit it in the background (flag)."""
     if moderator is None or not policy.active or policy.input == "off":
@@ -76,31 +77,27 @@ async def check_input(
         raise blocked("messages" if messages is not None else "prompt", verdicts)
 
 
-def tap(moderator: Moderator | None, policy: Policy, gens: list[Generation], request_id: str,
-        timeline: Timeline) -> list[Generation]:
+def tap(moderator: Moderator | None, policy: ModerationPolicy, gens: list[Generating],
+        request_id: str, timeline: Timeline) -> list[Generating]:
     """The generations as the policy's output mode wants them (untouched when off)."""
     if moderator is None or policy.output == "off" or not policy.active:
         return gens
     wrap = _Blocking if policy.output == "block" else _Audited
-    return [cast(Generation, wrap(gen, policy, moderator, request_id, timeline))
-            for gen in gens]
+    return [wrap(gen, policy, moderator, request_id, timeline) for gen in gens]
 
 
-class _Moderated:
+class _Moderated(Wrapper):
     """A generation as the pipeline's caller sees it, its outputs passing through moderation."""
 
-    def __init__(self, gen: Generation, policy: Policy, moderator: Moderator,
+    def __init__(self, gen: Generating, policy: ModerationPolicy, moderator: Moderator,
                  request_id: str, timeline: Any) -> None:
-        self._gen = gen
+        super().__init__(gen)
         self._policy = policy
         self._moderator = moderator
         self._request_id = request_id
         self._timeline = timeline
         #: Completions ended by the filter.
         self._filtered: set[int] = set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gen, name)
 
     @property
     def finish_reasons(self) -> list[str | None]:
@@ -112,9 +109,6 @@ class _Moderated:
         # The ledger counts a filtered completion as stopped (by the server's filter).
         return [CONTENT_FILTER if i in self._filtered else r
                 for i, r in enumerate(self._gen.stop_reasons)]
-
-    async def close(self) -> None:
-        await self._gen.close()
 
 
 class _Audited(_Moderated):

@@ -43,8 +43,16 @@ from tokenyard.store.moderation import (
 from tokenyard.store.repo import Store
 
 __all__ = [
-    "BlocklistClassifier", "Classifier", "EventRecorder", "ModerationEvent", "Moderator",
-    "Policy", "ProfanityClassifier", "UpstreamClassifier", "Verdict", "blocked",
+    "BlocklistClassifier",
+    "Classifier",
+    "EventRecorder",
+    "ModerationEvent",
+    "ModerationPolicy",
+    "Moderator",
+    "ProfanityClassifier",
+    "UpstreamClassifier",
+    "Verdict",
+    "blocked",
     "stricter",
 ]
 
@@ -221,7 +229,7 @@ def blocked(direction: str, verdicts: Sequence[Verdict]) -> APIError:
 
 
 @dataclass(frozen=True)
-class Policy:
+class ModerationPolicy:
     """What applies to one request: each direction's mode, the classifier, the window."""
 
     input: str
@@ -236,7 +244,7 @@ class Policy:
         return self.classifier is not None and (self.input, self.output) != ("off", "off")
 
 
-OFF = Policy("off", "off", None)
+OFF = ModerationPolicy("off", "off", None)
 
 
 class EventRecorder(BatchWriter[ModerationEvent]):
@@ -323,15 +331,15 @@ class Moderator:
             self._reading = None
 
     async def policy(self, spec: ModerationSpec | None, deployment: str,
-                     org_id: str | None) -> Policy:
+                     org_id: str | None) -> ModerationPolicy:
         """The stricter of the deployment's and the org's policies, per direction."""
         org_in, org_out = await self.org_policy(org_id)
         own = spec or DEFAULT_SPEC
         mode_in, mode_out = stricter(own.input, org_in), stricter(own.output, org_out)
         if (mode_in, mode_out) == ("off", "off"):
             return OFF
-        return Policy(mode_in, mode_out, await self.classifier(own), own.window, deployment,
-                      org_id)
+        return ModerationPolicy(mode_in, mode_out, await self.classifier(own), own.window,
+                                deployment, org_id)
 
     async def set_org_policy(self, org_id: str, input: str, output: str) -> None:
         """Set an org's policy (seen at once here, within `refresh_s` elsewhere)."""
@@ -342,7 +350,7 @@ class Moderator:
             await asyncio.shield(self._reading)
         self._loaded = -math.inf
 
-    def record(self, policy: Policy, request_id: str, direction: str, action: str,
+    def record(self, policy: ModerationPolicy, request_id: str, direction: str, action: str,
                verdicts: Sequence[Verdict]) -> None:
         """Queue an event for each flagged verdict."""
         for verdict in verdicts:
@@ -354,14 +362,14 @@ class Moderator:
                     action=action, classifier=policy.classifier.name,
                     categories=verdict.flagged_categories, scores=dict(verdict.scores)))
 
-    def audit(self, policy: Policy, request_id: str, direction: str,
+    def audit(self, policy: ModerationPolicy, request_id: str, direction: str,
               texts: Sequence[str]) -> None:
         """Flag mode: classify `texts` in a background task and record what is flagged;
         the caller never waits for it."""
         if policy.classifier is not None and texts:
             self.spawn(self._audit(policy, request_id, direction, list(texts)))
 
-    async def _audit(self, policy: Policy, request_id: str, direction: str,
+    async def _audit(self, policy: ModerationPolicy, request_id: str, direction: str,
                      texts: list[str]) -> None:
         assert policy.classifier is not None
         try:

@@ -24,34 +24,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
-from tokenyard.balancer.generation import Generation, finished_completions, merged
 from tokenyard.errors import invalid_request
-from tokenyard.gateway.auth import KeyContext, authorize
+from tokenyard.gateway.auth import authorize
 from tokenyard.gateway.billing import Cost
 from tokenyard.gateway.build_hooks import (
     ToolPlacement,
     first_user_text,
     placed,
-    prepared,
+    preparer,
     text_size,
 )
+from tokenyard.gateway.call import Call, Generating, Prepared, outcome
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.gate import Ticket
+from tokenyard.gateway.kinds import Opening, kind_of
 from tokenyard.gateway.moderate import check_input, policy_for, tap
-from tokenyard.gateway.moderation import Moderator, Policy
-from tokenyard.gateway.routing import Route, conversation_key, require
+from tokenyard.gateway.moderation import ModerationPolicy, Moderator
+from tokenyard.gateway.routing import conversation_key, require
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.gateway.shadow_copies import Shadows
-from tokenyard.telemetry.metrics import TokenyardMetrics
-from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, image_parts, require_vision
-from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, RequestOutput
-from tokenyard.wire.protocol import Pin
-from tokenyard.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenyard.gateway")
 
@@ -62,94 +57,11 @@ _T = TypeVar("_T")
 OFF_LOOP_BYTES = 16 * 1024
 
 
-class Generated(Protocol):
-    """What a dialect's renderer reads of one generation (the balancer's `Generation`)."""
-
-    @property
-    def params(self) -> SamplingParams: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def num_cached_tokens(self) -> int: ...
-
-    @property
-    def last(self) -> RequestOutput | None: ...
-
-    @property
-    def cache_writes(self) -> tuple[int, int]: ...
-
-    @property
-    def finish_reasons(self) -> list[str | None]: ...
-
-
 class LoadsImages(Protocol):
     """The image stage (fetch, decode, re-encode), given to the pipeline by its builder."""
 
     def __call__(self, messages: Sequence[TemplateMessage], *, model: str,
                  vision: bool) -> Awaitable[list[TemplateMessage]]: ...
-
-
-@dataclass
-class Prepared:
-    """What a dialect's `build` makes of its request for the chosen deployment."""
-
-    #: One prompt's token ids per sequence group, and each one's fitted parameters.
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    #: The chat messages (an upstream's body, moderation's input, the images to load).
-    messages: list[TemplateMessage] | None = None
-    #: The prompt texts (a completions request to an upstream), None where token ids.
-    texts: list[str | None] | None = None
-    #: Prompt prefixes the replica keeps cached (Anthropic's cache_control).
-    pins: Sequence[Pin] = ()
-    #: Tools an upstream gets in its body (an engine sees them in its prompt).
-    passed_on: ToolUse | None = None
-    #: The request's tools as its reply is parsed for calls (wherever they went).
-    tools: ToolUse | None = None
-    #: Whatever else the dialect's build hands its renderer (completions' echo texts).
-    note: Any = None
-
-
-#: A dialect's prompt work for one deployment: tool messages, template, tokenize, fit. It
-#: may run on a worker thread (a large input), so it touches nothing but its arguments.
-Build = Callable[[Served, Timeline], Prepared]
-
-
-@dataclass(eq=False)
-class Call:
-    """One request, converted from its dialect, on its way through the pipeline."""
-
-    endpoint: str
-    request_id: str
-    timeline: Timeline
-    #: The model name the client asked for (a deployment or an alias).
-    model: str
-    build: Build
-    #: The authenticated key (None: served without a gateway).
-    key: KeyContext | None = None
-    capability: str = "chat"
-    #: The longest single input's text, in characters (at most its UTF-8 bytes): bounded
-    #: against the window before anything is tokenized. `param` names it in a refusal;
-    #: `bounded=False` for a request that truncates its input to fit (the Responses
-    #: API's "auto").
-    text_size: int = 0
-    param: str = "messages"
-    bounded: bool = True
-    #: The first user message's text: what a conversation's canary draw sticks to.
-    first_user_text: str | None = None
-    #: The body as received, for an org that captures bodies.
-    raw: bytes | None = None
-    #: The batch this call is a line of (None: a live request): it runs at the batch
-    #: priority, priced at the batch price, its ledger row tagged with the batch.
-    batch: str | None = None
-    # Filled in as the request goes, for the caller's summary and headers, whether or
-    # not it got through:
-    route: Route | None = None
-    served: Served | None = None
-    ticket: Ticket | None = None
-    gens: list[Generation] = field(default_factory=list)
 
 
 class Pipeline:
@@ -262,7 +174,7 @@ class Pipeline:
             gateway.finish(ticket, None, "completed")
         return len(ready.prompts[0])
 
-    async def _expensive(self, call: Call, served: Served, ready: Prepared) -> Policy:
+    async def _expensive(self, call: Call, served: Served, ready: Prepared) -> ModerationPolicy:
         """What an admitted request may cost: its images loaded, its input moderated;
         returns its moderation policy, which its output goes through too."""
         if ready.messages is not None and image_parts(ready.messages):
@@ -279,10 +191,10 @@ class Pipeline:
                           request_id=call.request_id, timeline=call.timeline)
         return policy
 
-    def _settle(self, ticket: Ticket | None, gens: Sequence[Generation]) -> None:
+    def _settle(self, ticket: Ticket | None, gens: Sequence[Generating]) -> None:
         gateway = self.fleet.gateway
         if gateway is not None and ticket is not None:
-            gateway.settle(ticket, gens)
+            gateway.finish(ticket, *outcome(gens))
 
 
 class Run:
@@ -290,44 +202,37 @@ class Run:
     place it is settled."""
 
     def __init__(self, pipeline: Pipeline, call: Call, served: Served, ready: Prepared,
-                 ticket: Ticket | None, policy: Policy) -> None:
+                 ticket: Ticket | None, policy: ModerationPolicy) -> None:
         self.pipeline, self.call, self.served, self.ready = pipeline, call, served, ready
         self.ticket = ticket
         gateway, key = pipeline.fleet.gateway, call.key
         self.capture = (BodyCapture(gateway.requests, call.request_id, key, call.raw or b"")
                         if gateway is not None and key is not None
                         and gateway.requests.capturing(key) else None)
-        self.token_bytes: Callable[[int], bytes]
-        table = None
-        if served.kind == "upstream":
-            from tokenyard.balancer.upstream_generation import TokenTable
-
-            self.token_bytes = table = TokenTable()
-        else:
-            assert served.tokenizer is not None
-            self.token_bytes = served.tokenizer.id_to_token_bytes
+        ticket_salt = ticket.cache_salt if ticket is not None else None
         base = call.request_id
         many = len(ready.prompts) > 1
-        gens = call.gens = [
-            _generation(served, f"{base}-{i}" if many else base, p, fp, call, ready,
-                        ready.texts[i] if ready.texts else None, table,
-                        pipeline.fleet.metrics)
-            for i, (p, fp) in enumerate(zip(ready.prompts, ready.params, strict=True))
-        ]
+        opened = kind_of(served.spec).open(served, [
+            Opening(f"{base}-{i}" if many else base, prompt, params, messages=ready.messages,
+                    text=ready.texts[i] if ready.texts else None, pins=ready.pins,
+                    tools=ready.passed_on, cache_salt=ticket_salt,
+                    priority=ticket.priority if ticket is not None else 0,
+                    timeline=call.timeline, metrics=pipeline.fleet.metrics)
+            for i, (prompt, params) in enumerate(zip(ready.prompts, ready.params,
+                                                     strict=True))])
+        #: Spells the ids of the outputs' logprobs (what the dialect's format is given).
+        self.token_bytes = opened.token_bytes
+        gens = call.gens = opened.gens
         # Shadow traffic: the copy starts now, in the background (untouched without one).
         assert call.route is not None
         gens = pipeline.shadows.tap(
             call.route, served, gens, base, ready.prompts, ready.params,
             messages=ready.messages, texts=ready.texts,
-            cache_salt=ticket.cache_salt if ticket is not None else None)
+            cache_salt=ticket_salt)
         # Output moderation: held back and checked.
-        self.gens: list[Generation] = tap(pipeline.moderator, policy, gens, base,
+        self.gens: list[Generating] = tap(pipeline.moderator, policy, gens, base,
                                           call.timeline)
         self._settled = False
-
-    @property
-    def generated(self) -> Sequence[Generated]:
-        return cast(Sequence[Generated], self.gens)
 
     @property
     def cost(self) -> Cost | None:
@@ -373,13 +278,54 @@ class Run:
             self.capture.send(None)
 
 
-async def _single(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _single(gen: Generating) -> AsyncIterator[tuple[int, RequestOutput]]:
     async for out in gen:
         yield 0, out
 
 
+async def finished_completions(gen: Generating) -> list[Completion]:
+    """Run a generation to its end, accumulating each choice."""
+    completions = [Completion(index=i) for i in range(gen.params.n)]
+    try:
+        async for out in gen:
+            for delta in out.deltas:
+                completions[delta.index].add(delta)
+    finally:
+        await gen.close()
+    return completions
+
+
+async def merged(gens: Sequence[Generating]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several generations as they arrive, tagged with their position."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generating) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as exc:  # delivered to the consumer, which raises it
+            await queue.put(exc)
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _each(
-    gens: Sequence[Generation], fn: Callable[[Generation], Awaitable[_T]]
+    gens: Sequence[Generating], fn: Callable[[Generating], Awaitable[_T]]
 ) -> list[_T]:
     """`fn(gen)` for every generation, concurrently (no task for a lone one)."""
     if len(gens) == 1:
@@ -387,32 +333,5 @@ async def _each(
     return list(await asyncio.gather(*(fn(gen) for gen in gens)))
 
 
-def _generation(
-    served: Served, request_id: str, prompt: list[int], params: SamplingParams, call: Call,
-    ready: Prepared, text: str | None, table: Any, metrics: TokenyardMetrics,
-) -> Generation:
-    """A generation on the deployment's pool for an admitted request, salted and
-    prioritised as its ticket says (without a gateway: one tenant, no salt, normal
-    priority)."""
-    ticket = call.ticket
-    salt = ticket.cache_salt if ticket is not None else None
-    priority = ticket.priority if ticket is not None else 0
-    if served.kind == "upstream":
-        from tokenyard.balancer.upstream_generation import UpstreamGeneration
-
-        return cast(Generation, UpstreamGeneration(
-            served.pool, request_id, messages=ready.messages, prompt=text, params=params,
-            model=served.spec.model or served.name, timeline=call.timeline,
-            metrics=metrics, prompt_tokens_estimate=len(prompt), tokens=table,
-            tools=ready.passed_on, cache_salt=salt,
-        ))
-    assert served.tokenizer is not None
-    return Generation(
-        served.pool, served.tokenizer, request_id, prompt, params,
-        timeline=call.timeline, metrics=metrics, cache_salt=salt, priority=priority,
-        pins=ready.pins,
-    )
-
-
-__all__ = ["Build", "Call", "Generated", "LoadsImages", "Pipeline", "Prepared", "Run",
-           "Served", "ToolPlacement", "first_user_text", "placed", "prepared", "text_size"]
+__all__ = ["LoadsImages", "Pipeline", "Run", "Served", "ToolPlacement", "first_user_text",
+           "placed", "preparer", "text_size"]

@@ -1,31 +1,24 @@
 """The deployments this process serves, as the pipeline sees them.
 
 `Served` is one deployment: its spec, its pool of replicas and, for the kinds that need
-them here, its tokenizer and model facts (`build_served` makes one over its replicas'
-clients). `Fleet` is every deployment and the router that picks among them; the HTTP
-application's state extends it with what only HTTP needs, so a fleet reload seen by the
-routes is seen by the pipeline too.
+them here, its tokenizer and model facts (`kinds.build_served` makes one over its
+replicas' clients, as its kind says). `Fleet` is every deployment and the router that
+picks among them; the HTTP application's state extends it with what only HTTP needs, so a
+fleet reload seen by the routes is seen by the pipeline too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
-from typing import Any
 
-from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.pool import Pool
-from tokenyard.balancer.replica_client import ReplicaClient, ReplicaError
-from tokenyard.deployments import BalancerSpec, DeploymentSpec, FleetSpec
+from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.routing import Router
 from tokenyard.sampling_defaults import NONE, SamplingDefaults
 from tokenyard.telemetry.metrics import TokenyardMetrics
-from tokenyard.text.model_files import load_tokenizer, recommended_sampling
 from tokenyard.text.prepare import Preparer
 from tokenyard.text.reasoning import detect_reasoning_parser, prompt_opens_reasoning
 from tokenyard.text.tokenizer import Tokenizer
@@ -53,11 +46,11 @@ class Served:
     #: What a request that leaves a sampling parameter out gets (`sampling_defaults.py`):
     #: the fleet file's `defaults` over the model's recommendation.
     sampling: SamplingDefaults = NONE
-    prepare: Preparer | None = field(default=None, init=False)
+    preparer: Preparer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None:
-            self.prepare = Preparer(self.tokenizer, self.window, self.spec.max_output_tokens,
+            self.preparer = Preparer(self.tokenizer, self.window, self.spec.max_output_tokens,
                                     self.spec.max_tool_calls)
 
     @property
@@ -66,7 +59,14 @@ class Served:
 
     @property
     def kind(self) -> str:
+        """Its kind's name (`gateway/kinds.py` holds what each kind does)."""
         return self.spec.kind
+
+    @property
+    def generates(self) -> bool:
+        """Whether it generates text (its prompts are prepared here): not an embeddings
+        model."""
+        return self.preparer is not None
 
     @property
     def vocab_size(self) -> int | None:
@@ -106,20 +106,6 @@ class Served:
         return (self.info.max_model_len if self.info is not None
                 else self.spec.max_context or 1 << 20)
 
-    async def listed_window(self) -> int | None:
-        """The context window a model card states; an embeddings model's is the most
-        tokens one input may have (its replica's), not the unbounded window of a
-        deployment that declares none (None while no replica has answered)."""
-        if self.kind != "embeddings":
-            return self.window
-        if self.spec.max_context is not None:
-            return self.spec.max_context
-        try:
-            model = await self.pool.info()
-        except ReplicaError:
-            return None
-        return getattr(model, "max_tokens", None)
-
     @property
     def vision(self) -> bool:
         return "vision" in self.spec.capabilities
@@ -154,7 +140,7 @@ class Fleet:
     def default(self) -> Served:
         """The first chat deployment (what a bare `tokenyard serve` serves)."""
         for served in self.deployments.values():
-            if served.kind != "embeddings":
+            if served.generates:
                 return served
         return next(iter(self.deployments.values()))
 
@@ -170,49 +156,3 @@ class Fleet:
         self.deployments = deployments
         self.router = Router(fleet)
         return gone
-
-
-def replica_client(url: str, *, token: str | None = None) -> ReplicaClient:
-    """A client of one engine replica at `url` (`token`: its shared secret)."""
-    return ReplicaClient(url, token=token)
-
-
-async def build_served(
-    spec: DeploymentSpec,
-    clients: Sequence[tuple[str, Any]],
-    cache_dir: Path,
-    *,
-    balancer: BalancerSpec | None = None,
-    affinity: AffinityTable | None = None,
-    tokenizers: dict[str | None, Tokenizer] | None = None,
-) -> Served:
-    """One deployment over its replicas' `clients` (id, client): an engine's model facts
-    are asked of its first replica that answers, and its tokenizer is loaded (in a
-    thread: a GGUF read takes seconds); an upstream gets the embedded tokenizer for its
-    admission estimates. `tokenizers` shares loaded tokenizers between deployments."""
-    tokenizers = {} if tokenizers is None else tokenizers
-    info: ReplicaInfo | None = None
-    pool = Pool(spec.name, clients, balancer, affinity=affinity)
-    if spec.kind == "engine":
-        info = await pool.info()
-        pool.block_size = info.block_size
-    tokenizer = None
-    if spec.kind != "embeddings":
-        key = spec.model if spec.kind == "engine" else None
-        if key not in tokenizers:
-            tokenizers[key] = await asyncio.to_thread(load_tokenizer, key, cache_dir)
-        tokenizer = tokenizers[key]
-    if info is not None and tokenizer is not None and tokenizer.vocab_size > info.vocab_size:
-        # A replica serving another model than `model` would get ids it cannot embed.
-        raise ValueError(
-            f"the tokenizer of {spec.model or 'the embedded model'} has "
-            f"{tokenizer.vocab_size} tokens but the replica's model {info.model} only "
-            f"{info.vocab_size}: pass the replica's --model"
-        )
-    sampling = spec.defaults
-    if spec.kind == "engine":
-        sampling = sampling.over(await asyncio.to_thread(recommended_sampling, spec.model))
-    served = Served(spec, pool, now(), tokenizer, info, sampling)
-    if tokenizer is not None:  # the byte bound's table, built now rather than per request
-        await asyncio.to_thread(lambda: served.max_token_bytes)
-    return served

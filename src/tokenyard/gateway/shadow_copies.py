@@ -2,8 +2,9 @@
 
 `tap` is the one call the pipeline makes. Without a shadow on the request's route it
 returns the generations untouched (no cost). With one, it starts the copy at once in a
-background task — same prompt (token ids for an engine with the same vocabulary as the
-primary's tokenizer, the messages or texts for an upstream), same sampling parameters,
+background task — same prompt (as the shadow's kind takes it: token ids for an engine
+with the same vocabulary as the primary's tokenizer, the messages or texts for an
+upstream; `gateway/kinds.py`), same sampling parameters,
 the scheduler's low class, the request's own cache salt — and wraps the primary's
 generations so their text is kept as it goes by. The copy is never awaited by the caller
 and never billed (no ticket, no ledger row); its failures are only logged. When both
@@ -20,9 +21,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
-from tokenyard.balancer.generation import Generation
+from tokenyard.gateway.call import Generating, Wrapper
+from tokenyard.gateway.kinds import Opening, kind_of
 from tokenyard.gateway.routing import Route
 from tokenyard.gateway.served import Fleet, Served
 from tokenyard.gateway.shadow import ShadowRecord, ShadowRecorder
@@ -73,11 +75,11 @@ class Shadows:
             logger.info("shadow %s", record)
 
     def tap(
-        self, chosen: Route, served: Served, gens: list[Generation], request_id: str,
+        self, chosen: Route, served: Served, gens: list[Generating], request_id: str,
         prompts: Sequence[list[int]], params: Sequence[SamplingParams], *,
         messages: Sequence[Any] | None, texts: Sequence[str | None] | None,
         cache_salt: str | None,
-    ) -> list[Generation]:
+    ) -> list[Generating]:
         """`gens` as they are when the request's route has no shadow; else start its
         copy and return the generations wrapped so their text is kept for the
         comparison."""
@@ -98,35 +100,23 @@ class Shadows:
         pair = _Pair(self, request_id, chosen.alias or served.name, served.name,
                      shadow.name, copies, len(gens))
         self.launch(pair)
-        return [cast(Generation, _Tapped(gen, pair, i)) for i, gen in enumerate(gens)]
+        return [_Tapped(gen, pair, i) for i, gen in enumerate(gens)]
 
 
 def _copies(
     shadow: Served, primary: Served, request_id: str, prompts: Sequence[list[int]],
     params: Sequence[SamplingParams], messages: Sequence[Any] | None,
     texts: Sequence[str | None] | None, cache_salt: str | None,
-) -> list[Generation] | None:
+) -> list[Generating] | None:
     """The shadow's generations of the same prompts (None: they cannot go there)."""
-    ids = [f"{request_id[:48]}-shadow-{i}" for i in range(len(prompts))]
-    if shadow.kind == "upstream":
-        from tokenyard.balancer.upstream_generation import UpstreamGeneration
-
-        if messages is None and (texts is None or any(t is None for t in texts)):
-            return None
-        return [cast(Generation, UpstreamGeneration(
-            shadow.pool, rid, messages=messages,
-            prompt=None if messages is not None else (texts or [None])[i], params=p,
-            model=shadow.spec.model or shadow.name, prompt_tokens_estimate=len(prompt),
-            cache_salt=cache_salt,
-        )) for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True))]
-    same_vocab = (shadow.tokenizer is not None and primary.tokenizer is not None
-                  and shadow.tokenizer.vocab_size == primary.tokenizer.vocab_size)
-    if shadow.kind != "engine" or not same_vocab:
+    kind = kind_of(shadow.spec)
+    if not kind.takes_copy(shadow, primary, messages, texts):
         return None
-    assert shadow.tokenizer is not None
-    return [Generation(shadow.pool, shadow.tokenizer, rid, list(prompt), p,
-                       cache_salt=cache_salt, priority=SHADOW_PRIORITY)
-            for rid, prompt, p in zip(ids, prompts, params, strict=True)]
+    return kind.open(shadow, [
+        Opening(f"{request_id[:48]}-shadow-{i}", list(prompt), p, messages=messages,
+                text=texts[i] if texts else None, cache_salt=cache_salt,
+                priority=SHADOW_PRIORITY)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]).gens
 
 
 class _Side:
@@ -153,7 +143,7 @@ class _Pair:
     """A request and its copy: runs the copy, waits for the primary, records both."""
 
     def __init__(self, shadows: Shadows, request_id: str, alias: str, primary: str,
-                 shadow: str, copies: list[Generation], primaries: int) -> None:
+                 shadow: str, copies: list[Generating], primaries: int) -> None:
         self.shadows = shadows
         self.request_id = request_id
         self.alias, self.primary_name, self.shadow_name = alias, primary, shadow
@@ -165,7 +155,7 @@ class _Pair:
         self.primary_ok = True
         self.primary_done = asyncio.Event()
 
-    def closed(self, gen: Generation) -> None:
+    def closed(self, gen: Generating) -> None:
         """One primary generation closed: it counts only if it finished cleanly."""
         if gen.failed or gen.last is None or "abort" in gen.finish_reasons:
             self.primary_ok = False
@@ -197,7 +187,7 @@ class _Pair:
             texts_match=self.primary.text() == self.shadow.text(),
         ))
 
-    async def _drain(self, position: int, gen: Generation) -> None:
+    async def _drain(self, position: int, gen: Generating) -> None:
         try:
             await gen.start()
             async for out in gen:
@@ -207,17 +197,14 @@ class _Pair:
                 await gen.close()
 
 
-class _Tapped:
+class _Tapped(Wrapper):
     """A primary generation as the caller sees it, its outputs also noted in the pair."""
 
-    def __init__(self, gen: Generation, pair: _Pair, position: int) -> None:
-        self._gen = gen
+    def __init__(self, gen: Generating, pair: _Pair, position: int) -> None:
+        super().__init__(gen)
         self._pair = pair
         self._position = position
         self._closed = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gen, name)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         async for out in self._gen:

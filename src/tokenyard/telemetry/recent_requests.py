@@ -27,7 +27,7 @@ RATE_SPAN_S = 10
 
 
 @dataclass
-class Usage:
+class UsageTotals:
     """Requests, tokens and spend of one org or one model."""
 
     requests: int = 0
@@ -57,8 +57,8 @@ class RecentRequests:
         self.recent: deque[RequestSummary] = deque(maxlen=capacity)
         #: (second, requests, errors), oldest first, one entry per second with arrivals.
         self._seconds: deque[list[int]] = deque()
-        self.by_org: dict[str, Usage] = {}
-        self.by_model: dict[str, Usage] = {}
+        self.by_org: dict[str, UsageTotals] = {}
+        self.by_model: dict[str, UsageTotals] = {}
         self.total = 0
 
     def observe(self, summary: RequestSummary, now: float | None = None) -> None:
@@ -74,10 +74,10 @@ class RecentRequests:
             while self._seconds[0][0] <= second - RATE_WINDOW_S:
                 self._seconds.popleft()
         if summary.org_id is not None:
-            self.by_org.setdefault(summary.org_id, Usage()).add(summary)
+            self.by_org.setdefault(summary.org_id, UsageTotals()).add(summary)
         model = summary.deployment or summary.model
         if model is not None:
-            self.by_model.setdefault(model, Usage()).add(summary)
+            self.by_model.setdefault(model, UsageTotals()).add(summary)
 
     def rates(self, now: float | None = None) -> dict[str, float | int]:
         """Requests and errors per second over the last `RATE_SPAN_S`, and the counts of
@@ -104,6 +104,6 @@ class RecentRequests:
         }
 
 
-def _usage_rows(name: str, usage: dict[str, Usage]) -> list[dict[str, Any]]:
+def _usage_rows(name: str, usage: dict[str, UsageTotals]) -> list[dict[str, Any]]:
     rows = sorted(usage.items(), key=lambda item: -item[1].requests)
     return [{name: key, **value.to_json()} for key, value in rows]

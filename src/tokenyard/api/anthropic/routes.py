@@ -22,14 +22,14 @@ from tokenyard.api.anthropic.stream import MessagesFormat
 from tokenyard.api.anthropic.tools import tool_messages, tool_use
 from tokenyard.api.context import read_request
 from tokenyard.api.respond import Plan, answer, count, json_response, new_call
+from tokenyard.gateway.call import Prepared
 from tokenyard.gateway.pipeline import (
-    Prepared,
     Run,
     Served,
     ToolPlacement,
     first_user_text,
     placed,
-    prepared,
+    preparer,
     text_size,
 )
 from tokenyard.telemetry.timeline import Timeline
@@ -50,7 +50,7 @@ def messages_plan(req: MessagesRequest) -> Plan:
         template_messages, prompt, (tools, passed_on, _) = _conversation(
             req, converted, served, timeline)
         _, params = anthropic_request_to_engine(req, served.sampling)
-        prepare, _ = prepared(served)
+        prepare, _ = preparer(served)
         fitted = prepare.fit(len(prompt), prepare.constrained(params, tools), "max_tokens")
         # cache_control breakpoints: the prompt prefixes the replica pins (none upstream).
         pins = cache_pins(prepare, req, prompt,
@@ -90,7 +90,7 @@ def _conversation(
     placement = placed(tool_use(req), served)
     tools, _, native = placement
     template_messages = tool_messages(req, converted, tools, native)
-    prepare, _ = prepared(served)
+    prepare, _ = preparer(served)
     prompt = prepare.conversation(template_messages, timeline, prefill=True,
                                   tools=template_tools(tools, native))
     return template_messages, prompt, placement

@@ -40,6 +40,7 @@ from tokenyard.api.openai.schemas import (
     CompletionChoice,
     CompletionRequest,
     CompletionTokensDetails,
+    CompletionUsage,
     FinishReason,
     ModelCard,
     ModelList,
@@ -48,7 +49,6 @@ from tokenyard.api.openai.schemas import (
     TextCompletion,
     TokenLogprob,
     TopLogprob,
-    Usage,
 )
 from tokenyard.api.openai.tool_schemas import ResponseFormatJSONObject, ResponseFormatJSONSchema
 from tokenyard.api.openai.tools import assistant_message
@@ -260,10 +260,10 @@ def legacy_finish_reason(
 
 
 def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                 reasoning_tokens: int = 0) -> Usage:
+                 reasoning_tokens: int = 0) -> CompletionUsage:
     """OpenAI usage: `prompt_tokens` includes `cached_tokens`, `completion_tokens` the
     `reasoning_tokens`."""
-    return Usage(
+    return CompletionUsage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,

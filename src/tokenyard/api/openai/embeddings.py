@@ -21,8 +21,9 @@ from tokenyard.api.errors import schema_error
 from tokenyard.api.respond import json_response, new_call, note
 from tokenyard.api.schemas import RequestModel, reject_unknown
 from tokenyard.errors import INVALID_VALUE
+from tokenyard.gateway.call import Call, Prepared
 from tokenyard.gateway.embed import embed
-from tokenyard.gateway.pipeline import Call, Pipeline, Prepared, Served
+from tokenyard.gateway.pipeline import Pipeline, Served
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.embeddings import EmbedResult, unpack_floats
 
@@ -110,8 +111,7 @@ async def embedding_body(pipeline: Pipeline, state: AppState, req: EmbeddingRequ
                          call: Call) -> dict[str, Any]:
     """Embed `req` through the pipeline as `call`: OpenAI's response body."""
     texts, ids = req.inputs()
-    result = await embed(pipeline, call, lambda served: state.embeddings[served.name],
-                         texts=texts, ids=ids, dimensions=req.dimensions)
+    result = await embed(pipeline, call, texts=texts, ids=ids, dimensions=req.dimensions)
     assert call.served is not None
     return _body(result, call.served.name, req.encoding_format)
 

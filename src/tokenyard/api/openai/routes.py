@@ -18,7 +18,8 @@ from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionReques
 from tokenyard.api.openai.stream import ChatFormat, CompletionFormat
 from tokenyard.api.openai.tools import tool_messages, tool_use
 from tokenyard.api.respond import Plan, answer
-from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, prepared
+from tokenyard.gateway.call import Prepared
+from tokenyard.gateway.pipeline import Run, Served, placed, preparer
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.tools import template_tools
 
@@ -36,7 +37,7 @@ def chat_plan(req: ChatCompletionRequest) -> Plan:
         messages, params = chat_request_to_engine(req, served.vocab_size, served.sampling)
         tools, passed_on, native = placed(tool_use(req), served)
         messages = tool_messages(req, messages, tools, native)
-        prepare, _ = prepared(served)
+        prepare, _ = preparer(served)
         prompt = prepare.conversation(messages, timeline, prefill=False,
                                       tools=template_tools(tools, native))
         params = prepare.fit(len(prompt), prepare.constrained(params, tools), param)
@@ -66,7 +67,7 @@ def completion_plan(req: CompletionRequest) -> Plan:
     def build(served: Served, timeline: Timeline) -> Prepared:
         prompts, params = completion_request_to_engine(req, served.vocab_size,
                                                        served.sampling)
-        prepare, tok = prepared(served)
+        prepare, tok = preparer(served)
         ids = [prepare.encode_prompt(p) for p in prompts]
         timeline.mark("tokenized")
         fitted = [prepare.fit(len(p), params, "max_tokens") for p in ids]

@@ -295,7 +295,7 @@ class CompletionTokensDetails(BaseModel):
     rejected_prediction_tokens: int = 0
 
 
-class Usage(BaseModel):
+class CompletionUsage(BaseModel):
     """`usage`: prompt_tokens includes the cached ones."""
 
     prompt_tokens: int
@@ -317,7 +317,7 @@ class ChatCompletion(BaseModel):
     service_tier: ServiceTier = SERVICE_TIER
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
-    usage: Usage
+    usage: CompletionUsage
 
 
 class ChunkDelta(BaseModel):
@@ -365,7 +365,7 @@ class ChatCompletionChunk(BaseModel):
     service_tier: ServiceTier = SERVICE_TIER
     system_fingerprint: str | None = None
     choices: list[ChunkChoice]
-    usage: Usage | None = None
+    usage: CompletionUsage | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -397,7 +397,7 @@ class TextCompletion(BaseModel):
     choices: list[CompletionChoice]
     #: Left out, not null, where there is none (a chunk before the usage one): the spec's
     #: `CreateCompletionResponse.usage`, which each chunk also is, may not be null.
-    usage: Usage | None = Field(default=None, exclude_if=lambda v: v is None)
+    usage: CompletionUsage | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):

@@ -30,7 +30,8 @@ from tokenyard.api.responses.convert import (
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
 from tokenyard.errors import invalid_request
-from tokenyard.gateway.pipeline import Prepared, Run, Served, placed, prepared, text_size
+from tokenyard.gateway.call import Prepared
+from tokenyard.gateway.pipeline import Run, Served, placed, preparer, text_size
 from tokenyard.telemetry.timeline import Timeline
 
 logger = logging.getLogger("tokenyard.api")
@@ -76,7 +77,7 @@ def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
 
     def build(served: Served, timeline: Timeline) -> Prepared:
         tools, passed_on, native = placed(tool_use(req), served)
-        prepare, _ = prepared(served)
+        prepare, _ = preparer(served)
         # Images weigh nothing in the prompt's token count: loaded once it is fitted.
         messages, prompt, params = fitted_conversation(
             prepare, conversation, prepare.constrained(request_params(req, served.sampling), tools),
