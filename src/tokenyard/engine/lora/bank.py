@@ -73,6 +73,11 @@ class LoraWeights:
             self.a[col:col + r].copy_(part.a)
             self.b[out:out + part.b.shape[0], col:col + r].copy_(part.b)
 
+    @property
+    def active(self) -> bool:
+        """Whether this step has an adapted row."""
+        return self.rows.slots is not None
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]: each row's own adapter's update (zero for slot 0)."""
         h = torch.mm(x, self.a.t()).mul_(self.rows.mask(self.width))

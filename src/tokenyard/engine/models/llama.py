@@ -14,7 +14,7 @@ piece into its slice (Phi-3's checkpoints hold the fused tensors already).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +24,6 @@ from tokenyard.engine.attention_backend import AttentionBackend
 from tokenyard.engine.kernels.blocks import BlockWeight
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.rope import apply_rope, rope_tables
-
-if TYPE_CHECKING:  # the bank reads models' folders: no import at run time
-    from tokenyard.engine.lora.bank import LoraWeights
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
@@ -65,6 +62,16 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Ten
     return y.permute(2, 0, 1).reshape(rows, out_features)
 
 
+class ProjectionDelta(Protocol):
+    """What a projection adds to its output for this step's rows (LoRA adapters:
+    engine/lora/bank.py's LoraWeights)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class Linear(nn.Module):
     """Holds a [out, in] weight and optional [out] bias.
 
@@ -83,7 +90,7 @@ class Linear(nn.Module):
         self.blocks: BlockWeight | None = None
         self.parts = 1  # row slices for split_linear; set by LlamaForCausalLM.set_threads
         #: Resident LoRA adapters of this projection (engine/lora/bank.py), if any.
-        self.lora: LoraWeights | None = None
+        self.lora: ProjectionDelta | None = None
 
     def apply_(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
@@ -95,7 +102,7 @@ class Linear(nn.Module):
             y = split_linear(x, self.weight, self.parts)
         if self.bias is not None and self.packed is None:
             y = y.add_(self.bias)
-        if self.lora is not None and self.lora.rows.slots is not None:
+        if self.lora is not None and self.lora.active:
             y = y.add_(self.lora.delta(x))
         return y
 
