@@ -114,6 +114,8 @@ class EngineConfig(Settings):
     # A model that computes nothing in place of `model`'s weights (engine/null_model.py):
     # what `tokenyard bench host` measures the host path with.
     null_model: bool = False
+    # vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}
+    speculative_config: str | None = None
 
     _ENV: ClassVar[dict[str, str]] = {
         "model": "TOKENYARD_MODEL",
@@ -126,6 +128,7 @@ class EngineConfig(Settings):
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
         "async_scheduling": "TOKENYARD_ASYNC_SCHEDULING",
         "null_model": "TOKENYARD_NULL_MODEL",
+        "speculative_config": "TOKENYARD_SPECULATIVE_CONFIG",
     }
 
     def validate(self) -> None:
@@ -431,6 +434,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
     parser.add_argument("--async-scheduling", type=parse_on_off, metavar="on|off",
                         help="plan each step while the one before computes (default off)")
+    parser.add_argument("--speculative-config", metavar="JSON", help="n-gram speculation, "
+                        'as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4}')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -438,5 +443,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ["model", "weights", "device", "kv_cache_gib", "kv_cache_dtype",
              "max_num_batched_tokens",
              "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads",
-             "async_scheduling"]
+             "async_scheduling", "speculative_config"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

@@ -153,6 +153,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.batch import main as batch_main
 
         return batch_main(args)
+    if args.bench_command == "spec":
+        from tokenyard.bench.spec import main as spec_main
+
+        return spec_main(args)
     if args.bench_command == "host":
         from tokenyard.bench.host_path import main as host_main
 
@@ -367,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_host.add_arguments(bench_sub.add_parser(
         "host", help="the host path alone: a model that costs nothing, the engine alone "
                      "and served"))
+    from tokenyard.bench import spec as bench_spec
+
+    bench_spec.add_arguments(bench_sub.add_parser(
+        "spec", help="n-gram speculative decoding against none, one stream"))
     from tokenyard.cli import ray_bench
 
     ray_bench.add_arguments(bench_sub.add_parser(

@@ -25,6 +25,7 @@ from tokenyard.engine.runner import ModelRunner, StepResult
 from tokenyard.engine.sample.grammar import GrammarCompiler
 from tokenyard.engine.sample.prompt_logprobs import join_scores
 from tokenyard.engine.scheduler import Scheduler, SchedulerOutput
+from tokenyard.engine.spec.speculator import Speculator, may_speculate, parse_speculative_config
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import EngineCoreOutput, EngineStats
 
@@ -53,6 +54,12 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
     return torch.device(name)
+
+
+def speculator(config: EngineConfig) -> Speculator | None:
+    """The engine's n-gram speculation, from `speculative_config` (None: off)."""
+    ngram = parse_speculative_config(config.speculative_config)
+    return None if ngram is None else Speculator(ngram)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -103,6 +110,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens,
+            speculator=speculator(config),
         )
         self.runner = ModelRunner(
             model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir,
@@ -207,10 +215,12 @@ class EngineCore:
         """Whether the next step may be planned before the tokens in flight are known: not
         while a running request samples from its own outputs so far (a grammar,
         penalties, stop tokens banned until `min_tokens`)."""
+        speculating = self.scheduler.speculator is not None
         for request in self.scheduler.running:
             params = request.params
             if (request.guided is not None or params.has_penalties
-                    or request.num_output_tokens < params.min_tokens):
+                    or request.num_output_tokens < params.min_tokens
+                    or (speculating and may_speculate(request))):  # drafts need the token
                 return False
         return True
 
@@ -226,13 +236,15 @@ class EngineCore:
             if scoring is not None:
                 join_scores(scoring.prompt_logprobs, first, scored)
         outputs = []
-        for request in self.scheduler.update(step, result.sampled):
+        for request in self.scheduler.update(step, result.sampled, result.accepted):
             lp = result.logprobs.get(request.request_id)
             first = request.num_output_tokens <= 1 and request.params.prompt_logprobs is not None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=request.output_token_ids[-1:],  # none: prompt scored
+                    # none: the prompt was only scored
+                    new_token_ids=request.output_token_ids[-request.num_new_tokens:]
+                    if request.num_output_tokens else [],
                     new_logprobs=[lp] if lp is not None else None,
                     finish_reason=request.status.value if request.is_finished else None,
                     stop_reason=request.stop_reason,

@@ -64,6 +64,8 @@ class Request:
     num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1 until scheduled
     num_preemptions: int = 0
+    #: Tokens the last step appended (more than one when it verified drafts).
+    num_new_tokens: int = 0
     #: With `params.prompt_logprobs`: prompt tokens 1, 2, … scored so far (see
     #: `scores_prompt`); sent with the first output token.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

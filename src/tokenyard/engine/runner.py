@@ -22,6 +22,7 @@ from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.sample.grammar import fill_bitmask
 from tokenyard.engine.sample.prompt_logprobs import PromptSpan, prompt_span, score_prompt_rows
 from tokenyard.engine.scheduler import SchedulerOutput
+from tokenyard.engine.spec.verify import verify_rows
 from tokenyard.wire.outputs import TokenLogprobs
 
 
@@ -31,6 +32,8 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs]
     #: Per request asking for prompt logprobs: (first prompt position scored, its scores).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    #: Per request that verified drafts: the tokens it keeps (engine/spec/verify.py).
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +49,8 @@ class PreparedStep:
     fills: list[tuple[int, str]]
     #: Prefill rows to score against the next prompt token (prompt logprobs).
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    #: Per speculating request: its drafts (its rows in `sample_rows` are consecutive).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -92,7 +97,7 @@ class ModelRunner:
         previous step is still computing, so a pending token is a placeholder here."""
         # Single-token rows first: the attention batches them together.
         items = sorted(step.scheduled, key=lambda item: item[1] > 1)
-        input_ids, positions, meta, fills = self._prepare(items, step.starts)
+        input_ids, positions, meta, fills = self._prepare(items, step.starts, step.drafts)
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         spans: list[PromptSpan] = []
@@ -107,10 +112,12 @@ class ModelRunner:
                     spans.append(span)
             row += n
             if request.request_id in step.sampling:
-                sample_rows.append(row - 1)
-                sample_requests.append(request)
+                # A row that verifies drafts samples every position it computes.
+                width = len(step.drafts.get(request.request_id, ())) + 1
+                sample_rows.extend(range(row - width, row))
+                sample_requests.extend([request] * width)
         return PreparedStep(input_ids, positions, meta, sample_rows, sample_requests, fills,
-                            spans)
+                            spans, step.drafts)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepResult:
@@ -158,15 +165,20 @@ class ModelRunner:
             if mask is not None:
                 batch.token_bitmask, batch.bitmask_rows = mask
         out = self.sampler(logits, batch)
-        sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids, strict=True)}
-        self._last_sampled = sampled
+        accepted: dict[str, list[int]] = {}
+        if prepared.drafts:
+            sampled, accepted = verify_rows(sample_requests, out.token_ids, prepared.drafts)
+        else:
+            sampled = {r.request_id: t
+                       for r, t in zip(sample_requests, out.token_ids, strict=True)}
+        self._last_sampled = {**sampled, **{i: kept[-1] for i, kept in accepted.items()}}
         logprobs: dict[str, TokenLogprobs] = {}
         if out.logprobs is not None:
             for i, r in enumerate(sample_requests):
                 if r.params.logprobs is not None:
                     top = out.top_logprobs[i] if out.top_logprobs is not None else []
                     logprobs[r.request_id] = TokenLogprobs(out.logprobs[i], top)
-        return StepResult(sampled, logprobs, prompt_logprobs)
+        return StepResult(sampled, logprobs, prompt_logprobs, accepted=accepted)
 
     def _generator(self, request: Request) -> torch.Generator | None:
         """The request's seeded generator, made on this replica's device at first use."""
@@ -178,7 +190,8 @@ class ModelRunner:
         return request.generator
 
     def _prepare(
-        self, items: list[tuple[Request, int]], starts: dict[str, int]
+        self, items: list[tuple[Request, int]], starts: dict[str, int],
+        step_drafts: dict[str, list[int]],
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, str]]]:
         """Flat inputs for `items`, which must list single-token rows first, and the
         rows whose token is still pending."""
@@ -207,7 +220,8 @@ class ModelRunner:
                         block_table=None if start == 0 else context_blocks.to(dev),
                     )
                 )
-            known = request.all_token_ids[start:start + n]
+            drafts = step_drafts.get(request.request_id, [])
+            known = request.all_token_ids[start:start + n - len(drafts)] + drafts
             if len(known) < n:  # the one pending token of a decode row
                 fills.append((len(ids) + len(known), request.request_id))
                 known.append(0)

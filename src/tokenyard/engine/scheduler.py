@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from tokenyard.engine.kv_cache import KVBlock, KVCacheManager
 from tokenyard.engine.request import Request, RequestStatus
+from tokenyard.engine.spec.speculator import Speculator
 from tokenyard.engine.step_plan import SchedulerOutput, StepPlan, room_after_preempting
 
 __all__ = ["QueueFullError", "Scheduler", "SchedulerOutput"]
@@ -64,6 +65,8 @@ class Scheduler:
     max_num_seqs: int = 128
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1_000_000
+    #: n-gram speculation (None: off): decoding requests draft tokens verified in one step.
+    speculator: Speculator | None = None
 
     running: list[Request] = field(default_factory=list)
     requests: dict[str, Request] = field(default_factory=dict)
@@ -161,7 +164,11 @@ class Scheduler:
             if left > 1:
                 chunks.append(request)
             elif left == 1 and plan.budget > 0:
-                self._serve(request, 1, plan, prompt=False)
+                drafts = (self.speculator.propose(request, plan.budget - 1)
+                          if self.speculator is not None else [])
+                self._serve(request, 1 + len(drafts), plan, prompt=False)
+                if drafts and plan.is_scheduled(request):
+                    plan.out.drafts[request.request_id] = drafts
         self._prompts(chunks, plan)
         return plan.out
 
@@ -287,12 +294,15 @@ class Scheduler:
         self._push_waiting(request)
 
     # -- after the step --------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Append the sampled tokens of step `out`, finish stopped requests.
 
-        `sampled` may hold ids that did not sample this step (they are ignored). Returns
-        the requests that got a token (finished ones included), and those that only
-        scored their prompt (max_tokens 0), finished without one.
+        `sampled` may hold ids that did not sample this step (they are ignored);
+        `accepted`: per speculating request, the tokens its verified row keeps (its
+        `sampled` token first). Returns the requests that got tokens (finished ones
+        included; `num_new_tokens` says how many), and those that only scored their
+        prompt (max_tokens 0), finished without one.
         """
         now = time.monotonic()
         advanced: list[Request] = []
@@ -307,14 +317,32 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished (aborted) or preempted since it was scheduled
             request.num_pending -= 1
-            request.append_token(sampled[request.request_id])
+            drafts = out.drafts.get(request.request_id)
+            tokens = ([sampled[request.request_id]] if drafts is None or accepted is None
+                      else accepted[request.request_id])
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = request.check_stop()
+            request.num_new_tokens = 0
+            status = None
+            for token in tokens:
+                request.append_token(token)
+                request.num_new_tokens += 1
+                status = request.check_stop()
+                if status is not None:
+                    break
+            if drafts is not None:
+                self._settle_drafts(request, drafts, len(tokens) - 1)
             if status is not None:
                 self._finish(request, status)
             advanced.append(request)
         return advanced
+
+    def _settle_drafts(self, request: Request, drafts: list[int], kept: int) -> None:
+        """The rejected drafts' positions were computed for nothing: the request's
+        computed count goes back to the tokens it kept (their KV stays valid)."""
+        assert self.speculator is not None
+        request.num_computed_tokens -= len(drafts) - kept
+        self.speculator.settle(request, drafts, kept)
 
     def finish_with_stop_string(self, request_id: str, stop: str) -> None:
         """The frontend matched a stop string: finish the request as stopped."""
@@ -331,6 +359,8 @@ class Scheduler:
             self._num_waiting -= 1
             self._waiting_tokens -= request.num_tokens
         self.kv.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         request.status = status
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]

@@ -31,6 +31,9 @@ class SchedulerOutput:
     #: Requests that only score their prompt (max_tokens 0), whose last prompt token is
     #: computed this step: they finish after it with no token.
     scored: set[str] = field(default_factory=set)
+    #: Per speculating request id: the drafts its row computes after its last token
+    #: (engine/spec/speculator.py); each of its positions is sampled.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -18,6 +18,7 @@ gives. A draft model's non-degenerate q needs the general rule and is not done h
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def accepted_tokens(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
@@ -33,3 +34,23 @@ def accepted_tokens(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
             return out
     out.append(sampled[-1])
     return out
+
+
+def verify_rows(requests: Sequence[Any], tokens: Sequence[int],
+                drafts: dict[str, list[int]]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """A step's sampled rows, per request: its first token, and for the requests that
+    verified drafts (whose rows are consecutive) the tokens they keep."""
+    sampled: dict[str, int] = {}
+    accepted: dict[str, list[int]] = {}
+    row = 0
+    while row < len(requests):
+        request_id = requests[row].request_id
+        mine = drafts.get(request_id)
+        if mine is None:
+            sampled[request_id] = tokens[row]
+            row += 1
+            continue
+        kept = accepted_tokens(mine, tokens[row:row + len(mine) + 1])
+        sampled[request_id], accepted[request_id] = kept[0], kept
+        row += len(mine) + 1
+    return sampled, accepted
