@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -70,14 +71,19 @@ class Pair:
 
     gateways: tuple[Server, Server]
     redis_url: str | None
+    first: subprocess.Popen[str]  # the first gateway's process
     chat_prompt: int = 0
     messages_prompt: int = 0
 
 
 @contextlib.contextmanager
-def two_gateways(database_url: str, redis_url: str | None) -> Iterator[Pair]:
-    # 40 ms to the first token, 5 ms a token: requests sent at once overlap.
-    mock = MockReplica(MockConfig(output_len=64, ttft_ms=40.0, itl_ms=5.0))
+def two_gateways(database_url: str, redis_url: str | None, *,
+                 replica: MockConfig | None = None,
+                 env: dict[str, str] | None = None) -> Iterator[Pair]:
+    """Two gateways over a mock replica (by default 40 ms to the first token, 5 ms a
+    token: requests sent at once overlap); `env`: more of their environment. The first
+    may be killed (its exit is not checked)."""
+    mock = MockReplica(replica or MockConfig(output_len=64, ttft_ms=40.0, itl_ms=5.0))
     with _serving({"replica": mock.make_app()}) as urls, \
             tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "fleet.toml"
@@ -90,13 +96,14 @@ name = "{MODEL}"
 urls = ["{urls['replica']}"]
 prices = {{ input = "1", cached_input = "1", output = "1" }}
 """)
-        env = {"TOKENYARD_DATABASE_URL": database_url}
+        env = {**(env or {}), "TOKENYARD_DATABASE_URL": database_url}
         if redis_url is not None:
             env["TOKENYARD_REDIS_URL"] = redis_url
         # One state directory: the second start reads the first's development key.
-        with running_server("--config", str(config), state_dir=tmp, env=env) as (a, _), \
+        with running_server("--config", str(config), state_dir=tmp, env=env,
+                            check_exit=False) as (a, first), \
                 running_server("--config", str(config), state_dir=tmp, env=env) as (b, _):
-            pair = Pair((a, b), redis_url)
+            pair = Pair((a, b), redis_url, first)
             chat = openai.OpenAI(base_url=a.base_url + "/v1", api_key=a.api_key,
                                  max_retries=0).chat.completions.create(
                 model=MODEL, max_tokens=1, messages=[{"role": "user", "content": CONTENT}])
@@ -159,7 +166,8 @@ def new_case(server: Server, kind: str, amount: int) -> Case:
                 {"org": org, "project": project["id"], "key": key["id"], "user": user["id"]})
 
 
-async def one_request(server: Server, secret: str, i: int) -> tuple[str, Any]:
+async def one_request(server: Server, secret: str, i: int,
+                      max_tokens: int = MAX_TOKENS) -> tuple[str, Any]:
     """Request `i` of the mix: ("ok", micros it reported using) or ("refused", (status,
     error type or code, message)). Chat completions with n = 1, 2, 3, streamed every other
     time, and Anthropic messages, streamed every other time."""
@@ -170,11 +178,11 @@ async def one_request(server: Server, secret: str, i: int) -> tuple[str, Any]:
             claude = anthropic.AsyncAnthropic(base_url=server.base_url, api_key=secret,
                                               max_retries=0)
             if stream:
-                async with claude.messages.stream(model=MODEL, max_tokens=MAX_TOKENS,
+                async with claude.messages.stream(model=MODEL, max_tokens=max_tokens,
                                                   messages=messages) as events:
                     final = await events.get_final_message()
             else:
-                final = await claude.messages.create(model=MODEL, max_tokens=MAX_TOKENS,
+                final = await claude.messages.create(model=MODEL, max_tokens=max_tokens,
                                                      messages=messages)
             return "ok", final.usage.input_tokens + final.usage.output_tokens
         client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=secret,
@@ -182,14 +190,14 @@ async def one_request(server: Server, secret: str, i: int) -> tuple[str, Any]:
         n = 1 + i % 3
         if stream:
             chunks = await client.chat.completions.create(
-                model=MODEL, max_tokens=MAX_TOKENS, n=n, messages=messages, stream=True,
+                model=MODEL, max_tokens=max_tokens, n=n, messages=messages, stream=True,
                 stream_options={"include_usage": True})
             usage = None
             async for chunk in chunks:
                 usage = chunk.usage or usage
         else:
             usage = (await client.chat.completions.create(
-                model=MODEL, max_tokens=MAX_TOKENS, n=n, messages=messages)).usage
+                model=MODEL, max_tokens=max_tokens, n=n, messages=messages)).usage
         assert usage is not None
         return "ok", usage.prompt_tokens + usage.completion_tokens
     except openai.APIStatusError as err:
@@ -200,9 +208,12 @@ async def one_request(server: Server, secret: str, i: int) -> tuple[str, Any]:
         return "refused", (err.status_code, error.get("type"), error.get("message", ""))
 
 
-async def at_once(pair: Pair, secret: str) -> list[tuple[str, Any]]:
-    return list(await asyncio.gather(*(one_request(pair.gateways[i % 2], secret, i)
-                                       for i in range(REQUESTS))))
+async def at_once(pair: Pair, secret: str, requests: int = REQUESTS,
+                  gateways: tuple[int, ...] = (0, 1)) -> list[tuple[str, Any]]:
+    """`requests` of the mix at once, spread over `gateways` in turn."""
+    return list(await asyncio.gather(*(
+        one_request(pair.gateways[gateways[i % len(gateways)]], secret, i)
+        for i in range(requests))))
 
 
 def ledger_spend(server: Server, case: Case, requests: int) -> int:
