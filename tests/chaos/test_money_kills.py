@@ -31,6 +31,7 @@ import redis
 from tests.chaos.conftest import Recorder, Scale
 from tests.chaos.invariants import check_quiescent
 from tests.chaos.test_kills import private_redis
+from tests.e2e.conftest import Server
 from tests.integration.test_money_two_gateways import (
     MAX_TOKENS,
     Case,
@@ -102,6 +103,20 @@ def _refused_naming(case: Case, answers: list[tuple[str, Any]]) -> int:
     return len(refused)
 
 
+def _within_budget(pair: Pair, case: Case, served: int,
+                   gateways: tuple[Server, ...]) -> dict[str, Any]:
+    """Once `served` requests' ledger rows landed: what was spent is within the budget,
+    Redis's running spend equals the ledger's, no hold is left and `gateways` are
+    quiescent. The figures to record."""
+    spent = ledger_spend(pair.gateways[1], case, served)
+    assert spent <= case.amount
+    redis_spent, left_held = redis_account(pair, case)
+    assert (redis_spent, left_held) == (spent, 0)
+    quiet = [check_quiescent(gateway) for gateway in gateways][-1]
+    return {"budget_micros": case.amount, "spent_micros": spent,
+            "redis_spent_micros": redis_spent, "holds_left": left_held, **quiet}
+
+
 def test_restart_of_redis_holding_money(fleet: tuple[Pair, Any], scale: Scale,
                                         record: Recorder) -> None:
     pair, restart = fleet
@@ -122,18 +137,13 @@ def test_restart_of_redis_holding_money(fleet: tuple[Pair, Any], scale: Scale,
 
     held = asyncio.run(scenario())
     assert held["refused_during"] == n and held["holding_served"] == 3, held
-    spent = ledger_spend(pair.gateways[1], case, 3 + held["served_after"])
-    assert spent <= case.amount
-    redis_spent, left_held = redis_account(pair, case)
-    assert (redis_spent, left_held) == (spent, 0)
-    quiet = [check_quiescent(gateway) for gateway in pair.gateways][-1]
+    figures = _within_budget(pair, case, 3 + held["served_after"], pair.gateways)
     record("restart of Redis holding money",
            command="two tokenyard serve on PostgreSQL and a private redis-server; the "
                    "redis-server killed (SIGKILL) and started empty while one gateway "
                    "holds a key's whole budget",
            sent={"holding_requests": 3, "requests_during": n, "requests_after": n},
-           held={**held, "budget_micros": case.amount, "spent_micros": spent,
-                 "redis_spent_micros": redis_spent, "holds_left": left_held, **quiet})
+           held={**held, **figures})
 
 
 def test_kill_9_of_a_gateway_holding_money(fleet: tuple[Pair, Any], scale: Scale,
@@ -155,22 +165,14 @@ def test_kill_9_of_a_gateway_holding_money(fleet: tuple[Pair, Any], scale: Scale
         recovery = time.monotonic() - killed_at
         after = await at_once(pair, case.secret, n, gateways=(1,))
         return {"refused_while_held": n, "recovery_s": round(recovery, 2),
-                "served_after": 1 + n - _refused_naming(case, after),
-                "served": 1 + n - _refused_naming(case, after)}
+                "served_after": 1 + n - _refused_naming(case, after)}
 
     held = asyncio.run(scenario())
-    spent = ledger_spend(pair.gateways[1], case, held["served"])
-    assert spent <= case.amount
     assert held["recovery_s"] <= HOLD_TTL_S + 2.5, held
-    redis_spent, left_held = redis_account(pair, case)
-    assert (redis_spent, left_held) == (spent, 0)
-    quiet = check_quiescent(pair.gateways[1])
+    figures = _within_budget(pair, case, held["served_after"], pair.gateways[1:])
     record("kill -9 of a gateway holding money",
            command="two tokenyard serve on PostgreSQL and a private redis-server "
                    f"(TOKENYARD_MONEY_HOLD_TTL_S={HOLD_TTL_S:g}); kill -9 the one holding "
                    "a key's whole budget",
            sent={"holding_requests": 3, "requests_while_held": n, "requests_after": n},
-           held={"refused_while_held": held["refused_while_held"],
-                 "recovery_s": held["recovery_s"], "served_after": held["served_after"],
-                 "budget_micros": case.amount, "spent_micros": spent,
-                 "redis_spent_micros": redis_spent, "holds_left": left_held, **quiet})
+           held={**held, **figures})
