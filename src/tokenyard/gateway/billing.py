@@ -181,7 +181,9 @@ class Billing:
         """`precheck`, and hold the cost of `max_usage` (the most the request may use, at
         its model's `prices`) against the org's prepaid balance until `release`: refused
         when the balance left less what is held does not cover it (so a balance is never
-        overdrawn). Release the hold once the request is metered (or never ran)."""
+        overdrawn). With a shared store (Redis) it is held there instead, against every
+        account of the request at once (`money_holds.accounts_for`). Release the hold once
+        the request is metered (or never ran)."""
         view = await self._view(key.org_id)
         micros = self.cost(prices, max_usage)
         # A budget is never overspent: it holds the most the request may cost, its prompt
