@@ -235,8 +235,11 @@ class ServeConfig(Settings):
     state_dir: Path = Path(".tokenyard")
     #: None: SQLite in `state_dir` (see `database`); PostgreSQL to share one store.
     database_url: str | None = None
-    #: Shared limits across gateway processes; None: limits in process.
+    #: Shared limits and money holds across gateway processes; None: both in process.
     redis_url: str | None = None
+    #: With Redis: seconds after a gateway process's last heartbeat that the money it
+    #: holds for its requests in flight is let go (a crashed gateway's holds).
+    money_hold_ttl_s: float = 30.0
     #: What this process sends to a replica given with `--replica-url`; a replica it starts
     #: itself gets this one too, else a fresh random one.
     replica_token: str | None = None
@@ -298,6 +301,7 @@ class ServeConfig(Settings):
         "state_dir": "TOKENYARD_STATE_DIR",
         "database_url": "TOKENYARD_DATABASE_URL",
         "redis_url": "TOKENYARD_REDIS_URL",
+        "money_hold_ttl_s": "TOKENYARD_MONEY_HOLD_TTL_S",
         "replica_token": REPLICA_TOKEN_ENV,
         "admin_key": "TOKENYARD_ADMIN_KEY",
         "key_cache_ttl_s": "TOKENYARD_KEY_CACHE_TTL_S",
@@ -331,6 +335,8 @@ class ServeConfig(Settings):
         if min(self.key_cache_ttl_s, self.billing_refresh_s, self.prices_refresh_s,
                self.ledger_flush_interval_s, self.drain_timeout_s) < 0:
             raise ValueError("gateway intervals and timeouts must be >= 0")
+        if self.money_hold_ttl_s <= 0:
+            raise ValueError("money_hold_ttl_s must be > 0")
         if self.ledger_max_batch < 1:
             raise ValueError("ledger_max_batch must be positive")
         if self.max_body_bytes < 1:

@@ -30,8 +30,12 @@ ends with the quiescence check, whose figures are in its table:
 Throughout, no answer is a 5xx other than the documented 503 (overloaded, unavailable)
 and 529. The scenarios whose tables show `ledger_*` figures also check that every
 request that produced tokens is in the ledger exactly once; the disconnect storm bills a
-prepaid org and checks that its balance equals its credit minus its ledger. `make test`
-runs a short version of each.
+prepaid org and checks that its balance equals its credit minus its ledger. The money
+scenarios (two gateways holding a key's budget in Redis; one killed, or Redis restarted
+empty) check that no more than the budget was spent and that Redis's running spend
+equals the ledger's; docs/operations.md ("Money across gateways") gives the bounds when
+Redis loses its keys or a gateway dies holding money. `make test` runs a short version
+of each.
 """
 
 

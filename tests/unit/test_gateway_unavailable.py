@@ -22,6 +22,7 @@ from tokenyard.store import (
     Store,
     UsageRecord,
 )
+from tokenyard.store.records import Budget
 from tokenyard.telemetry.timeline import Timeline
 
 
@@ -48,6 +49,37 @@ def test_a_dead_redis_refuses_with_503_and_takes_nothing(tmp_path: Path) -> None
     err = asyncio.run(scenario())
     assert err.status == 503 and err.headers["retry-after"] == "1"
     assert "rate limiter" in err.message
+
+
+def test_a_dead_redis_holding_money_refuses_with_503_and_frees_the_limits(
+        tmp_path: Path) -> None:
+    """Money held in Redis (a key with a budget) while Redis is unreachable: 503 with
+    retry-after, and the request's rate-limit admission is given back."""
+    from tokenyard.gateway.redis_money import RedisMoney
+
+    async def scenario() -> tuple[APIError, int]:
+        db = await Database.open(f"sqlite+aiosqlite:///{tmp_path / 'g.db'}")
+        store = Store(db)
+        org = await store.create_org("acme")
+        secret, _ = await store.create_api_key(org.id, name="k", max_concurrency=1,
+                                                budget=Budget(total_micros=1_000))
+        ledger = LedgerWriter(db, tmp_path / "journal")
+        await ledger.start()
+        gateway = Gateway(store, InProcessLimiter(), Billing(
+            store, ledger, shared=RedisMoney("redis://127.0.0.1:1/0")))
+        try:
+            key = await gateway.authenticate({"authorization": f"Bearer {secret}"}, Timeline())
+            with pytest.raises(APIError) as refused:
+                await gateway.admit(key, model="m", endpoint="/v1/chat/completions",
+                                    request_id="r1", prompt_tokens=5, max_tokens=5,
+                                    timeline=Timeline())
+            return refused.value, gateway.admissions_open
+        finally:
+            await gateway.close()
+
+    err, admissions_open = asyncio.run(scenario())
+    assert err.status == 503 and err.headers["retry-after"] == "1"
+    assert "billing" in err.message and admissions_open == 0
 
 
 def test_a_broken_store_fails_authentication_with_503(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.kinds import kind_of
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
+from tokenyard.gateway.money_holds import SharedHolds
 from tokenyard.gateway.routing import Router
 from tokenyard.gateway.served import Served
 from tokenyard.telemetry import logs
@@ -69,6 +70,16 @@ def make_limiter(redis_url: str | None) -> Limiter:
     from tokenyard.gateway.redis_limits import RedisLimiter  # only scale-out needs redis
 
     return RedisLimiter(redis_url)
+
+
+def make_money(config: ServeConfig) -> SharedHolds | None:
+    """Money holds shared through Redis when a URL is given (every gateway process holds
+    and settles the same balances, caps and budgets), else None (in process)."""
+    if config.redis_url is None:
+        return None
+    from tokenyard.gateway.redis_money import RedisMoney
+
+    return RedisMoney(config.redis_url, hold_ttl=config.money_hold_ttl_s)
 
 
 def make_affinity(redis_url: str | None) -> AffinityTable | None:
@@ -315,8 +326,8 @@ async def open_gateway(config: ServeConfig) -> tuple[Gateway, str | None, Path |
     private_dir(config.state_dir)
     private_dir(config.journal_dir)
     gateway, new_key = await Gateway.open(
-        config.database, make_limiter(config.redis_url), config.journal_dir, config=config
-    )
+        config.database, make_limiter(config.redis_url), config.journal_dir, config=config,
+        money=make_money(config))
     key_file = config.dev_key_file
     if config.admin_key is not None:  # the operator's: neither written nor shown whole
         if new_key is not None:

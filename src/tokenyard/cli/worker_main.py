@@ -40,6 +40,7 @@ async def run_worker(spec: WorkerSpec) -> int:
     from tokenyard.api.app import make_app
     from tokenyard.api.convert import now
     from tokenyard.cli.fleet import reload
+    from tokenyard.cli.serve import make_money
     from tokenyard.gateway.gate import Gateway
     from tokenyard.gateway.limits import Limiter
     from tokenyard.gateway.routing import Router
@@ -70,7 +71,7 @@ async def run_worker(spec: WorkerSpec) -> int:
                 limiter = RedisLimiter(config.redis_url)
             gateway, _ = await Gateway.open(
                 config.database, limiter, config.journal_dir / f"worker-{spec.index}",
-                config=config)
+                config=config, money=make_money(config))
         fleet = FleetBuilder(spec.fleet_spec(), _no_local_replicas, config,
                              Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
         deployments = await fleet.build()

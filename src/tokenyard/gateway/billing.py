@@ -13,8 +13,13 @@ Against a prepaid balance, admission (`reserve`) also holds the request's maximu
 output price) until it is metered (`release`), so requests in flight see each other: a
 request is refused when the balance left, less what is held, does not cover its maximum
 cost, even when nothing is held: one process never overdraws a balance (issue 40).
-Holds live in this process, like the local spend: see
-docs/architecture.md for what several gateway processes bound together.
+
+Those holds live in this process, like the local spend. With a `SharedHolds` (Redis:
+gateway/redis_money.py) every gateway process holds and settles the money of the
+balance, the spend caps and the key and user budgets there instead, against the same
+running spend, so N processes never spend past any of them (docs/operations.md, "Money
+across gateways"); the snapshot then only says which accounts a request has (the balance's
+credit, the caps) and the free tier's count.
 """
 
 from __future__ import annotations
@@ -27,8 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tokenyard.deployments import PriceSpec
-from tokenyard.errors import APIError, insufficient_quota
-from tokenyard.gateway.budgets import BudgetHold, Budgets
+from tokenyard.errors import APIError
+from tokenyard.gateway.budgets import BudgetHold, Budgets, month_of
+from tokenyard.gateway.money_holds import (
+    SharedHolds,
+    accounts_for,
+    quota,
+    refusal,
+    seed_figures,
+)
 from tokenyard.store.ledger import LedgerWriter, UsageRecord
 from tokenyard.store.money import (
     Prices,
@@ -37,7 +49,7 @@ from tokenyard.store.money import (
     format_exact,
     format_money,
 )
-from tokenyard.store.records import KeyContext
+from tokenyard.store.records import CreditState, KeyContext
 from tokenyard.store.repo import Store
 
 logger = logging.getLogger("tokenyard.gateway.billing")
@@ -72,13 +84,15 @@ class Hold:
     released: bool = False
     #: The hold on the budgets of the request's key and user (`gateway/budgets.py`).
     budget: BudgetHold | None = None
+    #: The hold on every account in a `SharedHolds` (Redis), which replaces both above.
+    shared: object | None = None
 
 
 @dataclass
 class _OrgView:
     """An org's spending figures as last read from the store, plus local changes since."""
 
-    balance: int | None = None  # micros; None: postpaid (no prepaid balance)
+    credit: CreditState | None = None  # the prepaid balance; None: postpaid
     month_spend: int = 0
     project_spend: dict[str, int] = field(default_factory=dict)
     caps: dict[str | None, int] = field(default_factory=dict)  # project (None: org) → cap
@@ -93,6 +107,11 @@ class _OrgView:
     local_total: int = 0
     local_by_project: dict[str | None, int] = field(default_factory=dict)
     refreshing: asyncio.Task[None] | None = None
+
+    @property
+    def balance(self) -> int | None:
+        """Micros, as last read; None: postpaid (no prepaid balance)."""
+        return None if self.credit is None else self.credit.balance_micros
 
     def spent(self, project_id: str | None) -> tuple[int, int, int]:
         """(org month spend, project month spend, requests today), local changes included."""
@@ -133,10 +152,13 @@ class Billing:
         refresh_s: float = 1.0,
         prices_refresh_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedHolds | None = None,
     ) -> None:
         """`refresh_s`: the age of an org's spending figures before a background re-read;
-        `prices_refresh_s`: the same for the price list."""
+        `prices_refresh_s`: the same for the price list; `shared`: hold money there
+        (Redis, for many gateway processes) rather than in this process."""
         self.store = store
+        self.shared = shared
         self.ledger = ledger
         self.refresh_s = refresh_s
         self.prices_refresh_s = prices_refresh_s
@@ -159,15 +181,26 @@ class Billing:
         """`precheck`, and hold the cost of `max_usage` (the most the request may use, at
         its model's `prices`) against the org's prepaid balance until `release`: refused
         when the balance left less what is held does not cover it (so a balance is never
-        overdrawn). Release the hold once the request is metered (or never ran)."""
+        overdrawn). With a shared store (Redis) it is held there instead, against every
+        account of the request at once (`money_holds.accounts_for`). Release the hold once
+        the request is metered (or never ran)."""
         view = await self._view(key.org_id)
         micros = self.cost(prices, max_usage)
-        budget = None
-        if key.key_budget or key.user_budget:
-            # A budget is never overspent: it holds the most the request may cost, its
-            # prompt written to the prompt cache for an hour (the dearest way) included.
-            budget = await self.budgets.reserve(key, self.cost(prices, replace(
-                max_usage, cache_write_1h_tokens=max_usage.prompt_tokens)))
+        # A budget is never overspent: it holds the most the request may cost, its prompt
+        # written to the prompt cache for an hour (the dearest way) included.
+        dearest = (self.cost(prices, replace(max_usage,
+                                             cache_write_1h_tokens=max_usage.prompt_tokens))
+                   if key.key_budget or key.user_budget else 0)
+        if self.shared is not None:
+            self._check_free_tier(key, view)
+            accounts = accounts_for(key, view.credit, view.caps,
+                                    month_of(self.store.clock()), micros, dearest)
+            if not accounts:
+                return Hold(key.org_id, 0)
+            shared = await self.shared.reserve(
+                accounts, lambda missing: seed_figures(self.store, self.ledger, missing))
+            return Hold(key.org_id, 0, shared=shared)
+        budget = await self.budgets.reserve(key, dearest) if dearest else None
         try:
             self._check(key, view, micros)
         except APIError:
@@ -176,11 +209,14 @@ class Billing:
         view.held += micros
         return Hold(key.org_id, micros, budget=budget)
 
-    def release(self, hold: Hold | None) -> None:
-        """Give a hold back (its request was metered, or never ran). Idempotent."""
+    def release(self, hold: Hold | None, cost: int = 0) -> None:
+        """Give a hold back: its request was metered at `cost` micros (`meter` counted
+        them here; a shared store is charged them now), or never ran. Idempotent."""
         if hold is None or hold.released:
             return
         hold.released = True
+        if hold.shared is not None and self.shared is not None:
+            self.shared.settle(hold.shared, cost, month_of(self.store.clock()))
         self.budgets.release(hold.budget)
         view = self._views.get(hold.org_id)
         if view is not None:
@@ -194,35 +230,28 @@ class Billing:
 
     def _check(self, key: KeyContext, view: _OrgView, cost: int) -> None:
         """`precheck`'s refusals for a request of maximum cost `cost` (micros)."""
-        org_spend, project_spend, requests_today = view.spent(key.project_id)
-        local_cost = org_spend - view.month_spend
+        org_spend, project_spend, _ = view.spent(key.project_id)
         if view.balance is not None:
-            left = view.balance - local_cost
-            if left <= 0:
-                raise _quota(f"Your organization's prepaid balance is used up "
-                             f"({format_money(left)} left). Add credit to continue.")
-            if left - view.held < cost:
-                raise _quota(
-                    f"Your organization's prepaid balance ({format_money(left)} left, "
-                    f"{format_money(view.held)} of it held by requests in flight) does not "
-                    f"cover this request's maximum cost of {format_money(cost)}. Retry once "
-                    "they finish, lower max_tokens, or add credit."
-                )
-        org_cap = view.caps.get(None)
-        if org_cap is not None and org_spend >= org_cap:
-            raise _quota(
-                f"Your organization reached its monthly spend cap of {format_money(org_cap)} "
-                f"(spent {format_money(org_spend)})."
-            )
-        project_cap = view.caps.get(key.project_id) if key.project_id else None
-        if project_cap is not None and project_spend >= project_cap:
-            raise _quota(
-                f"Project {key.project_id} reached its monthly spend cap of "
-                f"{format_money(project_cap)} (spent {format_money(project_spend)})."
-            )
+            left = view.balance - (org_spend - view.month_spend)
+            if err := refusal("balance", key.org_id, left=left, held=view.held, cost=cost):
+                raise err
+        # In one process a spend cap refuses once it is reached (no hold against it).
+        for kind, subject_id, spent in (("org_cap", key.org_id, org_spend),
+                                        ("project_cap", key.project_id, project_spend)):
+            cap = view.caps.get(None if kind == "org_cap" else subject_id)
+            if subject_id is None or cap is None:
+                continue
+            if err := refusal(kind, subject_id, left=cap - spent, held=0, cost=0,  # type: ignore[arg-type]
+                              cap=cap):
+                raise err
+        self._check_free_tier(key, view)
+
+    @staticmethod
+    def _check_free_tier(key: KeyContext, view: _OrgView) -> None:
+        _, _, requests_today = view.spent(key.project_id)
         allowance = key.free_tier_daily_requests
         if allowance is not None and view.balance is None and requests_today >= allowance:
-            raise _quota(
+            raise quota(
                 f"Your organization used its free tier's {allowance} requests for today "
                 "(UTC). Add credit to continue."
             )
@@ -246,7 +275,7 @@ class Billing:
             # bounded, so a database that is down cannot hold a request (the read below
             # then fails and the last figures stay).
             await asyncio.wait_for(self.ledger.flush(), FLUSH_WAIT_S)
-            balance = await self.store.balance(org_id)
+            credit = await self.store.credit_state(org_id)
             month = await self.store.month_spend(org_id)
             caps = {cap.project_id: cap.cap_micros
                     for cap in await self.store.spend_caps(org_id)}
@@ -260,11 +289,16 @@ class Billing:
             return
         finally:
             view.refreshing = None
-        view.balance, view.month_spend, view.caps = balance, month, caps
+        view.credit, view.month_spend, view.caps = credit, month, caps
         view.project_spend = project_spend
         view.requests_today = today
         view.forget_until(started_seq)
         view.read_at = self._clock()
+
+    async def close(self) -> None:
+        """Wait for the shared store's settlements under way and let its holds go."""
+        if self.shared is not None:
+            await self.shared.close()
 
     # -- metering ---------------------------------------------------------------------------
 
@@ -382,12 +416,6 @@ class Cost:
         out.update({name: format_exact(q) for name, q in self.items.items()
                     if q or name != "cache_write"})
         return out
-
-
-def _quota(message: str) -> APIError:
-    err = insufficient_quota(message)
-    err.headers["x-should-retry"] = "false"
-    return err
 
 
 def batch_prices(prices: Prices) -> Prices:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tokenyard.errors import APIError, insufficient_quota
+from tokenyard.gateway.money_holds import refusal
 from tokenyard.store.ledger import LedgerWriter
 from tokenyard.store.money import format_money
 from tokenyard.store.records import Budget, KeyContext
@@ -65,33 +65,16 @@ class _SpendView:
     local_total: int = 0
     refreshing: asyncio.Task[None] | None = None
 
-    def label(self) -> str:
-        return f"API key {self.subject_id}" if self.subject == "key" else \
-            f"user {self.subject_id}"
-
     def check(self, micros: int) -> None:
         """Refuse a request of maximum cost `micros` that this view's budget cannot cover."""
-        spent_month = self.month_spent + self.local_month
-        spent_total = self.total_spent + self.local_total
-        for period, cap, spent in (("monthly", self.budget.monthly_micros, spent_month),
-                                   ("total", self.budget.total_micros, spent_total)):
-            if cap is None:
-                continue
-            left = cap - spent
-            whose = f"The {period} budget of {self.label()} ({format_money(cap)} USD)"
-            if left <= 0:
-                when = " this month" if period == "monthly" else ""
-                then = ("It renews with the next calendar month (UTC)." if period == "monthly"
-                        else "An admin may raise it.")
-                raise _quota(f"{whose} is used up: {format_money(spent)} spent{when}. {then}")
-            if left - self.held < micros:
-                held = (f", {format_money(self.held)} of it held by requests in flight,"
-                        if self.held else "")
-                raise _quota(
-                    f"{whose} has {format_money(left)} left{held} which does not cover this "
-                    f"request's maximum cost of {format_money(micros)}. Lower max_tokens"
-                    + (", or retry once they finish." if self.held else ".")
-                )
+        for period, cap, spent in (("month", self.budget.monthly_micros,
+                                    self.month_spent + self.local_month),
+                                   ("total", self.budget.total_micros,
+                                    self.total_spent + self.local_total)):
+            if cap is not None and (err := refusal(
+                    f"{self.subject}_{period}", self.subject_id,  # type: ignore[arg-type]
+                    left=cap - spent, held=self.held, cost=micros, cap=cap)):
+                raise err
 
     def to_json(self) -> dict[str, Any]:
         def money(micros: int | None) -> str | None:
@@ -217,7 +200,3 @@ class Budgets:
         view.read_at = self._clock()
 
 
-def _quota(message: str) -> APIError:
-    err = insufficient_quota(message)
-    err.headers["x-should-retry"] = "false"
-    return err

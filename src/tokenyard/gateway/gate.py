@@ -33,6 +33,7 @@ from tokenyard.gateway.limits import (
     RateLimited,
     Subject,
 )
+from tokenyard.gateway.money_holds import SharedHolds
 from tokenyard.gateway.requests import RequestLog
 from tokenyard.gateway.responses import StoredResponses
 from tokenyard.store.db import Database
@@ -137,12 +138,13 @@ class Gateway:
     @classmethod
     async def open(
         cls, database_url: str, limiter: Limiter, journal_dir: Path,
-        *, config: ServeConfig | None = None,
+        *, config: ServeConfig | None = None, money: SharedHolds | None = None,
     ) -> tuple[Gateway, str | None]:
         """Open the store (migrating it), start the ledger writer (replaying what a crashed
         gateway left in its journal) and the purge of expired stored responses, and create
         the default org on an empty database.
-        `config` sets the caches' lifetimes and the ledger's batching (default: defaults).
+        `config` sets the caches' lifetimes and the ledger's batching (default: defaults);
+        `money`: hold money there for every gateway process (Redis), else in this one.
         Returns the gateway and the new development key's secret (None if not new)."""
         config = config or ServeConfig()
         db = await Database.open(database_url)
@@ -156,7 +158,7 @@ class Gateway:
             await db.close()
             raise
         billing = Billing(store, ledger, refresh_s=config.billing_refresh_s,
-                          prices_refresh_s=config.prices_refresh_s)
+                          prices_refresh_s=config.prices_refresh_s, shared=money)
         requests = RequestLog(store, config)
         await requests.start()
         request_log.add_observer(requests.observe)
@@ -174,6 +176,7 @@ class Gateway:
             await asyncio.gather(*self._settling, return_exceptions=True)
         request_log.remove_observer(self.requests.observe)
         await self.requests.close()
+        await self.billing.close()
         await self.billing.ledger.close(timeout=10.0)
         await self.limiter.close()
         await self.store.db.close()
@@ -244,6 +247,12 @@ class Gateway:
                              else await self.billing.batch_prices(model))
             ticket.hold = await self.billing.reserve(
                 key, ticket.prices, Usage(prompt_tokens, 0, max_tokens))
+        except APIError:
+            self.finish(ticket, None, FAILED)
+            raise
+        except Exception as exc:  # the store or Redis is down
+            self.finish(ticket, None, FAILED)
+            raise _unavailable("billing", exc) from None
         except BaseException:
             self.finish(ticket, None, FAILED)
             raise
@@ -291,7 +300,7 @@ class Gateway:
                 region=ticket.region, batch_id=ticket.batch_id,
             )
             ticket.cost = Cost.of(ticket.prices, usage, record.cost_micros)
-        self.billing.release(ticket.hold)  # the real cost, if any, is counted by now
+        self.billing.release(ticket.hold, ticket.cost_micros or 0)
         used = usage.total_tokens if usage is not None else 0
         if isinstance(self.limiter, InProcessLimiter):  # no I/O: settled here, no task
             try:

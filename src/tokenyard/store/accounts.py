@@ -13,7 +13,7 @@ from tokenyard.store import reports
 from tokenyard.store.db import Database
 from tokenyard.store.ids import new_id
 from tokenyard.store.money import Prices
-from tokenyard.store.records import GroupBy, SpendCap, UsageRow
+from tokenyard.store.records import CreditState, GroupBy, SpendCap, UsageRow
 from tokenyard.store.sql import insert_for
 from tokenyard.store.tables import balances, model_prices, spend_caps
 
@@ -53,10 +53,13 @@ class Accounts:
         Creates the balance row on first credit, which turns a postpaid org into a prepaid
         one. LookupError if the org does not exist.
         """
-        insert = insert_for(self.db.dialect, balances).values(org_id=org_id, balance_micros=micros)
+        insert = insert_for(self.db.dialect, balances).values(
+            org_id=org_id, balance_micros=micros, credited_micros=micros, credit_seq=1)
         query = insert.on_conflict_do_update(
             index_elements=["org_id"],
-            set_={"balance_micros": balances.c.balance_micros + insert.excluded.balance_micros},
+            set_={"balance_micros": balances.c.balance_micros + insert.excluded.balance_micros,
+                  "credited_micros": balances.c.credited_micros + micros,
+                  "credit_seq": balances.c.credit_seq + 1},
         ).returning(balances.c.balance_micros)
         try:
             async with self.db.engine.begin() as conn:
@@ -70,6 +73,15 @@ class Accounts:
         async with self.db.engine.connect() as conn:
             value = (await conn.execute(query)).scalar_one_or_none()
         return None if value is None else int(value)
+
+    async def credit_state(self, org_id: str) -> CreditState | None:
+        """The org's prepaid balance with what admins credited to it (one row read, so the
+        three agree), or None: postpaid."""
+        query = select(balances.c.balance_micros, balances.c.credited_micros,
+                       balances.c.credit_seq).where(balances.c.org_id == org_id)
+        async with self.db.engine.connect() as conn:
+            row = (await conn.execute(query)).one_or_none()
+        return None if row is None else CreditState(int(row[0]), int(row[1]), int(row[2]))
 
     async def set_spend_cap(
         self, org_id: str, project_id: str | None, cap_micros: int | None

@@ -179,6 +179,17 @@ class SpendCap:
 
 
 @dataclass(frozen=True)
+class CreditState:
+    """A prepaid balance as one read saw it: `balance_micros` (credits less the ledger's
+    debits), and `credited_micros`, the sum of every admin credit or debit, the
+    `credit_seq`-th of them the last."""
+
+    balance_micros: int
+    credited_micros: int
+    credit_seq: int
+
+
+@dataclass(frozen=True)
 class UsageRow:
     """One group of a usage report; tokens are counts, cost in micros."""
 

@@ -167,6 +167,11 @@ balances = Table(
     # last request that was admitted while it was still positive.
     Column("org_id", String(ID), ForeignKey("orgs.id"), primary_key=True),
     Column("balance_micros", BigInteger, nullable=False),
+    # Every credit and debit an admin made (add_credit), summed, and how many: a gateway
+    # holding money in Redis learns of a credit from them, never from the balance, which
+    # the ledger's commits change too (gateway/redis_money.py).
+    Column("credited_micros", BigInteger, nullable=False, server_default="0"),
+    Column("credit_seq", BigInteger, nullable=False, server_default="0"),
 )
 
 spend_caps = Table(
