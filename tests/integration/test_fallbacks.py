@@ -112,6 +112,9 @@ def _fleet_toml(replica_url: str, urls: dict[str, str]) -> str:
         + upstream("cut-2026", "cut", to_embedded)
         + upstream("silent-2026", "silent",
                    'fallbacks = ["ok-2026"]\nfirst_byte_timeout_s = 0.5\n')
+        + upstream("guarded-2026", "ok", 'fallbacks = ["ok-2026"]\n'
+                   'moderation = { input = "block", classifier = "blocklist", '
+                   'patterns = { insult = ["nitwit"] } }\n')
         + upstream("ok-2026", "ok")
     )
 
@@ -181,6 +184,16 @@ def test_an_upstream_answering_429_or_500_falls_back_to_the_embedded_model_bille
     rows = fleet.ledger(request_id)
     assert [(r["model"], r["prompt_tokens"], r["output_tokens"]) for r in rows] == [
         (EMBEDDED, reply.usage.prompt_tokens, reply.usage.completion_tokens)]
+
+
+def test_a_content_policy_refusal_falls_back(fleet: Fleet) -> None:
+    flagged: Any = [{"role": "user", "content": "Call me a nitwit."}]
+    raw = fleet.openai().chat.completions.with_raw_response.create(
+        model="guarded-2026", messages=flagged, max_tokens=3)
+    assert raw.parse().model == "ok-2026"
+    assert fleet.record(raw.headers["x-request-id"])["attempts"] == _attempts(
+        ("guarded-2026", "guarded-2026", "failed", "content_policy_violation"),
+        ("ok-2026", "ok-2026", "served", None))
 
 
 def test_a_failure_outside_fallback_on_is_the_answer(fleet: Fleet) -> None:
