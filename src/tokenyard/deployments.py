@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenyard.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+from tokenyard.fallback_spec import FallbackSpec, check_fallbacks, fallback_spec
 from tokenyard.fleet_values import (
     FleetConfigError,
     a_string,
@@ -148,6 +149,8 @@ class DeploymentSpec:
     #: REASONING_PARSERS, "none": no reasoning); "auto": from the model's chat template.
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    #: Where its requests go when it fails before their first byte (`fallback_spec.py`).
+    fallbacks: FallbackSpec | None = None
 
     @property
     def salts_cache(self) -> bool:
@@ -172,6 +175,7 @@ class AliasSpec:
     name: str
     routes: tuple[tuple[str, float], ...]
     shadow: ShadowSpec | None = None
+    fallbacks: FallbackSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,7 @@ def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
         deployments[spec.name] = spec
     aliases = {name: _alias(name, value, deployments)
                for name, value in a_table(raw.get("aliases", {}), "aliases").items()}
+    check_fallbacks(deployments, aliases)
     return FleetSpec(deployments, aliases, _balancer(raw.get("balancer", {})), path)
 
 
@@ -267,6 +272,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item, limits = _output_limits(item, where)
     item, ray = ray_placement(item, where)
     item, tool_parser, reasoning_parser = parser_choice(item, where)
+    item, fallbacks = fallback_spec(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "batch_prices", "moderation",
                  "server", "defaults", "region"}, where)
@@ -324,7 +330,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         server=server, region=opt_region(item.get("region"), f"{where}.region"), ray=ray,
         defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
                   if "defaults" in item else NONE),
-        tool_call_parser=tool_parser, reasoning_parser=reasoning_parser, **limits,
+        tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
+        fallbacks=fallbacks, **limits,
     )
 
 
@@ -369,11 +376,11 @@ def _alias(name: str, value: Any, deployments: Mapping[str, DeploymentSpec]) -> 
     where = f"aliases.{name}"
     if name in deployments:
         raise FleetConfigError(f"{where}: an alias may not reuse a deployment's name")
-    shadow = None
+    shadow = fallbacks = None
     if isinstance(value, str):
         routes: tuple[tuple[str, float], ...] = ((value, 1.0),)
     else:
-        table = a_table(value, where)
+        table, fallbacks = fallback_spec(a_table(value, where), where)
         only_fields(table, {"route", "shadow"}, where)
         weights = a_table(table.get("route"), f"{where}.route")
         routes = tuple((target, a_weight(w, f"{where}.route.{target}"))
@@ -390,7 +397,7 @@ def _alias(name: str, value: Any, deployments: Mapping[str, DeploymentSpec]) -> 
     for target in [t for t, _ in routes] + ([shadow.deployment] if shadow else []):
         if target not in deployments:
             raise FleetConfigError(f"{where}: '{target}' is not a deployment")
-    return AliasSpec(name, routes, shadow)
+    return AliasSpec(name, routes, shadow, fallbacks)
 
 
 def _balancer(value: Any) -> BalancerSpec:

@@ -50,6 +50,9 @@ class APIError(Exception):
 
     `type` is the OpenAI-style error type; it defaults from `status`. The Anthropic renderer
     derives its own type from the status. `headers` travel with the response (`retry-after`).
+    `cause` is never rendered: what failed on the serving side, for a fallback
+    (`gateway/fallbacks.py`) — "rate_limit" (a replica or its upstream is full or rate
+    limited), "server_error" (it failed or cannot be reached); None: not the deployment's.
     """
 
     def __init__(
@@ -60,6 +63,8 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        cause: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -68,6 +73,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers: dict[str, str] = dict(headers or {})
+        self.cause = cause
 
     def __repr__(self) -> str:
         return (

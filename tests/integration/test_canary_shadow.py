@@ -55,16 +55,20 @@ class Mocks:
 
     def start(self, name: str, **config: Any) -> str:
         """A mock named `name`; its OpenAI base URL."""
+        app = MockReplica(MockConfig(**config)).make_app()
+
+        @web.middleware
+        async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path == CHAT:
+                self.counts[name] += 1
+            return await handler(request)  # type: ignore[no-any-return]
+
+        app.middlewares.append(count)
+        return self.serve(app)
+
+    def serve(self, app: web.Application) -> str:
+        """`app` served on 127.0.0.1 from the mocks' loop: its base URL + /v1."""
         async def go() -> str:
-            app = MockReplica(MockConfig(**config)).make_app()
-
-            @web.middleware
-            async def count(request: web.Request, handler: Any) -> web.StreamResponse:
-                if request.path == CHAT:
-                    self.counts[name] += 1
-                return await handler(request)  # type: ignore[no-any-return]
-
-            app.middlewares.append(count)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)

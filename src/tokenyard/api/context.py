@@ -63,6 +63,8 @@ TICKET: web.RequestKey[Ticket] = web.RequestKey("ticket", Ticket)
 ROUTE: web.RequestKey[Route] = web.RequestKey("route", Route)
 #: The generations of a generating request (what the request's summary reads).
 GENERATIONS: web.RequestKey[list[Any]] = web.RequestKey("generations", list)
+#: The candidates a request with fallbacks tried (gateway/fallbacks.py's `Attempt`s).
+ATTEMPTS: web.RequestKey[list[Any]] = web.RequestKey("attempts", list)
 #: The API error code of a request that failed (before or after its 200).
 ERROR_CODE: web.RequestKey[str] = web.RequestKey("error_code", str)
 #: The status of the error a stream ended in after its 200 (what its record says).

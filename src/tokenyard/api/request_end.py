@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenyard.api.context import (
+    ATTEMPTS,
     ERROR_CODE,
     GENERATIONS,
     KEY,
@@ -108,4 +109,6 @@ def summarize(
         timings_ms=timeline.timings_ms(),
         stream=response is not None and not isinstance(response, web.Response),
         duration_ms=round((time.perf_counter_ns() - received) / 1e6, 3),
+        attempts=tuple(a.to_json() for a in request[ATTEMPTS]) if ATTEMPTS in request
+        else None,
     )

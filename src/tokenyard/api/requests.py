@@ -1,12 +1,12 @@
 """`GET /v1/requests/{id}`: one finished request as the gateway recorded it.
 
 The timeline (stage ms), token counts, cache hit, model, deployment, replica (its
-address: admin keys only), status, finish reason, cost and time, plus the redacted bodies
-when its org captures them. A key of the request's org may read it, and an admin key any;
-for anyone else, and for an id that is unknown or past the retention window, the answer
-is the same 404, so an id does not tell whether it exists. The record is written off the
-request path, but a request just finished is found at once (the gateway looks in its
-queue first).
+address: admin keys only), status, finish reason, cost and time, every candidate a
+request with fallbacks tried, plus the redacted bodies when its org captures them. A key
+of the request's org may read it, and an admin key any; for anyone else, and for an id
+that is unknown or past the retention window, the answer is the same 404, so an id does
+not tell whether it exists. The record is written off the request path, but a request
+just finished is found at once (the gateway looks in its queue first).
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ class RequestCapture(BaseModel):
     expires_at: str
 
 
+class RequestAttempt(BaseModel):
+    """One candidate a request with fallbacks tried (gateway/fallbacks.py)."""
+
+    model: str  # the name tried: a deployment or an alias
+    deployment: str | None  # where it routed; None: not that far
+    outcome: Literal["served", "failed", "skipped"]
+    error_code: str | None  # what ended or skipped it
+
+
 class RequestRecordObject(BaseModel):
     """The answer of `GET /v1/requests/{id}` (its shape in /openapi.json)."""
 
@@ -63,6 +72,8 @@ class RequestRecordObject(BaseModel):
     cost: RequestCost | None
     timeline: dict[str, float]  # stage → ms
     duration_ms: float
+    #: A request with fallbacks: each candidate tried, in order (None: it had none).
+    attempts: list[RequestAttempt] | None = None
     capture: RequestCapture | None
 
 

@@ -29,6 +29,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tokenyard.api.context import (
+    ATTEMPTS,
     GENERATIONS,
     KEY,
     PIPELINE,
@@ -43,6 +44,7 @@ from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, internal_error
 from tokenyard.gateway.call import Build, Call, Generating
+from tokenyard.gateway.fallbacks import Fallback
 from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.pipeline import Run
 from tokenyard.telemetry.timeline import Timeline
@@ -139,14 +141,14 @@ async def answer(request: web.Request, plan: Plan) -> web.StreamResponse:
 async def new_call(
     request: web.Request, model: str, build: Build, *, capability: str = "chat",
     text_size: int = 0, param: str = "messages", bounded: bool = True,
-    first_user_text: str | None = None,
+    first_user_text: str | None = None, fallbacks: Sequence[Fallback] = (),
 ) -> Call:
     """The pipeline's `Call` for this HTTP request (its id, timeline, key and body)."""
     return Call(
         endpoint=request.path, request_id=request[REQUEST_ID], timeline=request[TIMELINE],
         model=model, build=build, key=request.get(KEY), capability=capability,
         text_size=text_size, param=param, bounded=bounded,
-        first_user_text=first_user_text, raw=await request.read(),
+        first_user_text=first_user_text, raw=await request.read(), fallbacks=fallbacks,
     )
 
 
@@ -158,6 +160,8 @@ def note(request: web.Request, call: Call) -> None:
         request[TICKET] = call.ticket
     if call.gens:
         request[GENERATIONS] = call.gens
+    if call.attempts:
+        request[ATTEMPTS] = call.attempts
 
 
 async def start(request: web.Request, call: Call) -> Run:

@@ -41,25 +41,31 @@ ABORT_REPORT_TIMEOUT_S = 6.0
 
 
 def replica_error(exc: ReplicaError) -> APIError:
-    """A replica failure as the API error the client sees."""
-    if isinstance(exc, ReplicaOverloaded):
-        return overloaded(exc.retry_after if exc.retry_after is not None else 1.0,
-                          exc.message or None)
+    """A replica failure as the API error the client sees; its `cause` says whether the
+    deployment was full ("rate_limit") or failed ("server_error"), None where the request
+    itself was refused."""
     if isinstance(exc, ReplicaRequestError) and 400 <= exc.status < 500:
         # The replica's own refusal of the request (its context, its parameters).
         return APIError(exc.status, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, ReplicaOverloaded):
+        err = overloaded(exc.retry_after if exc.retry_after is not None else 1.0,
+                         exc.message or None)
+        err.cause = "rate_limit"
+        return err
     if isinstance(exc, ReplicaRequestError):
         # Whatever failed inside the replica is the operator's to read, not the tenant's:
         # its text can name files, addresses and other requests' state.
         logger.warning("replica failed a request: %s", exc.message)
-        return APIError(500, "The engine failed while serving this request.",
-                        code=exc.code)
-    if isinstance(exc, ReplicaStreamError):  # its message is the client's own, curated
-        return APIError(500, f"The engine failed: {exc.message}", code=exc.code)
-    if isinstance(exc, ReplicaConnectionError):
+        err = APIError(500, "The engine failed while serving this request.", code=exc.code)
+    elif isinstance(exc, ReplicaStreamError):  # its message is the client's own, curated
+        err = APIError(500, f"The engine failed: {exc.message}", code=exc.code)
+    elif isinstance(exc, ReplicaConnectionError):
         logger.warning("replica unreachable: %s", exc)
-        return overloaded(1.0, "The engine is unavailable; retry after a short wait.")
-    return internal_error()
+        err = overloaded(1.0, "The engine is unavailable; retry after a short wait.")
+    else:
+        err = internal_error()
+    err.cause = "server_error"
+    return err
 
 
 def cut_error(exc: ReplicaError) -> APIError:

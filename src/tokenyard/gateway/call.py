@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.billing import Usage
+from tokenyard.gateway.fallbacks import Attempt, Fallback
 from tokenyard.gateway.gate import ABORTED, COMPLETED, FAILED, STOPPED, Ticket
 from tokenyard.gateway.routing import Route
 from tokenyard.gateway.served import Served
@@ -226,9 +227,21 @@ class Call:
     #: The batch this call is a line of (None: a live request): it runs at the batch
     #: priority, priced at the batch price, its ledger row tagged with the batch.
     batch: str | None = None
+    #: The candidates the request names after `model` (`gateway/fallbacks.py`); empty:
+    #: the fleet file's fallbacks of `model`, if any.
+    fallbacks: Sequence[Fallback] = ()
     # Filled in as the request goes, for the caller's summary and headers, whether or
     # not it got through:
     route: Route | None = None
     served: Served | None = None
     ticket: Ticket | None = None
     gens: list[Generating] = field(default_factory=list)
+    #: Every candidate tried, when the request had fallbacks (None: it had none).
+    attempts: list[Attempt] | None = None
+
+    def retarget(self, model: str, build: Build) -> None:
+        """Aim the call at another candidate (a fallback), clearing what the last
+        attempt left."""
+        self.model, self.build = model, build
+        self.route = self.served = self.ticket = None
+        self.gens = []

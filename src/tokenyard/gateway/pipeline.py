@@ -38,6 +38,7 @@ from tokenyard.gateway.build_hooks import (
 )
 from tokenyard.gateway.call import Call, Generating, Prepared, outcome
 from tokenyard.gateway.capture import BodyCapture
+from tokenyard.gateway.fallbacks import run_with_fallbacks
 from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.kinds import Opening, kind_of
 from tokenyard.gateway.moderate import check_input, policy_for, tap
@@ -137,8 +138,17 @@ class Pipeline:
 
     async def run(self, call: Call) -> Run:
         """Every stage up to a started generation (refusals surface here, before any
-        byte of the answer): the caller renders what the `Run` yields, then closes it."""
-        served = self.route(call)
+        byte of the answer): the caller renders what the `Run` yields, then closes it.
+        A request that fails before its first byte goes on to its fallbacks, if any."""
+        return await run_with_fallbacks(self, call)
+
+    async def serve(self, call: Call, served: Served, *,
+                    first_byte_timeout_s: float | None = None,
+                    moves_on: Callable[[BaseException], bool] | None = None) -> Run:
+        """`run` past routing, on `served`: prepare, admit, the expensive work, then
+        start the generations — within `first_byte_timeout_s` (None: unbounded; past it,
+        TimeoutError). A start that fails so that the request `moves_on` to a fallback
+        is given up: closed unbilled and uncaptured (the next attempt captures it)."""
         ready = await self.prepare(call, served)
         if ready.messages is not None:  # cheap: a 400 before admission, not after it
             require_vision(ready.messages, served.name, served.vision)
@@ -151,9 +161,10 @@ class Pipeline:
         run = Run(self, call, served, ready, ticket, policy)
         try:
             # Sent together: the replica batches them; a refusal of any refuses the request.
-            await _each(run.gens, lambda gen: gen.start())
-        except BaseException:
-            await run.close()
+            async with asyncio.timeout(first_byte_timeout_s):
+                await _each(run.gens, lambda gen: gen.start())
+        except BaseException as exc:
+            await run.close(given_up=moves_on is not None and moves_on(exc))
             raise
         return run
 
@@ -268,13 +279,18 @@ class Run:
         if self.capture is not None:
             self.capture.send(body)
 
-    async def close(self) -> None:
+    async def close(self, *, given_up: bool = False) -> None:
         """Close every generation (the replica aborts what is unfinished), settle, and
-        capture the request alone if no response was."""
+        capture the request alone if no response was. An attempt `given_up` for a
+        fallback is settled with nothing used (the prefill of a timed-out start is the
+        fallback's loss, not the client's) and not captured."""
         for gen in self.gens:
             await gen.close()
+        if given_up and not self._settled:
+            self._settled = True
+            self.pipeline._settle(self.ticket, [])
         self.settle()
-        if self.capture is not None:
+        if self.capture is not None and not given_up:
             self.capture.send(None)
 
 

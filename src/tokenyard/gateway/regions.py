@@ -76,7 +76,7 @@ def regional_fleet(fleet: FleetSpec, region: str | None) -> FleetSpec:
         if routes and sum(w for _, w in routes) > 0:
             shadow = alias.shadow if alias.shadow and alias.shadow.deployment in deployments \
                 else None
-            aliases[name] = AliasSpec(name, routes, shadow)
+            aliases[name] = replace(alias, routes=routes, shadow=shadow)
     return replace(fleet, deployments=deployments, aliases=aliases)
 
 

@@ -62,6 +62,7 @@ def record_of(summary: RequestSummary) -> RequestRecord:
         cost_micros=None if summary.cost is None else int(summary.cost.scaleb(6)),
         timings=dict(summary.timings_ms), duration_ms=summary.duration_ms,
         region=summary.region,
+        attempts=None if summary.attempts is None else list(summary.attempts),
     )
 
 
@@ -85,6 +86,7 @@ def record_json(record: RequestRecord, capture: Capture | None, *,
         "cost": None if record.cost_micros is None else {
             "currency": "USD", "total": format_money(record.cost_micros)},
         "timeline": record.timings, "duration_ms": record.duration_ms,
+        "attempts": record.attempts,
         "capture": None if capture is None else {
             "request": _parsed(capture.request), "response": _parsed(capture.response),
             "truncated": capture.truncated, "expires_at": capture.expires_at.isoformat()},

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, insert, select
 
@@ -46,6 +47,9 @@ class RequestRecord:
     duration_ms: float
     region: str | None = None  # the serving deployment's (None: it declares none)
     user_id: str | None = None  # the key's user (None: a key of no user)
+    #: A request with fallbacks: each candidate tried, {model, deployment, outcome,
+    #: error_code}, in order (None: a request without).
+    attempts: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

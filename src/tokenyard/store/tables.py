@@ -352,6 +352,8 @@ request_records = Table(
     Column("duration_ms", Float, nullable=False),
     Column("user_id", String(ID), nullable=True),  # the key's user (NULL: none; 0009)
     Column("region", String(64), nullable=True),  # the serving deployment's (NULL: none)
+    # Each candidate a request with fallbacks tried (NULL: it had none; 0015).
+    Column("attempts", JSON, nullable=True),
 )
 
 org_capture = Table(

@@ -61,12 +61,16 @@ class RequestSummary:
     stream: bool = False
     #: The request's whole duration in ms, from arrival to its end.
     duration_ms: float = 0.0
+    #: A request with fallbacks: each candidate tried, in order ({model, deployment,
+    #: outcome, error_code}); None for a request without.
+    attempts: tuple[dict[str, Any], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (cost as a decimal string)."""
         # Flat fields: a shallow dict, not asdict's recursive deep copy (~10× slower).
         value = {name: getattr(self, name) for name in _FIELDS}
         value["timings_ms"] = dict(self.timings_ms)
+        value["attempts"] = None if self.attempts is None else list(self.attempts)
         value["cost"] = None if self.cost is None else str(self.cost)
         return value
 

@@ -12,18 +12,36 @@ effect, or refused with a 400 naming it; a field none of them documents is a 400
   there is no effort to spend), `thinking` disabled or adaptive (the model decides not
   to think), `speed`, `inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`,
   `metadata`, `service_tier`;
+- honoured too: `fallbacks` (`FallbackParam`): the models tried, in order, when `model`
+  fails before the first byte of its answer (`gateway/fallbacks.py`); an entry's
+  `max_tokens` and `output_config.format` apply to its attempt only, its `speed` has no
+  effect and its `thinking` is refused as the request's is; "default" is the fleet
+  file's fallbacks of `model`, which a request that names none gets too;
 - refused: `thinking` enabled (it promises thinking blocks), server-side state and tools
   this server does not run (`container`, `mcp_servers`, `context_management`,
-  `compaction`, `thread`, `fallbacks`, ...).
+  `compaction`, `thread`, `fallback_credit_token`, ...).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
-from tokenyard.api.schemas import Acceptable, Identifier, RequestModel, is_none, none_or_empty
+from tokenyard.api.errors import schema_error
+from tokenyard.api.schemas import (
+    Acceptable,
+    Identifier,
+    ModelName,
+    RequestModel,
+    is_none,
+    none_or_empty,
+)
+from tokenyard.errors import UNSUPPORTED_PARAMETER
+from tokenyard.fallback_spec import MAX_FALLBACKS
+from tokenyard.gateway.call import Build
+from tokenyard.gateway.fallbacks import Fallback
 
 
 class JSONOutputFormat(RequestModel):
@@ -52,6 +70,50 @@ def _thinking_ok(value: Any) -> bool:
                              and value.get("type") in ("disabled", "adaptive"))
 
 
+class FallbackParam(RequestModel):
+    """One entry of `fallbacks`; any other key is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: ModelName
+    max_tokens: int | None = Field(default=None, ge=1)
+    output_config: OutputConfig | None = None
+    speed: Literal["standard", "fast"] | None = None  # one speed here
+    thinking: Any = None  # refused unless it asks for none, as the request's
+
+    @field_validator("thinking")
+    @classmethod
+    def _check_thinking(cls, value: Any) -> Any:
+        if not _thinking_ok(value):
+            raise schema_error(UNSUPPORTED_PARAMETER, "fallbacks.thinking",
+                               "The 'thinking' parameter is not supported by this server "
+                               "yet.")
+        return value
+
+    def changes(self) -> dict[str, Any]:
+        """What this entry changes in the request for its attempt (its fields)."""
+        update: dict[str, Any] = {}
+        if self.max_tokens is not None:
+            update["max_tokens"] = self.max_tokens
+        config = self.output_config
+        if config is None and "output_config" in self.model_fields_set:
+            update["output_config"] = update["output_format"] = None  # null: no format
+        elif config is not None and "format" in config.model_fields_set:
+            update["output_config"] = OutputConfig(format=config.format)
+            update["output_format"] = None
+        return update
+
+
+def fallbacks_of(entries: list[FallbackParam] | str | None,
+                 build_with: Callable[[dict[str, Any]], Build]) -> Sequence[Fallback]:
+    """The candidates `fallbacks` names (none for "default": the fleet file's);
+    `build_with(changes)` is the prompt work of an entry that changes the request."""
+    if not isinstance(entries, list):
+        return ()
+    return [Fallback(e.model, f"fallbacks.{i}.model",
+                     build_with(changes) if (changes := e.changes()) else None)
+            for i, e in enumerate(entries)]
+
+
 #: Documented fields refused unless absent or null (`thinking`: unless it asks for none).
 REFUSED: dict[str, Acceptable] = {
     "thinking": _thinking_ok,
@@ -60,7 +122,6 @@ REFUSED: dict[str, Acceptable] = {
     "context_management": is_none,
     "compaction": is_none,
     "thread": is_none,
-    "fallbacks": none_or_empty,
     "fallback_credit_token": is_none,
     "billing_policy": is_none,
 }
@@ -91,6 +152,8 @@ class GenerationOptions(RequestModel):
     """Options only /v1/messages documents, accepted without effect."""
 
     metadata: Metadata | None = None
+    fallbacks: list[FallbackParam] | Literal["default"] | None = Field(
+        default=None, max_length=MAX_FALLBACKS)
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
     inference_geo: Identifier | None = None
     diagnostics: dict[str, Any] | None = None

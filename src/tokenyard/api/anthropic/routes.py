@@ -6,6 +6,8 @@ the pipeline chose."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from tokenyard.api.anthropic.convert import (
@@ -13,6 +15,7 @@ from tokenyard.api.anthropic.convert import (
     anthropic_request_to_engine,
     cache_pins,
 )
+from tokenyard.api.anthropic.request_fields import fallbacks_of
 from tokenyard.api.anthropic.schemas import (
     CountTokensRequest,
     CountTokensResponse,
@@ -22,7 +25,7 @@ from tokenyard.api.anthropic.stream import MessagesFormat
 from tokenyard.api.anthropic.tools import tool_messages, tool_use
 from tokenyard.api.context import read_request
 from tokenyard.api.respond import Plan, answer, count, json_response, new_call
-from tokenyard.gateway.call import Prepared
+from tokenyard.gateway.call import Build, Prepared
 from tokenyard.gateway.pipeline import (
     Run,
     Served,
@@ -63,8 +66,12 @@ def messages_plan(req: MessagesRequest) -> Plan:
                               run.ready.pins, run.ready.tools,
                               run.served.reasoning_for(run.ready.prompts[0]), run.token_bytes)
 
+    def build_with(changes: dict[str, Any]) -> Build:  # a `fallbacks` entry's own request
+        return messages_plan(req.model_copy(update={**changes, "fallbacks": None})).build
+
     return Plan(req.model, build, fmt, bool(req.stream), dict(
-        text_size=text_size(converted), first_user_text=first_user_text(converted)))
+        text_size=text_size(converted), first_user_text=first_user_text(converted),
+        fallbacks=fallbacks_of(req.fallbacks, build_with)))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -7,6 +7,9 @@ type is still a 400) or refused with a 400 naming it when honouring it would cha
 answer and this server cannot (`CHAT_UNSUPPORTED`). A field no version documents is a
 400 as well (`api.schemas.reject_unknown`).
 
+OpenRouter's `models` is honoured: the names tried, in order, when `model` fails before
+the first byte of its answer (`gateway/fallbacks.py`).
+
 The served models do no hidden reasoning, so `reasoning_effort` is accepted at any
 documented level and has no effect (as vLLM does for a model without a reasoning parser);
 `usage.completion_tokens_details.reasoning_tokens` stays 0.
@@ -19,8 +22,17 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from tokenyard.api.errors import schema_error
-from tokenyard.api.schemas import Acceptable, Identifier, RequestModel, is_none, none_or_empty
+from tokenyard.api.schemas import (
+    Acceptable,
+    Identifier,
+    ModelName,
+    RequestModel,
+    is_none,
+    none_or_empty,
+)
 from tokenyard.errors import INVALID_VALUE
+from tokenyard.fallback_spec import MAX_FALLBACKS
+from tokenyard.gateway.fallbacks import Fallback
 
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 #: The tier every response reports: there is one here.
@@ -35,10 +47,27 @@ MAX_METADATA_VALUE = 512
 MAX_HINT_ID_LENGTH = 64
 
 
-class PlatformFields(RequestModel):
+class FallbackModels(RequestModel):
+    """OpenRouter's `models`: the names tried, in order, after `model` (a name equal to
+    `model`, or listed twice, is tried once)."""
+
+    models: list[ModelName] | None = Field(default=None, max_length=MAX_FALLBACKS)
+
+    def fallbacks(self, model: str) -> list[Fallback]:
+        """The candidates after `model`, each once."""
+        seen, out = {model}, []
+        for i, name in enumerate(self.models or ()):
+            if name not in seen:
+                seen.add(name)
+                out.append(Fallback(name, f"models.{i}"))
+        return out
+
+
+class PlatformFields(FallbackModels):
     """Tags and hints for OpenAI's own platform, accepted on chat and legacy completions
     (and responses). Each is bounded as OpenAI bounds it, `user` as Anthropic bounds its
-    end-user id (OpenAI's spec gives none): a tag costs no more than it could on OpenAI."""
+    end-user id (OpenAI's spec gives none): a tag costs no more than it could on OpenAI.
+    (Its base's `models` is OpenRouter's, and honoured.)"""
 
     user: Identifier | None = None
     metadata: dict[str, str] | None = None

@@ -51,7 +51,8 @@ def chat_plan(req: ChatCompletionRequest) -> Plan:
 
     return Plan(req.model, build, fmt, bool(req.stream), dict(
         text_size=sum(len(m.text) for m in req.messages),
-        first_user_text=next((m.text for m in req.messages if m.role == "user"), None)))
+        first_user_text=next((m.text for m in req.messages if m.role == "user"), None),
+        fallbacks=req.fallbacks(req.model)))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -82,7 +83,8 @@ def completion_plan(req: CompletionRequest) -> Plan:
                                 scored=req.logprobs is not None)
 
     return Plan(req.model, build, fmt, bool(req.stream), dict(
-        capability="completions", text_size=max(map(len, texts), default=0), param="prompt"))
+        capability="completions", text_size=max(map(len, texts), default=0), param="prompt",
+        fallbacks=req.fallbacks(req.model)))
 
 
 def add_openai_routes(app: web.Application) -> None:

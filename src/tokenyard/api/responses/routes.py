@@ -104,7 +104,7 @@ def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
 
     return Plan(req.model, build, fmt, bool(req.stream), dict(
         text_size=text_size(plain), param="input", bounded=not truncate,
-        first_user_text=first_user_text(conversation)),
+        first_user_text=first_user_text(conversation), fallbacks=req.fallbacks(req.model)),
         finish=remember if req.store is not False or req.conversation is not None else None)
 
 
