@@ -4,7 +4,7 @@ A line's body is parsed by the route's own schema (`parse_body`), converted by t
 route's own `Plan` (`chat_plan`, `completion_plan`, `response_plan`, `messages_plan`),
 run through `Pipeline.run` as a `Call` under the batch owner's key — tagged with the
 batch, so it runs at the batch priority and is priced at the batch price — and
-rendered by the route's `Format` through `respond.complete`: the body is the one the
+rendered by the route's `Format` through `Run.complete`: the body is the one the
 live route returns. Embeddings go through the route's `embedding_body`. A refusal is
 the route's error body and status. `check` is what upload and creation run on a line:
 the route's parse and conversion (a body the route would refuse is refused there).
@@ -33,7 +33,7 @@ from tokenyard.api.openai.embeddings import (
 )
 from tokenyard.api.openai.routes import chat_plan, completion_plan
 from tokenyard.api.openai.schemas import ChatCompletionRequest, CompletionRequest
-from tokenyard.api.respond import Plan, complete
+from tokenyard.api.respond import Plan
 from tokenyard.api.responses.routes import response_plan
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stored import expand_with
@@ -140,7 +140,7 @@ async def run_line(pipeline: Pipeline, state: AppState, line: Claimed,
     run = await pipeline.run(call)
     try:
         fmt = plan.format(run)
-        return 200, await complete(run, fmt, plan.finisher(fmt))
+        return 200, await run.complete(fmt, plan.finisher(fmt))
     finally:
         await run.close()
 

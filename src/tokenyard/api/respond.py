@@ -1,32 +1,33 @@
-"""The one response writer of every generating route, whatever its dialect.
+"""The one response writer of every generating route, whatever its dialect: bytes only.
 
 A route parses and converts its request into the pipeline's `Call` (with its `build`
 hook: the dialect's prompt work for the chosen deployment), and hands it with a
-`Format` factory (the dialect's shape of this one response) to `generate`, which:
+`Format` factory (the dialect's shape of this one response) to `answer`, which makes
+two calls into the gateway:
 
-1. runs the gateway's pipeline up to started generations (`Pipeline.run`: every stage
-   from routing and admission to input moderation; refusals surface before any byte),
-2. answers with the non-streamed body, or streams the format's events as SSE: events of
-   one replica step go out in one write, held back while the next step is already in;
-   the last event (or the body) carries the request's `timings` and, behind the gateway,
-   its `cost`; a failure after the 200 becomes the dialect's error event,
-3. settles the run with what the generations really used — before the body or a
-   stream's last bytes go out, so a response the client saw complete always has its
-   ledger row, and its `cost` is that row's.
+1. `Pipeline.run`: every stage from routing and admission to input moderation, up to
+   started generations (refusals surface before any byte);
+2. `Run.complete` (the non-streamed body) or `Run.stream` (the events in order, with
+   the points where a write may go out): the run orders the request's end itself —
+   settle, the dialect's finish hook, capture, close — before the body or a stream's
+   last bytes go out, so a response the client saw complete always has its ledger row,
+   and its `cost` is that row's.
 
-No stage logic lives here: only the order of the bytes.
+What is left here is the order of the bytes: events of one replica step go out in one
+write, held back while the next step is already in; a failure after the 200 becomes the
+dialect's error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from tokenyard.api.context import (
     ATTEMPTS,
@@ -43,40 +44,19 @@ from tokenyard.api.edge import EDGE
 from tokenyard.api.middleware import open_stream, stream_failed
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, internal_error
-from tokenyard.gateway.call import Build, Call, Generating
+from tokenyard.gateway.call import DONE, FLUSH, Build, Call, Failed, Finish, Render
 from tokenyard.gateway.fallbacks import Fallback
-from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.pipeline import Run
-from tokenyard.telemetry.timeline import Timeline
-from tokenyard.wire.outputs import Completion, RequestOutput
 
 logger = logging.getLogger("tokenyard.api")
 
 
-class Format(Protocol):
-    """One response in one dialect's shape. Events are pydantic models (or their JSON
-    with `timings` added) until `encode` makes them SSE bytes."""
+class Format(Render, Protocol):
+    """One response in one dialect's shape (`gateway.call.Render`: its events are
+    pydantic models), and how its events become SSE bytes."""
 
     #: Bytes after the last event (OpenAI's ``data: [DONE]``), or b"".
     terminator: bytes
-
-    def body(
-        self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
-    ) -> BaseModel:
-        """The non-streamed body; `completions[i]` are prompt i's finished choices."""
-        ...
-
-    def head(self) -> list[BaseModel]:
-        """Events that go out with the first step's output, before its own."""
-        ...
-
-    def events(self, index: int, out: RequestOutput) -> list[BaseModel]:
-        """The events of one step's output of prompt `index`."""
-        ...
-
-    def tail(self, gens: Sequence[Generating]) -> list[BaseModel]:
-        """Events after every generation finished (a usage event)."""
-        ...
 
     def encode(self, event: Any) -> bytes:
         """One event as SSE bytes."""
@@ -92,24 +72,6 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=to_json(obj), status=status, content_type="application/json")
 
 
-def with_timings(event: BaseModel, request: web.Request) -> dict[str, Any]:
-    """`stamped` with this request's timeline and ticket."""
-    return stamped(event, request[TIMELINE], request.get(TICKET))
-
-
-def stamped(event: BaseModel, timeline: Timeline, ticket: Ticket | None) -> dict[str, Any]:
-    """A response's last event (or its whole body) with the request's stage durations (ms)
-    as `timings` — the Server-Timing figures the header could not hold, since a stream's
-    went out before decoding — and, behind the gateway, its `cost`: the ledger row's
-    charge with its line items, as decimal strings. (llama.cpp's server puts a `timings`
-    object in its last chunk too; SDKs ignore both.)"""
-    body = event.model_dump(mode="json")
-    body["timings"] = timeline.timings_ms()
-    if ticket is not None and ticket.cost is not None:
-        body["cost"] = ticket.cost.to_json()
-    return body
-
-
 @dataclass
 class Plan:
     """A generating route's request, parsed and converted: the model it names, its `build`
@@ -122,10 +84,10 @@ class Plan:
     format: Callable[[Run], Format]
     stream: bool = False
     options: dict[str, Any] = field(default_factory=dict)
-    #: Run with the format once the response is settled (see `generate`'s `finish`).
+    #: Run with the format at the request's end, once it is settled (`Run.end`).
     finish: Callable[[Any], Awaitable[None]] | None = None
 
-    def finisher(self, fmt: Format) -> Callable[[], Awaitable[None]] | None:
+    def finisher(self, fmt: Format) -> Finish | None:
         """`finish` bound to the run's format (None: nothing to run)."""
         finish = self.finish
         return None if finish is None else (lambda: finish(fmt))
@@ -182,76 +144,40 @@ async def count(request: web.Request, call: Call) -> int:
 
 async def generate(
     request: web.Request, run: Run, fmt: Format, *, stream: bool,
-    finish: Callable[[], Awaitable[None]] | None = None,
+    finish: Finish | None = None,
 ) -> web.StreamResponse:
-    """Answer a started `run` in `fmt`'s shape, then close it whatever happened (client
-    gone, engine failure). `finish`: run once the response is settled, before its body or
-    its stream's last bytes go out (the Responses dialect stores the response there, for
-    the client's next turn)."""
+    """Answer a started `run` in `fmt`'s shape; the run ends itself (settled, `finish`
+    run, captured, closed) before the body or the stream's last bytes go out, and is
+    closed whatever happened (client gone, engine failure)."""
     response_id = (getattr(getattr(fmt, "stream", None), "id", None)  # chatcmpl-…, msg_…
                    or getattr(getattr(fmt, "response", None), "id", None))  # resp_…
     if isinstance(response_id, str):
         request.setdefault(RESPONSE_ID, response_id)
-    try:
-        if not stream:
-            return json_response(await complete(run, fmt, finish))
-        return await _stream(request, fmt, run, finish)
-    finally:
-        await run.close()
+    if not stream:
+        return json_response(await run.complete(fmt, finish))
+    return await _stream(request, fmt, run, finish)
 
 
-async def complete(run: Run, fmt: Format,
-                   finish: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
-    """A started run's non-streamed body in `fmt`'s shape (the caller closes the run)."""
-    completions = await run.completions()
-    run.settle()  # the body carries the cost the ledger row charges
-    body = stamped(fmt.body(run.gens, completions), run.call.timeline, run.call.ticket)
-    if finish is not None:
-        await finish()
-    run.captured(body)
-    return body
-
-
-async def _stream(
-    request: web.Request, fmt: Format, run: Run,
-    finish: Callable[[], Awaitable[None]] | None = None,
-) -> web.StreamResponse:
-    response = await open_stream(request)
-    run.watch()
-    gens = run.gens
-    pending = [fmt.encode(event) for event in fmt.head()]
-    final: list[Any] = []
-    unfinished = len(gens)
-    try:
-        async for i, out in run.outputs():
-            events = fmt.events(i, out)
-            unfinished -= out.finished
-            if unfinished:
-                pending.extend(fmt.encode(event) for event in events)
-                if not any(gen.backlog for gen in gens):
-                    await _send(request, response, pending)
+async def _stream(request: web.Request, fmt: Format, run: Run,
+                  finish: Finish | None = None) -> web.StreamResponse:
+    """The run's stream as SSE: its headers go out with the first write."""
+    response: web.StreamResponse | None = None
+    pending: list[bytes] = []
+    async with contextlib.aclosing(run.stream(fmt, finish)) as events:
+        async for event in events:
+            if isinstance(event, Failed):
+                err = _stream_failure(request, event.error)
+                pending.append(fmt.error(err))
+                response = response or await open_stream(request)
+                stream_failed(request, response, err)
+            elif event is DONE:
+                pending.append(fmt.terminator)
+            elif event is FLUSH:
+                response = response or await open_stream(request)
+                await _send(request, response, pending)
             else:
-                final = events  # held: the very last event carries the timings
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise  # the client is gone: nothing to tell it
-    except Exception as exc:
-        err = _stream_failure(request, exc)
-        pending.append(fmt.error(err))
-        stream_failed(request, response, err)
-    else:
-        final.extend(fmt.tail(run.gens))
-        run.settle()  # metered before the last byte: see the module's docstring
-        if final:
-            final[-1] = with_timings(final[-1], request)
-        if run.capture is not None:
-            run.captured(with_timings(fmt.body(run.gens, run.capture.completions),
-                                      request))
-        pending.extend(fmt.encode(event) for event in final)
-        pending.append(fmt.terminator)
-    run.settle()  # (a failed stream: settled here, once)
-    if finish is not None:
-        await finish()
-    await _send(request, response, pending)
+                pending.append(fmt.encode(event))
+    assert response is not None  # the stream ends with a FLUSH
     return response
 
 

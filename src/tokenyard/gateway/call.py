@@ -4,7 +4,7 @@ one generation (`Generating`), whatever its deployment's kind."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,7 +18,7 @@ from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.abort import AbortReport
-from tokenyard.wire.outputs import RequestOutput
+from tokenyard.wire.outputs import Completion, RequestOutput
 from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -138,6 +138,63 @@ class Wrapper:
 
     async def close(self) -> None:
         await self._gen.close()
+
+
+class Event(Protocol):
+    """One event of an answer in its dialect's shape (a pydantic model: the gateway only
+    asks for its JSON)."""
+
+    def model_dump(self, *, mode: str) -> dict[str, Any]: ...
+
+
+class Render(Protocol):
+    """One answer in one dialect's shape: what `Run.complete` and `Run.stream` ask of the
+    dialect's format."""
+
+    def body(self, gens: Sequence[Generating],
+             completions: Sequence[list[Completion]]) -> Event:
+        """The non-streamed body; `completions[i]` are prompt i's finished choices."""
+        ...
+
+    def head(self) -> Sequence[Event]:
+        """Events that go out with the first step's output, before its own."""
+        ...
+
+    def events(self, index: int, out: RequestOutput) -> Sequence[Event]:
+        """The events of one step's output of prompt `index`."""
+        ...
+
+    def tail(self, gens: Sequence[Generating]) -> Sequence[Event]:
+        """Events after every generation finished (a usage event)."""
+        ...
+
+
+#: A dialect's hook run at the request's end, before its last bytes (`Run.end`).
+Finish = Callable[[], Awaitable[None]]
+
+
+class Mark:
+    """A point in a streamed answer that is no event (`FLUSH`, `DONE`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+#: What the stream yielded so far may go out now, in one write.
+FLUSH = Mark("FLUSH")
+#: The answer is complete (the dialect's terminator goes here).
+DONE = Mark("DONE")
+
+
+class Failed(Mark):
+    """The stream failed after its first byte: `error` becomes the dialect's error event."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__("FAILED")
+        self.error = error
 
 
 def outcome(gens: Sequence[Generating]) -> tuple[Usage | None, str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from tokenyard.errors import invalid_request
@@ -36,7 +36,19 @@ from tokenyard.gateway.build_hooks import (
     preparer,
     text_size,
 )
-from tokenyard.gateway.call import Call, Generating, Prepared, outcome
+from tokenyard.gateway.call import (
+    DONE,
+    FLUSH,
+    Call,
+    Event,
+    Failed,
+    Finish,
+    Generating,
+    Mark,
+    Prepared,
+    Render,
+    outcome,
+)
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.fallbacks import run_with_fallbacks
 from tokenyard.gateway.gate import Ticket
@@ -254,11 +266,6 @@ class Run:
         """Every generation run to its end: each prompt's finished choices."""
         return await _each(self.gens, finished_completions)
 
-    def watch(self) -> None:
-        """A streamed request: its captured body is built from the outputs as they go."""
-        if self.capture is not None:
-            self.capture.watch(self.gens)
-
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every generation's outputs as they arrive, tagged with its position."""
         outs = (_single(self.gens[0]) if len(self.gens) == 1 else merged(self.gens))
@@ -274,10 +281,92 @@ class Run:
             self._settled = True
             self.pipeline._settle(self.ticket, self.gens)
 
-    def captured(self, body: Any) -> None:
-        """The response body the client got (or, for a stream, would have got)."""
-        if self.capture is not None:
-            self.capture.send(body)
+    def stamp(self, event: Event) -> dict[str, Any]:
+        """A response's last event (or its whole body) as JSON with the request's stage
+        durations (ms) as `timings` — the Server-Timing figures the header could not
+        hold, since a stream's went out before decoding — and, once metered, its `cost`:
+        the ledger row's charge with its line items, as decimal strings."""
+        body = event.model_dump(mode="json")
+        body["timings"] = self.call.timeline.timings_ms()
+        if self.cost is not None:
+            body["cost"] = self.cost.to_json()
+        return body
+
+    async def complete(self, render: Render, finish: Finish | None = None) -> dict[str, Any]:
+        """A non-streamed answer: every generation run to its end, settled, its body in
+        `render`'s shape (`stamp`ed: it carries the cost the ledger row charges), then the
+        request's `end` (the caller writes the body). Closed whatever happens."""
+        try:
+            completions = await self.completions()
+            self.settle()
+            body = self.stamp(render.body(self.gens, completions))
+            await self.end(finish, body)
+            return body
+        finally:
+            await self.close()
+
+    async def stream(self, render: Render, finish: Finish | None = None,
+                     ) -> AsyncGenerator[Event | dict[str, Any] | Mark, None]:
+        """A streamed answer, in order: `render`'s events, `FLUSH` where what came so far
+        may go out in one write (no next output is in yet: events of one replica step
+        leave together), a `Failed` for a failure after the first byte; the last event
+        (`stamp`ed) and `DONE` come after the request's `end`, so a stream the client saw
+        complete is settled and its cost is the ledger row's. Closed whatever happens:
+        iterate it under `contextlib.aclosing`."""
+        if self.capture is not None:  # its body is built from the outputs as they go
+            self.capture.watch(self.gens)
+        try:
+            for event in render.head():
+                yield event
+            last: list[Event] = []
+            failure: Exception | None = None
+            body: dict[str, Any] | None = None
+            unfinished = len(self.gens)
+            try:
+                async for i, out in self.outputs():
+                    events = render.events(i, out)
+                    unfinished -= out.finished
+                    if not unfinished:
+                        last.extend(events)  # held: the very last event has the timings
+                        continue
+                    for event in events:
+                        yield event
+                    if not any(gen.backlog for gen in self.gens):
+                        yield FLUSH
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise  # the client is gone: nothing to tell it
+            except Exception as exc:
+                failure = exc
+            else:
+                last.extend(render.tail(self.gens))
+                self.settle()  # metered before the last byte
+                if self.capture is not None:
+                    body = self.stamp(render.body(self.gens, self.capture.completions))
+            await self.end(finish, body)
+            if failure is not None:
+                yield Failed(failure)
+            else:
+                for event in last[:-1]:
+                    yield event
+                if last:
+                    yield self.stamp(last[-1])
+                yield DONE
+            yield FLUSH
+        finally:
+            await self.close()
+
+    async def end(self, finish: Finish | None = None, body: Any = None) -> None:
+        """The request's end, in order: settle (once), the dialect's `finish` hook (the
+        Responses API stores its response there, for the client's next turn), capture of
+        `body` (None: no response was made), close."""
+        self.settle()
+        try:
+            if finish is not None:
+                await finish()
+            if self.capture is not None:
+                self.capture.send(body)
+        finally:
+            await self.close()
 
     async def close(self, *, given_up: bool = False) -> None:
         """Close every generation (the replica aborts what is unfinished), settle, and
