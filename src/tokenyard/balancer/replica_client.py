@@ -19,8 +19,20 @@ import aiohttp
 import orjson
 
 from tokenyard.balancer.http_client import PooledClient
+from tokenyard.balancer.mux_client import MuxLink, MuxUnsupported
+from tokenyard.balancer.replica_errors import (
+    STREAM_FAILED_MESSAGE,
+    ReplicaConnectionError,
+    ReplicaError,
+    ReplicaOverloaded,
+    ReplicaRequestError,
+    ReplicaStreamError,
+    ReplicaUnauthorized,
+    refusal_error,
+)
 from tokenyard.telemetry.tracing import OUTGOING, TRACEPARENT
 from tokenyard.wire.abort import AbortReport, abort_body, stop_body
+from tokenyard.wire.mux import generate_op
 from tokenyard.wire.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
@@ -37,55 +49,14 @@ from tokenyard.wire.protocol import (
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats, stats_from_json
 from tokenyard.wire.sampling_params import SamplingParams
 
+# The errors live in `replica_errors`; callers import them from here too.
+__all__ = ["STREAM_FAILED_MESSAGE", "ReplicaClient", "ReplicaConnectionError", "ReplicaError",
+           "ReplicaOverloaded", "ReplicaRequestError", "ReplicaStreamError",
+           "ReplicaUnauthorized"]
+
 _JSON_HEADERS = {"Content-Type": "application/json"}
-#: A failure after the stream began, as its error event tells the tenant.
-STREAM_FAILED_MESSAGE = "the request failed on its replica after it began"
 
 logger = logging.getLogger("tokenyard.balancer")
-
-
-class ReplicaError(Exception):
-    """Anything that went wrong talking to a replica."""
-
-
-class ReplicaRequestError(ReplicaError):
-    """The replica refused the request (4xx, or a 5xx other than 503)."""
-
-    def __init__(self, status: int, message: str, param: str | None, code: str | None) -> None:
-        super().__init__(f"replica answered {status}: {message}")
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-class ReplicaOverloaded(ReplicaError):
-    """503: the replica's waiting queue is full (code "overloaded") or it is draining
-    (code "draining"). Try another replica, or this one after `retry_after` seconds."""
-
-    def __init__(self, retry_after: float | None, message: str = "", code: str | None = None):
-        super().__init__(f"replica unavailable ({code}): {message}")
-        self.retry_after = retry_after
-        self.message = message
-        self.code = code
-
-
-class ReplicaStreamError(ReplicaError):
-    """The request failed after its stream began (the replica's last line was an error)."""
-
-    def __init__(self, message: str, code: str | None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
-class ReplicaConnectionError(ReplicaError):
-    """The replica could not be reached, or the stream broke off before the request ended."""
-
-
-class ReplicaUnauthorized(ReplicaError):
-    """401: the replica wants a token this client lacks or has wrong (a deployment fault,
-    not the API caller's: `TOKENYARD_REPLICA_TOKEN` differs between the two ends)."""
 
 
 class ReplicaClient(PooledClient):
@@ -113,6 +84,12 @@ class ReplicaClient(PooledClient):
         auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers = auth or None
         self._json_headers = {**_JSON_HEADERS, **auth}
+        self._mux = MuxLink(self.base_url, self._get_session, self._headers)
+
+    async def close(self) -> None:
+        """Close the channel (its open requests fail) and the pooled connections."""
+        await self._mux.close()
+        await super().close()
 
     async def generate(
         self,
@@ -131,14 +108,36 @@ class ReplicaClient(PooledClient):
         ReplicaConnectionError.
         Afterwards: ReplicaStreamError, ReplicaConnectionError. `params.n` must be 1 and
         stop strings are not sent (the caller matches them and calls `stop`). Leaving
-        the iteration early (break + aclose) closes the HTTP stream, which makes the
-        replica abort the request.
+        the iteration early (break + aclose) makes the replica abort the request.
+
+        The request travels on the replica's multiplexed channel (`balancer/mux_client.py`);
+        a replica without one gets it as a ``POST`` of its own, streamed back.
         """
-        body = orjson.dumps(GenerateRequest(
-            request_id, prompt_token_ids, params, cache_salt, priority, list(pins)
-        ).to_json())
-        headers = self._json_headers
+        wire = GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority,
+                               list(pins))
         traceparent = OUTGOING.get()  # the gateway's span of this request, when traced
+        try:
+            inbox = await self._mux.open(request_id, generate_op(wire, traceparent))
+        except MuxUnsupported:
+            async for delta in self._generate_http(wire, traceparent):
+                yield delta
+            return
+        finished = False
+        try:
+            while not finished:
+                delta = await inbox.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._mux.leave(inbox, finished)
+
+    async def _generate_http(self, wire: GenerateRequest,
+                             traceparent: str | None) -> AsyncIterator[CoreDelta]:
+        """`generate` over ``POST /v1/engine/generate``: one HTTP stream per request,
+        closed (not released) to make the replica abort a request left early."""
+        request_id = wire.request_id
+        body = orjson.dumps(wire.to_json())
+        headers = self._json_headers
         if traceparent is not None:
             headers = {**headers, TRACEPARENT: traceparent}
         try:
@@ -245,17 +244,11 @@ async def _raise_for(response: aiohttp.ClientResponse) -> None:
     text = await response.text()
     try:
         error = json.loads(text)["error"]
-        message, param, code = str(error.get("message")), error.get("param"), error.get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        message, param, code = text[:500], None, None
-    if response.status == 503:
-        raw = response.headers.get("Retry-After")
-        try:
-            retry_after = float(raw) if raw is not None else None
-        except ValueError:
-            retry_after = None
-        raise ReplicaOverloaded(retry_after, message, code)
-    if response.status == 401:
-        raise ReplicaUnauthorized(f"{response.url.origin()}: the replica refused this "
-                                  f"client's token ({message})")
-    raise ReplicaRequestError(response.status, message, param, code)
+    except (ValueError, KeyError, TypeError):
+        error = text[:500]
+    raw = response.headers.get("Retry-After")
+    try:
+        retry_after = float(raw) if raw is not None else None
+    except ValueError:
+        retry_after = None
+    raise refusal_error(response.status, error, retry_after, str(response.url.origin()))

@@ -58,7 +58,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from tokenyard.engine.server import serve_engine
+    from tokenyard.engine.replica_process import serve_engine
     from tokenyard.telemetry import logs
 
     logs.configure()  # the format `serve` put in the environment, else by the terminal

@@ -60,8 +60,9 @@ class CoreStream:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._done = False
         self._held: _Item | None = None  # taken off the queue by `ready`, not yet returned
-        # Step-thread side: the requests of this stream that have not finished yet.
-        self._pending: dict[str, Request] = {r.request_id: r for r in requests}
+        # Step-thread side: the requests of this stream that have not finished yet
+        # (filled as the step thread admits them).
+        self._pending: dict[str, Request] = {}
 
     def __aiter__(self) -> CoreStream:
         return self
@@ -101,6 +102,12 @@ class CoreStream:
         """True once the stream ended, failed or was closed."""
         return self._done
 
+    def _put(self, item: list[EngineCoreOutput] | BaseException, ended: bool) -> None:
+        """On the stream's loop: one step's outputs (or the failure) arrived."""
+        self._queue.put_nowait(item)
+        if ended and not isinstance(item, BaseException):
+            self._queue.put_nowait(_END)
+
     def close(self) -> None:
         """Stop consuming; the unfinished requests are aborted before the next step.
 
@@ -136,7 +143,7 @@ class AsyncEngineCore:
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._owner: dict[str, CoreStream] = {}  # step thread only: request id -> its stream
+        self._owner: dict[str, Any] = {}  # step thread only: request id -> its stream
         self._closed = False
         #: Called on the step thread with each step's prefix-cache events (`publish_kv_events`).
         self.kv_events: Callable[[list[tuple[object, ...]]], None] | None = None
@@ -196,8 +203,9 @@ class AsyncEngineCore:
         return self.core.stats()
 
     # -- requests ------------------------------------------------------------------------
-    async def submit(self, requests: Sequence[Request]) -> CoreStream:
-        """Admit core requests together (all or none) and return their stream.
+    async def submit(self, requests: Sequence[Request], into: Any = None) -> Any:
+        """Admit core requests together (all or none) and return their stream: a new
+        CoreStream, or `into` (a `CoreChannel`, which many requests share).
 
         Raises what the core refuses with — ValueError (never fits: prompt at or over the
         context window, larger than the KV pool, duplicate id) or QueueFullError (waiting
@@ -209,7 +217,7 @@ class AsyncEngineCore:
         if not self.is_running:
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
-        stream = CoreStream(self, requests, loop)
+        stream = CoreStream(self, requests, loop) if into is None else into
         admitted: asyncio.Future[None] = loop.create_future()
 
         def add() -> None:
@@ -225,15 +233,16 @@ class AsyncEngineCore:
             if not _call_in(loop, _settle, admitted, None):
                 self.core.abort(added)  # the caller's loop is gone: nobody would read
                 return
-            for request_id in added:
-                self._owner[request_id] = stream
+            for request in requests:
+                self._owner[request.request_id] = stream
+                stream._pending[request.request_id] = request
 
         self._submit(add)
         try:
             await admitted
         except asyncio.CancelledError:
-            # Cancelled while the add was queued: it still runs, so undo it after.
-            stream.close()
+            for request in requests:  # cancelled while the add was queued: undo it after
+                self.abort(request.request_id)
             raise
         return stream
 
@@ -339,7 +348,7 @@ class AsyncEngineCore:
                 log.exception("engine command failed")
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
-        batches: dict[CoreStream, list[EngineCoreOutput]] = {}
+        batches: dict[Any, list[EngineCoreOutput]] = {}
         for out in outputs:
             stream = self._owner.get(out.request_id)
             if stream is None:
@@ -365,7 +374,7 @@ class AsyncEngineCore:
         self._deliver({stream: [_final_output(request, reason, stop)]})
         return request
 
-    def _abort_owned(self, stream: CoreStream) -> None:
+    def _abort_owned(self, stream: Any) -> None:
         """Abort what is left of a closed stream (only ids still owned by it)."""
         ids = [i for i in stream._pending if self._owner.get(i) is stream]
         self.core.abort(ids)
@@ -381,8 +390,8 @@ class AsyncEngineCore:
             stream._pending.clear()
         self._deliver(dict.fromkeys(streams, exc))
 
-    def _deliver(self, items: dict[CoreStream, Any]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[CoreStream, _Item, bool]]] = {}
+    def _deliver(self, items: dict[Any, Any]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, bool]]] = {}
         for stream, item in items.items():
             ended = isinstance(item, BaseException) or not stream._pending
             by_loop.setdefault(stream._loop, []).append((stream, item, ended))
@@ -418,11 +427,9 @@ def _resolve(future: asyncio.Future[AbortReport | None], value: AbortReport | No
         future.set_result(value)
 
 
-def _put_all(batch: list[tuple[CoreStream, _Item, bool]]) -> None:
+def _put_all(batch: list[tuple[Any, Any, bool]]) -> None:
     for stream, item, ended in batch:
-        stream._queue.put_nowait(item)
-        if ended and not isinstance(item, BaseException):
-            stream._queue.put_nowait(_END)
+        stream._put(item, ended)
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:

@@ -106,7 +106,12 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            prefill_chunk=config.prefill_chunk,
+            # The cap is the CPU's, where a prompt token is real compute and a budget-long
+            # step holds every stream. On an accelerator a step's prompt tokens cost little
+            # next to its host work, and the cap only throttles admission: on an H200 it
+            # let in one 256-word prompt a step, so at 256 streams requests waited ~15 s
+            # with seats free (issue 37). There the budget alone bounds a step.
+            prefill_chunk=config.prefill_chunk if device.type == "cpu" else None,
             max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens,

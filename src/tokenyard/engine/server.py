@@ -22,25 +22,25 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from tokenyard.config import EngineConfig, KVEventsConfig
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
-from tokenyard.engine.kv_events import KVEventPublisher, tokenyard_publisher, vllm_publisher
-from tokenyard.engine.replica_access import bearer_matches, check_exposure
+from tokenyard.engine.kv_events import KVEventPublisher
+from tokenyard.engine.mux_server import serve_mux
+from tokenyard.engine.refusal import Refused, json_answer
+from tokenyard.engine.replica_access import bearer_matches
 from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample.grammar import GrammarError, GuidedState
 from tokenyard.engine.scheduler import QueueFullError
 from tokenyard.telemetry.metrics import render_replica_metrics
 from tokenyard.wire.abort import abort_answer, decode_abort, decode_stop
+from tokenyard.wire.mux import MUX_PATH
 from tokenyard.wire.protocol import (
     ABORT_PATH,
     CONTEXT_LENGTH_EXCEEDED,
@@ -55,7 +55,6 @@ from tokenyard.wire.protocol import (
     STOP_PATH,
     GenerateRequest,
     ProtocolError,
-    dumps,
     encode_delta,
     encode_stream_error,
     error_body,
@@ -73,17 +72,9 @@ ABORT_REPORT_WAIT_S = 5.0
 UNAUTHORIZED = "unauthorized"
 
 
-def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=dumps(obj), status=status, content_type="application/json", headers=headers
-    )
-
-
-class _BadRequest(Exception):
+class _BadRequest(Refused):
     def __init__(self, message: str, param: str | None, code: str = INVALID_REQUEST) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
+        super().__init__(400, message, code, param)
 
 
 class ReplicaServer:
@@ -116,6 +107,7 @@ class ReplicaServer:
         middlewares = [self._check_token] if self.token is not None else []
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post(GENERATE_PATH, self.generate)
+        app.router.add_get(MUX_PATH, self.mux)
         app.router.add_post(ABORT_PATH, self.abort)
         app.router.add_post(STOP_PATH, self.stop)
         app.router.add_get(STATS_PATH, self.stats)
@@ -135,7 +127,7 @@ class ReplicaServer:
             request.headers.get("Authorization"), self.token or ""
         ):
             return await handler(request)
-        return _json(
+        return json_answer(
             error_body("this replica needs its token: Authorization: Bearer "
                        "<TOKENYARD_REPLICA_TOKEN>", UNAUTHORIZED),
             status=401, headers={"WWW-Authenticate": "Bearer"},
@@ -144,36 +136,12 @@ class ReplicaServer:
     # -- routes --------------------------------------------------------------------------
     async def generate(self, http: web.Request) -> web.StreamResponse:
         """Admit a request, then stream its per-step deltas until it finishes."""
-        if self.draining or not self.engine.is_running:
-            return self._unavailable(DRAINING, "the replica is shutting down")
         try:
-            body = await _read_json(http)
-            wire = GenerateRequest.from_json(body)
-            self._check_fits(wire)
-        except _BadRequest as exc:
-            return _json(error_body(str(exc), exc.code, exc.param), status=400)
-        except (ProtocolError, SamplingParamsError) as exc:
-            return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
-        request = make_request(
-            wire.request_id, wire.prompt_token_ids, wire.params, self.engine.eos_token_ids,
-            cache_salt=wire.cache_salt, priority=wire.priority,
-        )
-        request.pins = tuple(wire.pins)
-        if wire.params.guided is not None:
-            # Compiled on the grammar thread (cached); an invalid grammar is a 400 here.
-            try:
-                request.guided = await self._guided_state(request)
-            except GrammarError as exc:
-                return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
-        try:
-            stream = await self.engine.submit([request])
-        except QueueFullError as exc:
-            return self._unavailable(OVERLOADED, str(exc))
-        except ValueError as exc:  # larger than the KV pool, a duplicate id
-            return _json(error_body(str(exc), INVALID_REQUEST), status=400)
-        self._in_flight.add(wire.request_id)
-        self._idle.clear()
-        spans = ReplicaSpans.start(http.headers, wire.request_id)  # None unless traced
+            request = await self.prepare(await _read_json(http))
+            stream = await self.start(request)
+        except Refused as refused:
+            return refused.response()
+        spans = ReplicaSpans.start(http.headers, request.request_id)  # None unless traced
         error: str | None = None
         try:
             response = web.StreamResponse(headers={"Content-Type": NDJSON})
@@ -198,9 +166,58 @@ class ReplicaServer:
                 spans.export(error)
             # Also reached on cancellation (the client disconnected): abort what is left.
             stream.close()
-            self._in_flight.discard(wire.request_id)
-            if not self._in_flight:
-                self._idle.set()
+            self.ended(request.request_id)
+
+    async def mux(self, http: web.Request) -> web.WebSocketResponse:
+        """The multiplexed channel: every request of one gateway (`engine/mux_server.py`)."""
+        return await serve_mux(self, http)
+
+    async def prepare(self, body: Any) -> Request:
+        """A generate body checked and made a core request (its grammar compiled); raises
+        Refused (400, or 503 while draining)."""
+        if self.draining or not self.engine.is_running:
+            raise self._unavailable(DRAINING, "the replica is shutting down")
+        try:
+            wire = GenerateRequest.from_json(body)
+            self._check_fits(wire)
+        except (ProtocolError, SamplingParamsError) as exc:
+            raise _BadRequest(str(exc), exc.param) from None
+        request = make_request(
+            wire.request_id, wire.prompt_token_ids, wire.params, self.engine.eos_token_ids,
+            cache_salt=wire.cache_salt, priority=wire.priority,
+        )
+        request.pins = tuple(wire.pins)
+        if wire.params.guided is not None:
+            # Compiled on the grammar thread (cached); an invalid grammar is a 400 here.
+            try:
+                request.guided = await self._guided_state(request)
+            except GrammarError as exc:
+                raise _BadRequest(str(exc), exc.param) from None
+        return request
+
+    async def start(self, request: Request, into: Any = None) -> Any:
+        """Submit a prepared request (into a CoreChannel, or a stream of its own, which is
+        returned); it counts as in flight until `ended`. Refused: 503 overloaded, 400."""
+        request_id = request.request_id
+        added = request_id not in self._in_flight
+        self._in_flight.add(request_id)
+        self._idle.clear()
+        try:
+            return await self.engine.submit([request], into)
+        except BaseException as exc:
+            if added:
+                self.ended(request_id)
+            if isinstance(exc, QueueFullError):
+                raise self._unavailable(OVERLOADED, str(exc)) from None
+            if isinstance(exc, ValueError):  # larger than the KV pool, a duplicate id
+                raise _BadRequest(str(exc), None) from None
+            raise
+
+    def ended(self, request_id: str) -> None:
+        """A request's stream ended: it no longer counts as in flight."""
+        self._in_flight.discard(request_id)
+        if not self._in_flight:
+            self._idle.set()
 
     async def _guided_state(self, request: Request) -> GuidedState:
         """`request`'s grammar state once compiled (GrammarError if the grammar is invalid)."""
@@ -222,27 +239,27 @@ class ReplicaServer:
         try:
             request_id = decode_abort(await _read_json(http))
         except (_BadRequest, ProtocolError) as exc:
-            return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
+            return json_answer(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
         report = None
         if not self.engine.is_running:  # nothing runs, and no step thread would answer
-            return _json(abort_answer(None))
+            return json_answer(abort_answer(None))
         with contextlib.suppress(TimeoutError):  # the abort itself still runs
             report = await asyncio.wait_for(self.engine.abort_report(request_id),
                                             ABORT_REPORT_WAIT_S)
-        return _json(abort_answer(report))
+        return json_answer(abort_answer(report))
 
     async def stop(self, http: web.Request) -> web.Response:
         """The HTTP side matched a stop string: finish the request as stopped."""
         try:
             request_id, stop = decode_stop(await _read_json(http))
         except (_BadRequest, ProtocolError) as exc:
-            return _json(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
+            return json_answer(error_body(str(exc), INVALID_REQUEST, exc.param), status=400)
         self.engine.finish_with_stop_string(request_id, stop)
-        return _json({"ok": True})
+        return json_answer({"ok": True})
 
     async def stats(self, http: web.Request) -> web.Response:
         """The engine's counters (`ReplicaStats` on the wire)."""
-        return _json(asdict(self.engine.stats()))
+        return json_answer(asdict(self.engine.stats()))
 
     async def metrics(self, http: web.Request) -> web.Response:
         """Prometheus text: the engine's figures, also under vLLM's names (for routers
@@ -268,15 +285,15 @@ class ReplicaServer:
             info.kv_events_replay_endpoint = self.kv_events.replay_endpoint
         if self.vllm_kv_events is not None:
             info.vllm_kv_events_endpoint = self.vllm_kv_events.endpoint
-        return _json(info.to_json())
+        return json_answer(info.to_json())
 
     async def health(self, http: web.Request) -> web.Response:
         """200 while admitting; 503 while draining or if the step loop died."""
         if not self.engine.is_running:
-            return _json({"status": "dead"}, status=503)
+            return json_answer({"status": "dead"}, status=503)
         if self.draining:
-            return _json({"status": "draining"}, status=503)
-        return _json({"status": "ok"})
+            return json_answer({"status": "draining"}, status=503)
+        return json_answer({"status": "ok"})
 
     # -- shutdown ------------------------------------------------------------------------
     def request_shutdown(self) -> None:
@@ -317,11 +334,8 @@ class ReplicaServer:
         if any(not 0 <= t < vocab for t in wire.params.logit_bias or {}):
             raise _BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
 
-    def _unavailable(self, code: str, message: str) -> web.Response:
-        return _json(
-            error_body(message, code), status=503,
-            headers={"Retry-After": str(self.retry_after_s)},
-        )
+    def _unavailable(self, code: str, message: str) -> Refused:
+        return Refused(503, message, code, retry_after=self.retry_after_s)
 
 
 async def _read_json(http: web.Request) -> Any:
@@ -339,104 +353,3 @@ async def _first_of(*waits: Any, timeout: float) -> None:
     finally:
         for task in tasks:
             task.cancel()
-
-
-async def run_server(
-    engine: AsyncEngineCore,
-    host: str,
-    port: int,
-    *,
-    drain_timeout: float = 30.0,
-    token: str | None = None,
-    on_ready: Callable[[str], None] | None = None,
-    kv_events: bool = True,
-    vllm_events: KVEventsConfig | None = None,
-) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and return.
-
-    `port` 0 binds a free port; `token` is required of every caller but health probes;
-    `on_ready` receives the URL actually served; `kv_events`: publish the prefix
-    cache's events (`engine/kv_events.py`) and advertise them in the info;
-    `vllm_events`: also publish them in vLLM's format where it says.
-    """
-    server = ReplicaServer(engine, drain_timeout=drain_timeout, token=token)
-    if kv_events and engine.core.kv.enable_caching:
-        block_size = engine.core.kv.block_size
-        medium = "GPU" if engine.core.runner.device.type == "cuda" else "CPU"  # vLLM's words
-        server.kv_events = tokenyard_publisher(host, block_size, medium, token=token)
-        publishers = [server.kv_events]
-        if vllm_events is not None and vllm_events.vllm_endpoint is not None:
-            server.vllm_kv_events = vllm_publisher(vllm_events, block_size, medium)
-            publishers.append(server.vllm_kv_events)
-
-        def publish(events: list[tuple[object, ...]]) -> None:
-            for publisher in publishers:
-                publisher.publish(events)
-
-        engine.publish_kv_events(publish)
-    runner = web.AppRunner(
-        server.make_app(),
-        handler_cancellation=True,  # a disconnect cancels the handler: abort at once
-        access_log=None,  # per-request logging costs CPU the model could use
-        shutdown_timeout=1.0,  # handlers are already done when cleanup runs
-    )
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1] if runner.addresses else port
-        shown = f"[{host}]" if ":" in host else host
-        url = f"http://{shown}:{bound}"
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            server.request_shutdown()
-            stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-        if on_ready is not None:
-            on_ready(url)
-        await stop.wait()
-        await server.drain()
-    finally:
-        with contextlib.suppress(Exception):
-            await runner.cleanup()
-        for publisher in (server.kv_events, server.vllm_kv_events):
-            if publisher is not None:
-                publisher.close()
-
-
-def serve_engine(
-    host: str = "127.0.0.1",
-    port: int = 8001,
-    *,
-    drain_timeout: float = 30.0,
-    token: str | None = None,
-    show_progress: bool = True,
-    **engine_config: Any,
-) -> int:
-    """Load the model, serve the replica API until SIGTERM, drain, and return 0.
-
-    `token`: the bearer token callers must send (None: loopback hosts only, see
-    `check_exposure`). Keyword arguments beyond these are EngineConfig fields.
-    """
-    check_exposure(host, token)  # before the model loads: a refusal should be quick
-    config = EngineConfig.from_env(**engine_config)
-    vllm_events = KVEventsConfig.from_env()
-    engine = AsyncEngineCore(config, show_progress=show_progress)
-    # On stderr: stdout's one line is the ready mark that `tokenyard serve` waits for.
-    log.info("tokenyard engine: %s loaded with %s weights", engine.model_name,
-             engine.weights, extra={"event": "model_loaded", "model": engine.model_name,
-                                    "weights": engine.weights})
-
-    def ready(url: str) -> None:
-        print(f"tokenyard engine: {engine.model_name} serving at {url}", flush=True)
-
-    try:
-        asyncio.run(run_server(engine, host, port, drain_timeout=drain_timeout, token=token,
-                               on_ready=ready, vllm_events=vllm_events))
-    finally:
-        engine.shutdown()
-    return 0

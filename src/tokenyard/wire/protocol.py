@@ -17,6 +17,8 @@ The replica API:
   client that left before its first token still used); ``POST /v1/engine/stop``
   ``{"request_id", "stop"}`` (the HTTP side matched a stop string). Both bodies, and the
   report, are in `wire/abort.py`.
+- ``GET /v1/engine/mux``: a WebSocket that carries every request of one HTTP process,
+  each step's deltas of all of them in one frame (`wire/mux.py`); the gateway's usual way.
 - ``GET /v1/engine/stats`` (`ReplicaStats`), ``GET /v1/engine/info`` (`ReplicaInfo`), both
   in `wire/replica_info.py`; ``GET /healthz``.
 """
@@ -385,6 +387,11 @@ def _logprobs_to_json(logprobs: Sequence[LogprobLike] | None) -> list[Json] | No
 
 def encode_delta(out: CoreOutputLike) -> bytes:
     """One NDJSON stream line (with its newline) for an engine step's output."""
+    return dumps(delta_json(out)) + b"\n"
+
+
+def delta_json(out: CoreOutputLike) -> Json:
+    """An engine step's output as the JSON object `CoreDelta.from_json` reads."""
     line: Json = {
         "new_token_ids": list(out.new_token_ids),
         "new_logprobs": _logprobs_to_json(out.new_logprobs),
@@ -400,7 +407,7 @@ def encode_delta(out: CoreOutputLike) -> bytes:
     prompt_logprobs = getattr(out, "prompt_logprobs", None)
     if prompt_logprobs is not None:  # only when asked: old readers never see the key
         line["prompt_logprobs"] = _logprobs_to_json(prompt_logprobs)
-    return dumps(line) + b"\n"
+    return line
 
 
 def encode_stream_error(message: str, code: str = ENGINE_ERROR) -> bytes:
