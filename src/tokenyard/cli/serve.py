@@ -38,6 +38,7 @@ from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
+from tokenyard.gateway.batches import BatchSettings
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.routing import Router
@@ -218,6 +219,7 @@ async def run(
         state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
+        state.batch = BatchSettings.of(config)
         state.embeddings = {n: s.pool for n, s in deployments.items()
                             if s.kind == "embeddings"}
         state.scaler = ray_scaler(fleet.spec, config)

@@ -61,6 +61,8 @@ class RequestSummary:
     stream: bool = False
     #: The request's whole duration in ms, from arrival to its end.
     duration_ms: float = 0.0
+    #: "live" (a client waited on it) or "batch" (a Batch API line).
+    lane: str = "live"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (cost as a decimal string)."""
