@@ -1,7 +1,9 @@
 """The Batch API through the official SDKs against `make serve`'s server: OpenAI's files
 and batches (chat, embeddings and Responses lines), Anthropic's Message Batches, their
 bodies validated against the specs, the upload's line checks, and another org that can
-neither see, read, cancel nor be billed for them."""
+neither see, read, cancel nor be billed for them. A completed batch has its `model` and
+`usage`; each line has a request record like a live request's; its latencies go to the
+batch lane of the metrics, never the live one; a cancel cuts the lines in flight."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import io
 import json
 import sqlite3
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -53,11 +56,31 @@ def _upload(client: openai.OpenAI, lines: list[dict[str, Any]]) -> str:
                                purpose="batch").id
 
 
-def _ledger(server: Server, batch_id: str) -> list[tuple[str, str, int]]:
+def _ledger(server: Server, batch_id: str, columns: str = "request_id, org_id, cost_micros",
+            ) -> list[tuple[Any, ...]]:
     assert server.state_dir is not None
     with sqlite3.connect(Path(server.state_dir) / "tokenyard.db") as db:
-        return list(db.execute("SELECT request_id, org_id, cost_micros FROM usage_ledger "
-                               "WHERE batch_id = ?", (batch_id,)))
+        return list(db.execute(f"SELECT {columns} FROM usage_ledger WHERE batch_id = ?",
+                               (batch_id,)))
+
+
+def _billed_as(server: Server, batch_id: str, usage: tuple[int, int]) -> tuple[int, int]:
+    """The (prompt, output) tokens the ledger billed the batch for, once they are `usage`
+    (its writer commits rows a moment after they settle), else as they are after 30 s."""
+    def sums() -> tuple[int, int]:
+        rows = _ledger(server, batch_id, "prompt_tokens, output_tokens")
+        return sum(r[0] for r in rows), sum(r[1] for r in rows)
+
+    return _wait(sums, lambda got: got == usage, 30)
+
+
+def _latency_counts(server: Server) -> dict[str, float]:
+    """The TTFT and end-to-end histograms' counts by lane, from /metrics."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith(("tokenyard:time_to_first_token_seconds_count",
+                                "tokenyard:e2e_request_latency_seconds_count"))}
 
 
 def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None:
@@ -77,6 +100,7 @@ def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None
                   "body": {"model": server.model, "input": "Say hi.",
                            "max_output_tokens": 4}}]
     started = {}
+    metrics_before = _latency_counts(server)
     for endpoint, lines in (("/v1/chat/completions", chat), ("/v1/embeddings", embeds),
                             ("/v1/responses", responses)):
         file_id = _upload(client, lines)
@@ -97,6 +121,12 @@ def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None
                       lambda b: b.status == "completed")
         spec.validate(batch.model_dump(exclude_none=True), "Batch", "batch")
         assert batch.status == "completed", batch
+        # Its model and its lines' usage (the SDK's `Batch.usage`), as billed.
+        assert batch.model == lines[0]["body"]["model"]
+        assert batch.usage is not None and batch.usage.input_tokens > 0
+        assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+        usage = (batch.usage.input_tokens, batch.usage.output_tokens)
+        assert _billed_as(server, batch_id, usage) == usage
         assert batch.request_counts is not None
         assert (batch.request_counts.completed, batch.request_counts.failed) == (len(lines), 0)
         assert batch.output_file_id and not batch.error_file_id
@@ -121,6 +151,80 @@ def test_openai_batches_of_chat_embeddings_and_responses(server: Server) -> None
         rows = _ledger(server, batch_id)
         assert sorted(r[0] for r in rows) == sorted(
             line["response"]["request_id"] for line in out)
+        # ... and has a request record, as a live request has (its log line beside it).
+        first_id = out[0]["response"]["request_id"]
+        record = _wait(functools.partial(_record, server, first_id),
+                       lambda r: r is not None, timeout=30)
+        assert record is not None and record["endpoint"] == endpoint
+        assert record["status"] == 200 and record["tokens"]["prompt"] > 0
+    # The generating lines (3 chat, 1 Responses) moved the batch lane's latencies; the
+    # live ones moved by the one live request only.
+    after = _latency_counts(server)
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count"):
+        live_key, batch_key = (f'tokenyard:{name}{{lane="{lane}"}}' for lane in ("live", "batch"))
+        assert after[live_key] - metrics_before[live_key] == 1, name
+        assert after[batch_key] - metrics_before[batch_key] == 4, name
+
+
+def _record(server: Server, request_id: str) -> dict[str, Any] | None:
+    """`GET /v1/requests/{id}` (None while it is not there yet)."""
+    raw = urllib.request.Request(f"{server.base_url}/v1/requests/{request_id}",
+                                 headers={"Authorization": f"Bearer {server.api_key}"})
+    try:
+        with urllib.request.urlopen(raw, timeout=30) as response:
+            return dict(json.loads(response.read()))
+    except urllib.error.HTTPError as err:
+        if err.code == 404:
+            return None
+        raise
+
+
+def test_a_cancelled_batch_cuts_its_lines_in_flight(server: Server) -> None:
+    """30 long lines (200 tokens each, minutes of work on a CPU) cancelled a second after
+    creation: the batch ends cancelled soon after (not when its lines would have ended,
+    nor when their leases run out), every line not completed is in the error file as
+    `batch_cancelled`, and what was billed is what ran: the ledger's rows of the batch
+    are its `usage`, each cut line billed for fewer output tokens than it asked for."""
+    client = _client(server)
+    spec = Spec.load("openai")
+    lines = [{"custom_id": f"x{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": server.model, "max_tokens": 200, "temperature": 0,
+                       "messages": [{"role": "user", "content": f"Tell a long story {i}."}]}}
+             for i in range(30)]
+    batch = client.batches.create(input_file_id=_upload(client, lines),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    time.sleep(1.0)
+    cancelling = client.batches.cancel(batch.id)
+    cancelled_at = time.monotonic()
+    assert cancelling.status in ("cancelling", "cancelled")
+    spec.validate(cancelling.model_dump(exclude_none=True), "Batch", "cancelling batch")
+    ended = _wait(lambda: client.batches.retrieve(batch.id),
+                  lambda b: b.status == "cancelled", timeout=120)
+    took = time.monotonic() - cancelled_at
+    print(f"cancelled batch ended {took:.1f} s after the cancel")
+    assert ended.status == "cancelled", ended
+    assert took < 60  # not the lines' own end, nor their 60 s leases
+    spec.validate(ended.model_dump(exclude_none=True), "Batch", "cancelled batch")
+    counts = ended.request_counts
+    assert counts is not None and counts.total == 30
+    assert counts.completed + counts.failed == 30 and counts.failed > 0
+    done = ([json.loads(x)["custom_id"] for x in
+             client.files.content(ended.output_file_id).text.splitlines()]
+            if ended.output_file_id else [])
+    assert ended.error_file_id is not None
+    errors = [json.loads(x) for x in client.files.content(ended.error_file_id).text.splitlines()]
+    for line in errors:
+        spec.validate(line, "BatchRequestOutput", "error line")
+        assert line["response"] is None and line["error"]["code"] == "batch_cancelled"
+    assert sorted(done + [e["custom_id"] for e in errors]) == sorted(x["custom_id"]
+                                                                     for x in lines)
+    assert ended.usage is not None
+    usage = (ended.usage.input_tokens, ended.usage.output_tokens)
+    assert _billed_as(server, batch.id, usage) == usage
+    billed = _ledger(server, batch.id, "request_id, status, prompt_tokens, output_tokens")
+    cut = [r for r in billed if r[1] == "aborted"]
+    assert len(cut) + len(done) == len(billed)
+    assert all(r[3] < 200 for r in cut)
 
 
 def test_the_upload_names_the_first_bad_line(server: Server) -> None:
@@ -209,18 +313,23 @@ def test_anthropic_message_batches(server: Server) -> None:
 
     # A cancelled batch ends with what ran and the rest canceled; then it can be deleted.
     many: Any = [{"custom_id": f"k{i}", "params": {
-        "model": server.model, "max_tokens": 8,
+        "model": server.model, "max_tokens": 64,
         "messages": [{"role": "user", "content": f"Write about {i}."}]}} for i in range(12)]
     doomed = client.messages.batches.create(requests=many)
     cancelling = client.messages.batches.cancel(doomed.id)
     assert cancelling.processing_status in ("canceling", "ended")
     over = _wait(lambda: client.messages.batches.retrieve(doomed.id),
                  lambda b: b.processing_status == "ended")
+    spec.validate(over.model_dump(mode="json"), "MessageBatch", "canceled batch")
     counts = over.request_counts
     assert counts.canceled > 0 and counts.succeeded + counts.canceled == 12
     kinds = [r.result.type for r in client.messages.batches.results(doomed.id)]
     assert len(kinds) == 12 and set(kinds) <= {"succeeded", "canceled"}
-    assert len(_ledger(server, doomed.id)) == counts.succeeded
+    assert kinds.count("canceled") == counts.canceled
+    # The succeeded are billed whole; a request cut in flight for what it computed.
+    statuses = _wait(lambda: [r[0] for r in _ledger(server, doomed.id, "status")],
+                     lambda st: len(st) - st.count("aborted") == counts.succeeded, 30)
+    assert len(statuses) - statuses.count("aborted") == counts.succeeded
     deleted = client.messages.batches.delete(doomed.id)
     assert deleted.type == "message_batch_deleted"
     with pytest.raises(anthropic.NotFoundError):

@@ -483,10 +483,11 @@ def test_metrics_show_the_replica_busy_then_idle_with_every_kv_block_free(
         return after[name] - before.get(name, 0.0)  # a labelled series starts unseen
 
     # The HTTP process observes each request it served, once, with its real counts.
-    assert added("tokenyard:e2e_request_latency_seconds_count") == 1
-    assert added("tokenyard:time_to_first_token_seconds_count") == 1
-    assert added("tokenyard:request_queue_time_seconds_count") == 1
-    assert added("tokenyard:inter_token_latency_seconds_count") == usage["completion_tokens"] - 1
+    assert added('tokenyard:e2e_request_latency_seconds_count{lane="live"}') == 1
+    assert added('tokenyard:time_to_first_token_seconds_count{lane="live"}') == 1
+    assert added('tokenyard:request_queue_time_seconds_count{lane="live"}') == 1
+    assert (added('tokenyard:inter_token_latency_seconds_count{lane="live"}')
+            == usage["completion_tokens"] - 1)
     assert added("tokenyard:prompt_tokens_total") == usage["prompt_tokens"]
     assert added("tokenyard:generation_tokens_total") == usage["completion_tokens"] == 4
     assert added('tokenyard:request_success_total{finished_reason="length"}') == 1

@@ -1,9 +1,9 @@
 """A batch's price and its org's quota, through HTTP against `tokenyard serve --config`
 in front of the project's mock replica: a deployment whose fleet entry sets
 `batch_prices` bills its batch lines at them, one without at half its live prices; the
-enqueued-token quota is the gateway's default (`TOKENYARD_BATCH_ENQUEUED_TOKENS`) until
-the org's own is set through `POST /admin/v1/orgs/{id}/limits`, and a batch over either
-is a 429 naming it."""
+enqueued-token quota is the gateway's default (`tokenyard serve --batch-enqueued-tokens`:
+the lane's settings come from serve's flags) until the org's own is set through
+`POST /admin/v1/orgs/{id}/limits`, and a batch over either is a 429 naming it."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ urls = ["{urls['mock']}/v1"]
 model = "mock"
 prices = {{ input = "2", cached_input = "1", output = "4" }}
 """)
-        with running_server("--config", str(config), env={
-                "TOKENYARD_BATCH_ENQUEUED_TOKENS": str(DEFAULT_QUOTA)}) as (srv, _):
+        with running_server("--config", str(config), "--batch-enqueued-tokens",
+                            str(DEFAULT_QUOTA)) as (srv, _):
             yield srv
 
 

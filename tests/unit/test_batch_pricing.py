@@ -56,3 +56,17 @@ def test_the_batch_settings_come_from_the_serve_config(
     monkeypatch.setenv("TOKENYARD_BATCH_CONCURRENCY", "0")
     with pytest.raises(ValueError, match="batch_concurrency"):
         ServeConfig.from_env()
+
+
+def test_serve_s_batch_flags_reach_the_lane_s_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokenyard serve --batch-*` over TOKENYARD_BATCH_*: what `AppState.batch` (and so
+    the lane) is given, never read from the environment by the lane itself."""
+    from tokenyard.cli.main import build_parser, serve_config
+
+    monkeypatch.setenv("TOKENYARD_BATCH_CONCURRENCY", "5")
+    monkeypatch.setenv("TOKENYARD_BATCH_LEASE_S", "9")
+    args = build_parser().parse_args(["serve", "--batch-concurrency", "7",
+                                      "--batch-enqueued-tokens", "99"])
+    settings = BatchSettings.of(serve_config(args))
+    assert (settings.concurrency, settings.lease_s, settings.enqueued_tokens) == (7, 9.0, 99)

@@ -70,7 +70,11 @@ def test_claims_leases_results_and_ending_once(database_url: str) -> None:
             counts = await rows.line_counts(db, "batch_1")
             odd = sum(1 for i in range(10) if i != line and i % 2)
             assert counts == {"queued": 0, "running": 0, "succeeded": odd + 1,
-                              "failed": 9 - odd}
+                              "failed": 9 - odd, "cancelled": 0}
+            # The batch's row kept the same counts as its lines ended (a status read).
+            row = await rows.get_batch(db, "batch_1", "org_a", "openai")
+            assert row is not None and (row.succeeded, row.failed, row.unended) == (
+                odd + 1, 9 - odd, 0)
             results = await rows.results(db, "batch_1")
             assert [r.custom_id for r in results] == [f"c{i}" for i in range(10)]
             assert results[line].result == "ok"
@@ -99,6 +103,25 @@ def test_claims_leases_results_and_ending_once(database_url: str) -> None:
                                    result="done", now=later)
             assert [s for _, s in await rows.due(db, later)] == ["cancelled"]
             assert await rows.enqueued_tokens(db, "org_a") == (30, None)  # batch_2 counts
+
+            # Ends are written in groups: one transaction, each only if still held; an
+            # aborted line (cut by a cancel) counts as cancelled, with what it was billed.
+            await rows.create_batch(db, _batch("batch_5", 3), lines[:3])
+            held5 = await rows.claim(db, "F", now=later, lease_s=60, limit=3)
+            ends = [rows.LineEnd("batch_5", held5[0].line, 200, "ok", 5, 2, 7),
+                    rows.LineEnd("batch_5", held5[1].line, None, None, 4, 0, 1),
+                    rows.LineEnd("batch_5", held5[2].line, 429, "no", 0, 0, 0)]
+            written = await rows.finish_lines(db, "F", ends, now=later)
+            assert written == ends
+            assert await rows.finish_lines(db, "F", ends, now=later) == []  # once only
+            row5 = await rows.get_batch(db, "batch_5", "org_a", "openai")
+            assert row5 is not None
+            assert (row5.succeeded, row5.failed, row5.cancelled, row5.unended) == (1, 1, 1, 0)
+            assert (row5.input_tokens, row5.cached_tokens, row5.output_tokens) == (9, 2, 8)
+            assert (await rows.line_counts(db, "batch_5"))["cancelled"] == 1
+            assert await rows.statuses(db, ["batch_5", "batch_2", "nope"]) == {
+                "batch_5": "in_progress", "batch_2": "cancelling"}
+            assert ("batch_5", "completed") in [(r.id, s) for r, s in await rows.due(db, later)]
 
             # Past its window: nothing is claimed from it, and it ends expired.
             old = _batch("batch_3", 2)

@@ -57,17 +57,17 @@ def test_tokenyard_metrics_follow_engine_stats_and_finished_requests() -> None:
         "tokenyard:generation_tokens_total": 6,
         'tokenyard:request_success_total{finished_reason="stop"}': 2,
         'tokenyard:request_success_total{finished_reason="length"}': 1,
-        "tokenyard:time_to_first_token_seconds_sum": 0.05,
-        "tokenyard:time_to_first_token_seconds_count": 1,
-        "tokenyard:e2e_request_latency_seconds_sum": 0.6,
-        "tokenyard:e2e_request_latency_seconds_count": 2,
-        "tokenyard:request_queue_time_seconds_sum": 0.002,
-        "tokenyard:inter_token_latency_seconds_count": 1,
-        'tokenyard:inter_token_latency_seconds_bucket{le="0.005"}': 0,
-        'tokenyard:inter_token_latency_seconds_bucket{le="0.01"}': 1,
-        'tokenyard:inter_token_latency_seconds_bucket{le="+Inf"}': 1,
-        'tokenyard:e2e_request_latency_seconds_bucket{le="0.1"}': 1,
-        'tokenyard:e2e_request_latency_seconds_bucket{le="0.5"}': 2,
+        'tokenyard:time_to_first_token_seconds_sum{lane="live"}': 0.05,
+        'tokenyard:time_to_first_token_seconds_count{lane="live"}': 1,
+        'tokenyard:e2e_request_latency_seconds_sum{lane="live"}': 0.6,
+        'tokenyard:e2e_request_latency_seconds_count{lane="live"}': 2,
+        'tokenyard:request_queue_time_seconds_sum{lane="live"}': 0.002,
+        'tokenyard:inter_token_latency_seconds_count{lane="live"}': 1,
+        'tokenyard:inter_token_latency_seconds_bucket{lane="live",le="0.005"}': 0,
+        'tokenyard:inter_token_latency_seconds_bucket{lane="live",le="0.01"}': 1,
+        'tokenyard:inter_token_latency_seconds_bucket{lane="live",le="+Inf"}': 1,
+        'tokenyard:e2e_request_latency_seconds_bucket{lane="live",le="0.1"}': 1,
+        'tokenyard:e2e_request_latency_seconds_bucket{lane="live",le="0.5"}': 2,
         "tokenyard:http_workers": 1,
     }.items():
         assert got.get(series) == pytest.approx(value), series
@@ -91,6 +91,28 @@ def test_tokenyard_metrics_follow_engine_stats_and_finished_requests() -> None:
     ]:
         assert f"# HELP tokenyard:{name} {doc}\n# TYPE tokenyard:{name} {kind}\n" in text, name
     assert "_created" not in text
+
+
+def test_a_batch_line_moves_only_the_batch_lane_of_the_latencies() -> None:
+    """Batch lines wait behind every live request by design: their latencies go to the
+    `lane="batch"` series and never move the live ones (nor the dashboard's figures)."""
+    metrics = TokenyardMetrics()
+    line = Timeline(received_ns=0, lane="batch")
+    line.mark("queued", now_ns=1_000_000)
+    line.mark("admitted", now_ns=40_000_000_000)
+    line.mark_token(now_ns=49_000_000_000)
+    metrics.observe_inter_token(line.mark_token(now_ns=50_000_000_000), line.lane)
+    line.mark("done", now_ns=575_000_000_000)
+    metrics.observe_request(line, num_prompt_tokens=7, num_generation_tokens=2,
+                            finished_reasons="stop")
+    got = samples(metrics.render())
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "inter_token_latency_seconds"):
+        assert got[f'tokenyard:{name}_count{{lane="live"}}'] == 0, name
+        assert got[f'tokenyard:{name}_count{{lane="batch"}}'] == 1, name
+    assert all(count == 0 for buckets in metrics.histogram_buckets("live").values()
+               for _, count in buckets)
+    assert metrics.histogram_buckets("batch")["time_to_first_token_seconds"][-1][1] == 1
 
 
 def test_engine_figures_are_the_snapshot_as_is() -> None:
@@ -144,9 +166,9 @@ def test_multiprocess_mode_sums_every_worker_and_counts_live_ones(
     assert got["tokenyard:prompt_tokens_total"] == 25
     assert got["tokenyard:generation_tokens_total"] == 15
     assert got['tokenyard:request_success_total{finished_reason="stop"}'] == 5
-    assert got["tokenyard:e2e_request_latency_seconds_count"] == 5
-    assert got['tokenyard:e2e_request_latency_seconds_bucket{le="0.1"}'] == 0
-    assert got['tokenyard:e2e_request_latency_seconds_bucket{le="0.25"}'] == 5
+    assert got['tokenyard:e2e_request_latency_seconds_count{lane="live"}'] == 5
+    assert got['tokenyard:e2e_request_latency_seconds_bucket{lane="live",le="0.1"}'] == 0
+    assert got['tokenyard:e2e_request_latency_seconds_bucket{lane="live",le="0.25"}'] == 5
     assert got["tokenyard:http_workers"] == 2
     # A dead worker's live gauge goes; its counts stay in the sums.
     mark_worker_dead(pids[0], str(tmp_path))

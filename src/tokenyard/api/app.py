@@ -25,7 +25,7 @@ from aiohttp import web
 from tokenyard.api.admin import add_admin_routes
 from tokenyard.api.admin_schemas import admin_schema_middleware
 from tokenyard.api.anthropic.routes import add_anthropic_routes
-from tokenyard.api.batches import install as install_batches
+from tokenyard.api.batch import install as install_batches
 from tokenyard.api.context import KEY, PIPELINE, STATE, AppState
 from tokenyard.api.convert import now
 from tokenyard.api.dashboard import add_dashboard_routes

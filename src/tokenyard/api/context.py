@@ -16,6 +16,7 @@ from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import overloaded
 from tokenyard.gateway.auth import KeyContext
+from tokenyard.gateway.batches import BatchSettings
 from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.pipeline import Pipeline
 from tokenyard.gateway.routing import Route, Router
@@ -45,6 +46,8 @@ class AppState(Fleet):
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     #: What scales the Ray-placed deployments (None: this process serves none).
     scaler: ReplicaScaler | None = None
+    #: The Batch API lane's settings (`ServeConfig`'s `batch_*`: serve's flags).
+    batch: BatchSettings = field(default_factory=BatchSettings)
 
     @classmethod
     def single(cls, served: Served, created: int) -> AppState:

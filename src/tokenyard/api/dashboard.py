@@ -18,6 +18,10 @@ One JSON object the page at ``/dashboard`` polls every second:
 - ``budgets``: each key's and user's spend budget this worker checked, with its spend
   (this month, in all) and what its requests in flight hold (`gateway/budgets.py`).
 
+Live traffic only, by default: the Batch API's lines (their own `lane` of the latency
+histograms, their own ring of recent requests) would otherwise show as live latency
+(a batch line waits behind every live request by design). ``?lane=batch`` shows theirs.
+
 No database read feeds it. With several HTTP workers each worker keeps its own ring, so
 the ``requests`` figures are those of the worker that answered (``worker_pid``); the
 latencies and the refusals are every worker's. Admin scope
@@ -39,6 +43,7 @@ from tokenyard.gateway.auth import require_admin
 from tokenyard.gateway.served import Served
 from tokenyard.telemetry import request_log
 from tokenyard.telemetry.latency_window import LatencyWindow
+from tokenyard.telemetry.metrics import LANES
 from tokenyard.telemetry.recent_requests import RecentRequests
 from tokenyard.telemetry.refusal_window import RefusalWindow
 
@@ -52,8 +57,9 @@ LATENCIES = {
     "e2e_s": "e2e_request_latency_seconds",
     "queue_s": "request_queue_time_seconds",
 }
-_RECENT: web.AppKey[RecentRequests] = web.AppKey("recent_requests", RecentRequests)
-_WINDOW: web.AppKey[LatencyWindow] = web.AppKey("latency_window", LatencyWindow)
+#: Per lane (live, batch): its ring of recent requests and its latency window.
+_RECENT: web.AppKey[dict[str, RecentRequests]] = web.AppKey("recent_requests", dict)
+_WINDOW: web.AppKey[dict[str, LatencyWindow]] = web.AppKey("latency_window", dict)
 _REFUSALS: web.AppKey[RefusalWindow] = web.AppKey("refusal_window", RefusalWindow)
 _STARTED: web.AppKey[float] = web.AppKey("dashboard_started", float)
 
@@ -72,21 +78,31 @@ def _recent_limit(request: web.Request) -> int:
     return int(raw)
 
 
+def _lane(request: web.Request) -> str:
+    """``?lane=``: whose figures to show (live, the default, or batch)."""
+    lane = request.query.get("lane", "live")
+    if lane not in LANES:
+        raise invalid_request(f"lane must be one of {', '.join(LANES)}.", param="lane")
+    return lane
+
+
 async def dashboard(request: web.Request) -> web.Response:
     """GET /admin/v1/dashboard (see the module)."""
     app = request.app
     state = app[STATE]
     if state.gateway is not None:
         require_admin(request[KEY])
-    histograms = state.metrics.histogram_buckets()
-    window = app[_WINDOW].percentiles(
+    lane = _lane(request)
+    histograms = state.metrics.histogram_buckets(lane)
+    window = app[_WINDOW][lane].percentiles(
         {name: histograms[metric] for name, metric in LATENCIES.items() if metric in histograms})
     return json_response({
         "object": "dashboard",
         "worker_pid": os.getpid(),
         "uptime_s": round(time.monotonic() - app[_STARTED], 1),
         "admitting": state.admitting,
-        "requests": app[_RECENT].to_json(limit=_recent_limit(request)),
+        "lane": lane,
+        "requests": app[_RECENT][lane].to_json(limit=_recent_limit(request)),
         "latency": window,
         "refusals": app[_REFUSALS].rows(state.metrics.refusals()),
         "deployments": [_deployment(s) for s in state.deployments.values()],
@@ -97,15 +113,15 @@ async def dashboard(request: web.Request) -> web.Response:
 
 def add_dashboard_routes(app: web.Application) -> None:
     """Register the endpoint and keep this application's ring of finished requests."""
-    recent = app[_RECENT] = RecentRequests()
-    app[_WINDOW] = LatencyWindow()
+    recent = app[_RECENT] = {lane: RecentRequests() for lane in LANES}
+    app[_WINDOW] = {lane: LatencyWindow() for lane in LANES}
     app[_REFUSALS] = RefusalWindow()
     app[_STARTED] = time.monotonic()
 
     def api_request(summary: request_log.RequestSummary) -> None:
         # The API's traffic only: not the pages, probes, scrapes or these polls.
         if summary.path.startswith(API_PREFIX):
-            recent.observe(summary)
+            recent[summary.lane].observe(summary)
 
     async def observe(app: web.Application) -> None:
         request_log.add_observer(api_request)

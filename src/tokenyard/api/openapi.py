@@ -56,7 +56,7 @@ _INLINE: dict[str, dict[str, Any]] = {
                                      "first_id": {"type": ["string", "null"]},
                                      "last_id": {"type": ["string", "null"]},
                                      "has_more": {"type": "boolean"}}},
-    # The Batch API (api/batches.py, api/message_batches.py): the fields SDKs read.
+    # The Batch API (api/batch/): the fields SDKs read.
     **{name: {"type": "object", "required": ["id", kind],
               "properties": {"id": {"type": "string"}, kind: {"const": value}}}
        for name, kind, value in (

@@ -6,7 +6,8 @@ The middleware schedules `request_ended` from its `finally` (with `call_soon`), 
 request ends here once — answered, refused, failed, or cancelled because the client left
 (status 499, the code nginx uses for it) — after its last byte went to the socket: the
 summary, the log line and the spans cost the response no latency. Nothing is built when
-no one observes and nothing is traced.
+no one observes and nothing is traced. A call that ran without HTTP (a batch line) ends
+through `call_ended`: the same summary, so the same record and log line.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ from tokenyard.api.context import (
     TRACE,
 )
 from tokenyard.api.request_trace import trace_request
+from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.billing import Usage
-from tokenyard.gateway.call import outcome
+from tokenyard.gateway.call import Call, outcome
+from tokenyard.gateway.gate import Ticket
+from tokenyard.gateway.routing import Route
 from tokenyard.telemetry import request_log
 from tokenyard.telemetry.request_log import RequestSummary
+from tokenyard.telemetry.timeline import Timeline
 
 logger = logging.getLogger("tokenyard.api")
 
@@ -70,27 +75,55 @@ def summarize(
     request: web.Request, response: web.StreamResponse | None, started_at: float
 ) -> RequestSummary:
     """The summary of a request that ended with `response` (None: cancelled)."""
-    timeline = request[TIMELINE]
-    ticket, key, chosen = request.get(TICKET), request.get(KEY), request.get(ROUTE)
-    gens: Sequence[Any] = request.get(GENERATIONS) or ()
-    usage: Usage | None = ticket.usage if ticket is not None else None
-    if usage is None and gens:
-        usage = outcome(gens)[0]
     status = (request.get(STREAM_ERROR_STATUS, response.status) if response is not None
               else CLIENT_CLOSED)
     error_code = request.get(ERROR_CODE)
     if response is None and error_code is None:
         error_code = "client_closed_request"
+    return _summary(
+        request[REQUEST_ID], request[TIMELINE], request.get(TICKET), request.get(KEY),
+        request.get(ROUTE), request.get(GENERATIONS) or (), method=request.method,
+        path=request.path, status=status, error_code=error_code, started_at=started_at,
+        stream=response is not None and not isinstance(response, web.Response),
+        attempts=request.get(ATTEMPTS))
+
+
+def call_ended(call: Call, *, status: int, error_code: str | None,
+               started_at: float) -> None:
+    """Publish the summary of a call that ran without HTTP (a batch line: its record and
+    its log line, as a live request's), answered with `status`. Never raises."""
+    if not request_log.has_observers():
+        return
+    try:
+        summary = _summary(call.request_id, call.timeline, call.ticket, call.key,
+                           call.route, call.gens, method="POST", path=call.endpoint,
+                           status=status, error_code=error_code, started_at=started_at,
+                           stream=False, attempts=call.attempts)
+    except Exception:
+        logger.exception("summarizing request %s failed", call.request_id)
+        return
+    request_log.publish(summary)
+
+
+def _summary(
+    request_id: str, timeline: Timeline, ticket: Ticket | None, key: KeyContext | None,
+    chosen: Route | None, gens: Sequence[Any], *, method: str, path: str, status: int,
+    error_code: str | None, started_at: float, stream: bool,
+    attempts: Sequence[Any] | None = None,
+) -> RequestSummary:
+    usage: Usage | None = ticket.usage if ticket is not None else None
+    if usage is None and gens:
+        usage = outcome(gens)[0]
     cost = None
     if ticket is not None and ticket.cost_micros is not None:
         cost = Decimal(ticket.cost_micros).scaleb(-6).quantize(_MICRO)
     reasons = [reason for gen in gens for reason in gen.finish_reasons if reason]
     received = timeline.events["received"]
     return RequestSummary(
-        request_id=request[REQUEST_ID],
+        request_id=request_id,
         started_at=started_at,
-        method=request.method,
-        path=request.path,
+        method=method,
+        path=path,
         status=status,
         key_prefix=key.prefix if key is not None else None,
         org_id=key.org_id if key is not None else None,
@@ -107,8 +140,8 @@ def summarize(
         output_tokens=usage.output_tokens if usage is not None else 0,
         cost=cost,
         timings_ms=timeline.timings_ms(),
-        stream=response is not None and not isinstance(response, web.Response),
+        stream=stream,
         duration_ms=round((time.perf_counter_ns() - received) / 1e6, 3),
-        attempts=tuple(a.to_json() for a in request[ATTEMPTS]) if ATTEMPTS in request
-        else None,
+        attempts=tuple(a.to_json() for a in attempts) if attempts is not None else None,
+        lane=timeline.lane,
     )

@@ -77,7 +77,7 @@ class Plan:
     """A generating route's request, parsed and converted: the model it names, its `build`
     hook, the rest of its `Call` (`options`: capability, text_size, param, bounded,
     first_user_text), and the `Format` its started run is rendered in. An HTTP route and
-    a batch line (`api/batch_lines.py`) answer the same plan the same way."""
+    a batch line (`api/batch/runner.py`) answer the same plan the same way."""
 
     model: str
     build: Build

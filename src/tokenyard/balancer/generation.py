@@ -255,7 +255,7 @@ class Generation:
             timeline.add("detokenize", time.perf_counter_ns() - began)
             if item.new_token_ids and metrics is not None:
                 metrics.observe_inter_token(
-                    timeline.mark_token(len(item.new_token_ids), began)
+                    timeline.mark_token(len(item.new_token_ids), began), timeline.lane
                 )
             for core_id, stop in stopped:
                 # The replica ends that completion; its stream then finishes on its own.

@@ -372,7 +372,7 @@ class UpstreamGeneration:
             self._counted_tokens += arrived
             interval = self.timeline.mark_token(arrived)
             if self.metrics is not None:
-                self.metrics.observe_inter_token(interval)
+                self.metrics.observe_inter_token(interval, self.timeline.lane)
         if not deltas:
             return None
         return RequestOutput(

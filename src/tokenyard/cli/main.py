@@ -88,7 +88,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                 max_header_bytes=args.max_header_bytes,
                                 stream_write_timeout_s=args.stream_write_timeout,
                                 redact_patterns=tuple(args.redact_pattern or ()) or None,
-                                region=args.region)
+                                region=args.region,
+                                batch_concurrency=args.batch_concurrency,
+                                batch_lease_s=args.batch_lease,
+                                batch_enqueued_tokens=args.batch_enqueued_tokens)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -297,6 +300,16 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--redact-pattern", action="append", metavar="REGEX",
                        help="also redact matches of this regular expression from captured "
                        "bodies (repeatable)")
+    serve.add_argument("--batch-concurrency", type=int,
+                       help="Batch API lines one gateway process runs at once (default "
+                       "128, $TOKENYARD_BATCH_CONCURRENCY)")
+    serve.add_argument("--batch-lease", type=float,
+                       help="seconds a claimed batch line stays its worker's without a "
+                       "renewal (default 60, $TOKENYARD_BATCH_LEASE_S)")
+    serve.add_argument("--batch-enqueued-tokens", type=int,
+                       help="estimated tokens an org's batches at work may hold unless the "
+                       "org has its own quota (default 20000000, "
+                       "$TOKENYARD_BATCH_ENQUEUED_TOKENS)")
     add_engine_args(serve)
 
 

@@ -38,6 +38,7 @@ from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
+from tokenyard.gateway.batches import BatchSettings
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.kinds import kind_of
 from tokenyard.gateway.limits import InProcessLimiter, Limiter
@@ -227,6 +228,7 @@ async def run(
         state.region = config.region
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
+        state.batch = BatchSettings.of(config)
         state.scaler = ray_scaler(fleet.spec, config)
         if config.workers > 1:  # they serve; this process supervises (cli/workers.py)
             workers = WorkerPool(config.workers, host, port, fleet=fleet, state=state,

@@ -168,9 +168,6 @@ class Billing:
         self._prices_read_at = float("-inf")
         self._prices_version = -1  # the store's `prices_version` the list was read at
         self._prices_task: asyncio.Task[None] | None = None
-        #: A deployment's own batch prices, if its fleet entry sets them (the Batch
-        #: API's lane installs the lookup over the served fleet).
-        self.fixed_batch_prices: Callable[[str], PriceSpec | None] = lambda model: None
         self._seq = 0
         #: The spend budgets of keys and users (held and settled with the org's figures).
         self.budgets = Budgets(store, ledger, refresh_s=refresh_s, clock=clock)
@@ -320,12 +317,11 @@ class Billing:
             self._prices_task = asyncio.create_task(self._read_prices())
         return self._prices.get(model, Prices())
 
-    async def batch_prices(self, model: str) -> Prices:
-        """The model's batch prices: its deployment's own (`fixed_batch_prices`), else
-        half its live prices (rounded half up)."""
-        fixed = self.fixed_batch_prices(model)
-        if fixed is not None:
-            return Prices(fixed.input, fixed.cached_input, fixed.output)
+    async def batch_prices(self, model: str, own: PriceSpec | None) -> Prices:
+        """The model's batch prices: its deployment's `own` (the fleet entry's
+        `batch_prices`), else half its live prices (rounded half up)."""
+        if own is not None:
+            return Prices(own.input, own.cached_input, own.output)
         return batch_prices(await self.prices(model))
 
     async def _read_prices(self) -> None:

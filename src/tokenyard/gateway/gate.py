@@ -218,6 +218,7 @@ class Gateway:
         alias: str | None = None,
         region: str | None = None,
         batch: str | None = None,
+        own_batch_prices: PriceSpec | None = None,
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
@@ -227,7 +228,8 @@ class Gateway:
         default prompt + max_tokens. `model` is the deployment; `alias`, the name the
         client asked for, which a key's model scope may name instead; `region`, the
         deployment's, which its ledger row records; `batch`, the batch the request is a
-        line of (priced at the batch price)."""
+        line of, priced at the deployment's `own_batch_prices` (its fleet entry's), else
+        at half its live prices."""
         authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
                   else context_tokens, alias=alias)
         timeline.mark("authorized")
@@ -244,7 +246,7 @@ class Gateway:
         self.live_open += batch is None
         try:
             ticket.prices = (await self.billing.prices(model) if batch is None
-                             else await self.billing.batch_prices(model))
+                             else await self.billing.batch_prices(model, own_batch_prices))
             ticket.hold = await self.billing.reserve(
                 key, ticket.prices, Usage(prompt_tokens, 0, max_tokens))
         except APIError:
@@ -272,6 +274,7 @@ class Gateway:
         alias: str | None = None,
         region: str | None = None,
         batch: str | None = None,
+        own_batch_prices: PriceSpec | None = None,
     ) -> Ticket:
         """`admit` for a request of `prompts`, each with its fitted `params`: it reserves
         every prompt token and every token the n completions of each may generate, and
@@ -283,6 +286,7 @@ class Gateway:
             context_tokens=max(len(p) + (fp.max_tokens or 0)
                                for p, fp in zip(prompts, params, strict=True)),
             timeline=timeline, alias=alias, region=region, batch=batch,
+            own_batch_prices=own_batch_prices,
         )
 
     def finish(self, ticket: Ticket, usage: Usage | None, status: str) -> None:

@@ -31,7 +31,7 @@ from tokenyard.balancer.moderation_client import ModerationClient, ModerationUna
 from tokenyard.errors import APIError, overloaded
 from tokenyard.fleet_values import a_blocklist_pattern
 from tokenyard.gateway.admin import AdminError, NotFound
-from tokenyard.gateway.batch_writer import BatchWriter
+from tokenyard.gateway.row_writer import RowWriter
 from tokenyard.moderation_spec import MODERATION_MODES, ModerationSpec
 from tokenyard.store.moderation import (
     ModerationEvent,
@@ -247,9 +247,9 @@ class ModerationPolicy:
 OFF = ModerationPolicy("off", "off", None)
 
 
-class EventRecorder(BatchWriter[ModerationEvent]):
+class EventRecorder(RowWriter[ModerationEvent]):
     """Queues moderation events and writes them in batches from a background task
-    (`BatchWriter`); without a store, events are only logged."""
+    (`RowWriter`); without a store, events are only logged."""
 
     def __init__(self, store: Store | None, *, flush_s: float = 0.25,
                  max_pending: int = 10_000) -> None:

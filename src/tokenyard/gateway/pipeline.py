@@ -145,6 +145,7 @@ class Pipeline:
             call.key, model=served.name, endpoint=call.endpoint, request_id=call.request_id,
             prompts=ready.prompts, params=ready.params, timeline=call.timeline,
             alias=call.route.alias, region=call.route.region, batch=call.batch,
+            own_batch_prices=served.spec.batch_prices,
         )
         return call.ticket
 

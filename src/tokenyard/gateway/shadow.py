@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from tokenyard.gateway.batch_writer import BatchWriter
+from tokenyard.gateway.row_writer import RowWriter
 from tokenyard.store.repo import Store
 from tokenyard.store.shadow import (
     ShadowRecord,
@@ -22,7 +22,7 @@ from tokenyard.store.shadow import (
 __all__ = ["ShadowRecord", "ShadowRecorder", "ShadowReportRow", "shadow_report_of"]
 
 
-class ShadowRecorder(BatchWriter[ShadowRecord]):
+class ShadowRecorder(RowWriter[ShadowRecord]):
     """Batches shadow results into the store from a background task."""
 
     def __init__(self, store: Store, *, flush_s: float = 0.25, max_pending: int = 10_000) -> None:

@@ -1,13 +1,15 @@
 """Batches and their lines in the store: job state every gateway process shares.
 
-A batch's lines are `queued`, `running` (claimed by one worker until `lease_until`) or
-`done` (holding their rendered result). `claim` takes a few claimable lines of one batch
-in one statement — an UPDATE whose subquery picks them, with `FOR UPDATE SKIP LOCKED` on
-PostgreSQL (two gateways never take the same line), and under SQLite's single writer
-lock on SQLite — and a line whose worker died is claimable again once its lease is past.
-`finish_line` writes a result only while the line is still claimed by that worker, so a
-line has exactly one result however often it was run. `finalize` ends a batch and
-writes its result files in one transaction, once.
+A batch's lines are `queued`, `running` (claimed by one worker until `lease_until`),
+`done` (holding their rendered result) or `aborted` (cut in flight by the batch's
+cancel). `claim` takes a few claimable lines of one batch in one statement — an UPDATE
+whose subquery picks them, with `FOR UPDATE SKIP LOCKED` on PostgreSQL (two gateways
+never take the same line), and under SQLite's single writer lock on SQLite — and a line
+whose worker died is claimable again once its lease is past. `finish_lines` writes a
+group of results, each only while its line is still claimed by that worker, so a line
+has exactly one result however often it was run; in the same transaction it adds them to
+their batch's row (its counts and usage), so a status read is one row. `finalize` ends
+a batch and writes its result files in one transaction, once.
 """
 
 from __future__ import annotations
@@ -48,6 +50,20 @@ class BatchRecord:
     expires_at: datetime
     cancelling_at: datetime | None
     ended_at: datetime | None
+    #: The model its lines name (the first line's), and its lines' ends and usage so
+    #: far (kept by `finish_lines`).
+    model: str | None = None
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def unended(self) -> int:
+        """Lines not ended yet (queued or running; at the batch's end: never run)."""
+        return self.total - self.succeeded - self.failed - self.cancelled
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,31 @@ class Claimed:
     endpoint: str
     dialect: str
     key_id: str
+
+
+@dataclass(frozen=True)
+class LineEnd:
+    """How a line ended: its status code and rendered result (None for both: aborted by
+    the batch's cancel) and the tokens it was billed for."""
+
+    batch_id: str
+    line: int
+    status_code: int | None
+    result: str | None
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def state(self) -> str:
+        return "aborted" if self.result is None else "done"
+
+    @property
+    def counted(self) -> str:
+        """The batch's count it adds to."""
+        if self.result is None:
+            return "cancelled"
+        return "succeeded" if self.status_code == 200 else "failed"
 
 
 @dataclass(frozen=True)
@@ -129,15 +170,19 @@ async def list_batches(db: Database, org_id: str, dialect: str, *, limit: int,
 
 
 async def line_counts(db: Database, batch_id: str) -> dict[str, int]:
-    """How many lines are queued, running, succeeded (done with status 200) and failed."""
+    """How many lines are queued, running, succeeded (done with status 200), failed and
+    cancelled (aborted), counted from the lines: a check of the counts the batch's row
+    keeps (the routes read the row)."""
     t = batch_lines
     ok = (t.c.state == "done") & (t.c.status_code == 200)
     query = (select(t.c.state, ok.label("ok"), func.count())
              .where(t.c.batch_id == batch_id).group_by(t.c.state, ok))
-    counts = {"queued": 0, "running": 0, "succeeded": 0, "failed": 0}
+    counts = {"queued": 0, "running": 0, "succeeded": 0, "failed": 0, "cancelled": 0}
+    named = {"aborted": "cancelled"}
     async with db.engine.connect() as conn:
         for state, good, n in (await conn.execute(query)).all():
-            name = state if state != "done" else ("succeeded" if good else "failed")
+            name = (named.get(state, state) if state != "done"
+                    else "succeeded" if good else "failed")
             counts[name] += n
     return counts
 
@@ -220,18 +265,51 @@ async def renew(db: Database, worker: str, *, now: datetime, lease_s: float) -> 
         return int((await conn.execute(query)).rowcount)
 
 
+async def finish_lines(db: Database, worker: str, ends: Sequence[LineEnd], *,
+                       now: datetime) -> list[LineEnd]:
+    """Write a group of lines' ends in one transaction, each only if `worker` still holds
+    its line, and add them to their batches' counts; returns those written (a line
+    another worker took over, its lease past, or one done already keeps its one result)."""
+    t, b = batch_lines, batches
+    written: list[LineEnd] = []
+    async with db.engine.begin() as conn:
+        for end in ends:
+            query = (update(t)
+                     .where(t.c.batch_id == end.batch_id, t.c.line == end.line,
+                            t.c.state == "running", t.c.claimed_by == worker)
+                     .values(state=end.state, status_code=end.status_code,
+                             result=end.result, finished_at=now, lease_until=None))
+            if (await conn.execute(query)).rowcount:
+                written.append(end)
+        sums: dict[str, dict[str, int]] = {}
+        for end in written:
+            add = sums.setdefault(end.batch_id, dict.fromkeys(_COUNTED, 0))
+            add[end.counted] += 1
+            add["input_tokens"] += end.input_tokens
+            add["cached_tokens"] += end.cached_tokens
+            add["output_tokens"] += end.output_tokens
+        for batch_id, add in sums.items():
+            await conn.execute(update(b).where(b.c.id == batch_id).values(
+                {name: b.c[name] + n for name, n in add.items() if n}))
+    return written
+
+
+_COUNTED = ("succeeded", "failed", "cancelled", "input_tokens", "cached_tokens",
+            "output_tokens")
+
+
 async def finish_line(db: Database, batch_id: str, line: int, worker: str, *,
                       status_code: int, result: str, now: datetime) -> bool:
-    """Write a line's result if `worker` still holds it; False if another took it over
-    (its lease ran out) or it is done already: the line keeps exactly one result."""
-    t = batch_lines
-    query = (update(t)
-             .where(t.c.batch_id == batch_id, t.c.line == line, t.c.state == "running",
-                    t.c.claimed_by == worker)
-             .values(state="done", status_code=status_code, result=result,
-                     finished_at=now, lease_until=None))
-    async with db.engine.begin() as conn:
-        return bool((await conn.execute(query)).rowcount)
+    """`finish_lines` of one line: False if it was not written."""
+    end = LineEnd(batch_id, line, status_code, result)
+    return bool(await finish_lines(db, worker, [end], now=now))
+
+
+async def statuses(db: Database, batch_ids: Sequence[str]) -> dict[str, str]:
+    """The status of each of `batch_ids` (a worker's look for cancels of what it runs)."""
+    query = select(batches.c.id, batches.c.status).where(batches.c.id.in_(batch_ids))
+    async with db.engine.connect() as conn:
+        return {batch_id: status for batch_id, status in (await conn.execute(query)).all()}
 
 
 async def release(db: Database, batch_id: str, line: int, worker: str) -> None:
@@ -246,15 +324,16 @@ async def release(db: Database, batch_id: str, line: int, worker: str) -> None:
 
 async def due(db: Database, now: datetime) -> list[tuple[BatchRecord, str]]:
     """Batches ready to end, each with the status it ends in: in progress with every
-    line done (completed) or past its window (expired); cancelling with no line running
-    under a live lease (cancelled). A line whose lease ran out (its worker died) is
-    still to run: another worker claims it, so it keeps an in-progress batch open."""
+    line ended (completed: the counts on its row say so) or past its window (expired);
+    cancelling with no line running under a live lease (cancelled). A line whose lease
+    ran out (its worker died) is still to run: another worker claims it, so it keeps an
+    in-progress batch open."""
     t, b = batch_lines, batches
-    live = select(t.c.line).where(t.c.batch_id == b.c.id, t.c.state.in_(("queued", "running")))
     running = select(t.c.line).where(t.c.batch_id == b.c.id, t.c.state == "running",
                                      t.c.lease_until >= now)
+    ended = b.c.succeeded + b.c.failed + b.c.cancelled
     query = select(*_FIELDS).where(or_(
-        and_(b.c.status == "in_progress", or_(~live.exists(), b.c.expires_at <= now)),
+        and_(b.c.status == "in_progress", or_(ended >= b.c.total, b.c.expires_at <= now)),
         and_(b.c.status == "cancelling", ~running.exists())))
     async with db.engine.connect() as conn:
         rows = (await conn.execute(query)).mappings().all()

@@ -423,14 +423,24 @@ batches = Table(
     Column("cancelling_at", UTCDateTime, nullable=True),
     Column("ended_at", UTCDateTime, nullable=True),
     Column("deleted", Boolean, nullable=False, server_default=false()),
+    # Kept as lines end (0016), so a status read is one row: lines ended by how, and what
+    # they used; the model its lines name.
+    Column("model", String(255), nullable=True),
+    Column("succeeded", Integer, nullable=False, server_default="0"),
+    Column("failed", Integer, nullable=False, server_default="0"),
+    Column("cancelled", Integer, nullable=False, server_default="0"),
+    Column("input_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("cached_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("output_tokens", BigInteger, nullable=False, server_default="0"),
     Index(None, "org_id", "created_at"),
 )
 
 batch_lines = Table(
     "batch_lines",
     metadata,
-    # One request of a batch: queued, running (claimed by a worker until `lease_until`)
-    # or done (its rendered result: the response body or the error body, as JSON text).
+    # One request of a batch: queued, running (claimed by a worker until `lease_until`),
+    # done (its rendered result: the response body or the error body, as JSON text) or
+    # aborted (cut in flight by the batch's cancel: no result).
     Column("batch_id", String(40), nullable=False),
     Column("line", Integer, nullable=False),
     Column("custom_id", String(512), nullable=False),

@@ -24,6 +24,10 @@ work unchanged. What differs:
   ``{model_name="$model"}`` matches nothing and has to be dropped;
 - the prefix-cache counters are ``prefix_cache_queries`` and ``prefix_cache_hits``, where
   vLLM exposes ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``;
+- the latency histograms (TTFT, inter-token, end-to-end, queue time) carry a ``lane``
+  label: ``live`` (a client waits on it) or ``batch`` (a Batch API line, run at the
+  lowest priority, whose latencies would otherwise fire false alerts on the live ones);
+  select ``{lane="live"}`` for what clients see;
 - histogram buckets are tokenyard's (`TTFT_BUCKETS` and the others below), so panels that
   read a given ``le`` differ; ``histogram_quantile`` queries work;
 - only the metrics of `TokenyardMetrics` exist (and ``http_workers``, the live workers);
@@ -65,6 +69,9 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0
                10.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
                    300.0, 600.0, 1800.0)
+
+#: The `lane` label's values: live traffic, and the Batch API's lines.
+LANES = ("live", "batch")
 
 #: What refused a request (`requests_refused_total`'s `stage`): the key (auth), its
 #: scopes and regions (authorize), its rate limits (limit), its credit, spend cap or free
@@ -167,18 +174,22 @@ class TokenyardMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.stats: EngineStats | None = None
         r, p = self.registry, PREFIX
+        lane = ("lane",)
         self.time_to_first_token = Histogram(
             f"{p}time_to_first_token_seconds", "Time to first token in seconds.",
-            buckets=TTFT_BUCKETS, registry=r)
+            labelnames=lane, buckets=TTFT_BUCKETS, registry=r)
         self.inter_token_latency = Histogram(
             f"{p}inter_token_latency_seconds", "Time between consecutive token arrivals "
-            "in seconds.", buckets=ITL_BUCKETS, registry=r)
+            "in seconds.", labelnames=lane, buckets=ITL_BUCKETS, registry=r)
         self.e2e_request_latency = Histogram(
             f"{p}e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-            buckets=REQUEST_BUCKETS, registry=r)
+            labelnames=lane, buckets=REQUEST_BUCKETS, registry=r)
         self.request_queue_time = Histogram(
             f"{p}request_queue_time_seconds", "Time requests spent waiting in the queue "
-            "in seconds.", buckets=REQUEST_BUCKETS, registry=r)
+            "in seconds.", labelnames=lane, buckets=REQUEST_BUCKETS, registry=r)
+        # Each lane's children, made once (labels() locks and builds a key each call);
+        # both lanes' series exist from the start, at 0.
+        self._lanes = {name: _Latencies(self, name) for name in LANES}
         self.prompt_tokens = Counter(
             f"{p}prompt_tokens_total", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(
@@ -205,10 +216,11 @@ class TokenyardMetrics:
         """Keep the replica's snapshot for the engine-wide figures of the next `render`."""
         self.stats = stats
 
-    def observe_inter_token(self, interval_ns: int | None) -> None:
-        """One inter-token latency sample, as `Timeline.mark_token` returns it (None: skip)."""
+    def observe_inter_token(self, interval_ns: int | None, lane: str = "live") -> None:
+        """One inter-token latency sample, as `Timeline.mark_token` returns it (None: skip),
+        of a request of `lane`."""
         if interval_ns is not None:
-            self.inter_token_latency.observe(interval_ns / 1e9)
+            self._lanes[lane].inter_token.observe(interval_ns / 1e9)
 
     def observe_finished(
         self,
@@ -218,15 +230,17 @@ class TokenyardMetrics:
         num_prompt_tokens: int,
         num_generation_tokens: int,
         finished_reasons: str | Sequence[str],
+        lane: str = "live",
     ) -> None:
-        """Record one finished request: latencies in seconds (None: not measured), counts,
-        and the finish reason of each of its completions (n > 1 counts each, as vLLM's
-        per-sequence counter does)."""
+        """Record one finished request of `lane`: latencies in seconds (None: not
+        measured), counts, and the finish reason of each of its completions (n > 1 counts
+        each, as vLLM's per-sequence counter does)."""
+        latencies = self._lanes[lane]
         if ttft_s is not None:
-            self.time_to_first_token.observe(ttft_s)
-        self.e2e_request_latency.observe(e2e_s)
+            latencies.ttft.observe(ttft_s)
+        latencies.e2e.observe(e2e_s)
         if queue_s is not None:
-            self.request_queue_time.observe(queue_s)
+            latencies.queue.observe(queue_s)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
         reasons = [finished_reasons] if isinstance(finished_reasons, str) else finished_reasons
@@ -264,7 +278,8 @@ class TokenyardMetrics:
         num_generation_tokens: int,
         finished_reasons: str | Sequence[str],
     ) -> None:
-        """`observe_finished` with the latencies read off a finished request's timeline.
+        """`observe_finished` with the latencies (and the lane) read off a finished
+        request's timeline.
 
         TTFT and end-to-end latency run from ``received``; ``done`` falls back to now.
         """
@@ -277,6 +292,7 @@ class TokenyardMetrics:
             num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=num_generation_tokens,
             finished_reasons=finished_reasons,
+            lane=timeline.lane,
         )
 
     def _source(self) -> CollectorRegistry:
@@ -288,17 +304,17 @@ class TokenyardMetrics:
         MultiProcessCollector(source, path)
         return source
 
-    def histogram_buckets(self) -> dict[str, Buckets]:
-        """Each latency histogram's cumulative bucket counts (every worker's), by its
-        name after the prefix: ``time_to_first_token_seconds`` → ((le, count), …), the
-        last bound +Inf."""
+    def histogram_buckets(self, lane: str = "live") -> dict[str, Buckets]:
+        """Each latency histogram's cumulative bucket counts (every worker's) of `lane`,
+        by its name after the prefix: ``time_to_first_token_seconds`` → ((le, count), …),
+        the last bound +Inf."""
         out: dict[str, Buckets] = {}
         for family in self._source().collect():
             if family.type != "histogram":
                 continue
             out[family.name.removeprefix(PREFIX)] = tuple(
                 (float(sample.labels["le"]), sample.value) for sample in family.samples
-                if sample.name.endswith("_bucket"))
+                if sample.name.endswith("_bucket") and sample.labels.get("lane") == lane)
         return out
 
     def render(self) -> str:
@@ -308,3 +324,13 @@ class TokenyardMetrics:
         if self.stats is not None:
             text += render_engine_stats(self.stats)
         return text
+
+
+class _Latencies:
+    """One lane's children of the latency histograms."""
+
+    def __init__(self, metrics: TokenyardMetrics, lane: str) -> None:
+        self.ttft = metrics.time_to_first_token.labels(lane)
+        self.inter_token = metrics.inter_token_latency.labels(lane)
+        self.e2e = metrics.e2e_request_latency.labels(lane)
+        self.queue = metrics.request_queue_time.labels(lane)

@@ -64,6 +64,8 @@ class RequestSummary:
     #: A request with fallbacks: each candidate tried, in order ({model, deployment,
     #: outcome, error_code}); None for a request without.
     attempts: tuple[dict[str, Any], ...] | None = None
+    #: "live" (a client waited on it) or "batch" (a Batch API line).
+    lane: str = "live"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (cost as a decimal string)."""

@@ -49,9 +49,9 @@ class Timeline:
     timeline is touched only by the event-loop task that serves it.
     """
 
-    __slots__ = ("_accumulated", "events", "num_tokens", "replica")
+    __slots__ = ("_accumulated", "events", "lane", "num_tokens", "replica")
 
-    def __init__(self, received_ns: int | None = None) -> None:
+    def __init__(self, received_ns: int | None = None, lane: str = "live") -> None:
         #: event name → time in ns (perf_counter_ns); ``received`` is stamped at creation.
         self.events: dict[str, int] = {
             "received": time.perf_counter_ns() if received_ns is None else received_ns
@@ -61,6 +61,9 @@ class Timeline:
         self._accumulated: dict[str, int] = {}
         #: The replica (pool member id) the balancer chose, for the request's summary.
         self.replica: str | None = None
+        #: The traffic the request belongs to: "live" (a client waits) or "batch" (a
+        #: Batch API line): its latencies are kept apart (the metrics' `lane` label).
+        self.lane = lane
 
     def mark(self, event: str, now_ns: int | None = None) -> int:
         """Stamp `event` now (or at `now_ns`); return the stamp in ns. A later mark replaces it."""

@@ -1,12 +1,13 @@
 """What the OpenAI and Anthropic batch routes share over HTTP: the store's batches and
-the calling key, a JSON body, a batch of the caller's org or the dialect's 404, and a
-list page."""
+the calling key, a JSON body, a batch of the caller's org or the dialect's 404, a list
+page, and a time as OpenAI's Unix seconds."""
 
 from __future__ import annotations
 
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -19,6 +20,11 @@ from tokenyard.gateway.batches import Batches, BatchRecord
 BATCHES: web.AppKey[Batches] = web.AppKey("tokenyard_batches", Batches)
 
 T = TypeVar("T")
+
+
+def epoch(value: datetime | None) -> int | None:
+    """A stored time as Unix seconds (None stays None)."""
+    return None if value is None else int(value.timestamp())
 
 
 def batches_of(request: web.Request) -> tuple[Batches, KeyContext]:

@@ -8,7 +8,9 @@
     GET    /v1/messages/batches/{id}/results           JSONL, once ended
 
 Each request's `params` is checked as `POST /v1/messages` parses it, at creation (a 400
-naming `requests.{i}.params…`), and runs as that route runs it (`api/batch_lines.py`).
+naming `requests.{i}.params…`), and runs as that route runs it (`api/batch/runner.py`).
+A cancel cuts the requests in flight: each ends `canceled`, billed for what it
+computed, as do those never run. A batch object is read from its one row.
 """
 
 from __future__ import annotations
@@ -17,31 +19,21 @@ import functools
 import json
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 
-from tokenyard.api.batch_http import batches_of, found_batch, json_body, page
-from tokenyard.api.batch_lines import check, estimate_tokens, guarded, run_line, sort_key
-from tokenyard.api.context import PIPELINE, STATE
+from tokenyard.api.batch.http import batches_of, found_batch, json_body, page
+from tokenyard.api.batch.lines import check, estimate_tokens, model_of, sort_key
 from tokenyard.api.errors import anthropic_error_body
 from tokenyard.api.respond import json_response
 from tokenyard.api.schemas import page_limit
 from tokenyard.api.sse import to_json
 from tokenyard.errors import APIError, invalid_request
 from tokenyard.gateway.auth import KeyContext
-from tokenyard.gateway.batches import (
-    Batches,
-    BatchRecord,
-    Busy,
-    Claimed,
-    Dialect,
-    LineResult,
-    NewLine,
-    line_request_id,
-)
+from tokenyard.gateway.batches import Batches, BatchRecord, Claimed, LineResult, NewLine
 
 MAX_REQUESTS = 100_000
 _CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -57,18 +49,18 @@ def _status(record: BatchRecord) -> str:
                                                                           "ended")
 
 
-async def batch_object(request: web.Request, batches: Batches,
-                       record: BatchRecord) -> dict[str, Any]:
-    counts = await batches.counts(record.id)
+def batch_object(request: web.Request, record: BatchRecord) -> dict[str, Any]:
+    """The MessageBatch object of `record`."""
     status = _status(record)
-    unrun = counts["queued"] + counts["running"]
+    unrun = record.unended
     ended = status == "ended"
     return {
         "id": record.id, "type": "message_batch", "processing_status": status,
         "request_counts": {
-            "processing": 0 if ended else unrun, "succeeded": counts["succeeded"],
-            "errored": counts["failed"],
-            "canceled": unrun if ended and record.status == "cancelled" else 0,
+            "processing": 0 if ended else unrun, "succeeded": record.succeeded,
+            "errored": record.failed,
+            "canceled": record.cancelled + (unrun if ended and record.status == "cancelled"
+                                            else 0),
             "expired": unrun if ended and record.status == "expired" else 0},
         "ended_at": _time(record.ended_at), "created_at": _time(record.created_at),
         "expires_at": _time(record.expires_at), "archived_at": None,
@@ -78,8 +70,9 @@ async def batch_object(request: web.Request, batches: Batches,
     }
 
 
-def _requests(body: Any) -> tuple[list[NewLine], int]:
-    """The batch's lines and their estimated tokens; 400 naming the first bad request."""
+def _requests(body: Any) -> tuple[list[NewLine], int, str | None]:
+    """The batch's lines, their estimated tokens and the model they name; 400 naming the
+    first bad request."""
     if not isinstance(body, dict) or set(body) != {"requests"}:
         raise invalid_request("The body must be an object with only 'requests'.",
                               param="requests")
@@ -112,7 +105,7 @@ def _requests(body: Any) -> tuple[list[NewLine], int]:
         raw = json.dumps(params, separators=(",", ":"))
         lines.append(NewLine(custom_id, raw, sort_key(params)))
         tokens += estimate_tokens(params, len(raw))
-    return lines, tokens
+    return lines, tokens, model_of([item["params"] for item in items])
 
 
 def add_message_batch_routes(app: web.Application) -> None:
@@ -125,15 +118,14 @@ def add_message_batch_routes(app: web.Application) -> None:
 
     async def create(request: web.Request) -> web.Response:
         batches, key = batches_of(request)
-        lines, tokens = _requests(await json_body(request))
+        lines, tokens, model = _requests(await json_body(request))
         record = await batches.create(key, dialect="anthropic", batch_id="msgbatch_" +
                                       secrets.token_hex(12), endpoint=ENDPOINT,
-                                      lines=lines, tokens=tokens)
-        return json_response(await batch_object(request, batches, record))
+                                      lines=lines, tokens=tokens, model=model)
+        return json_response(batch_object(request, record))
 
     async def retrieve(request: web.Request) -> web.Response:
-        batches, _, record = await _batch(request)
-        return json_response(await batch_object(request, batches, record))
+        return json_response(batch_object(request, (await _batch(request))[2]))
 
     async def listing(request: web.Request) -> web.Response:
         batches, key = batches_of(request)
@@ -142,7 +134,7 @@ def add_message_batch_routes(app: web.Application) -> None:
                                    after=request.query.get("after_id"),
                                    before=request.query.get("before_id"))
         return json_response(await page(
-            found, limit, functools.partial(batch_object, request, batches),
+            found, limit, functools.partial(batch_object, request),
             from_end="before_id" in request.query))
 
     async def cancel(request: web.Request) -> web.Response:
@@ -150,7 +142,7 @@ def add_message_batch_routes(app: web.Application) -> None:
         if record.status == "in_progress":
             await batches.cancel(key, record.id, "anthropic")
         fresh = await batches.get(key, record.id, "anthropic")
-        return json_response(await batch_object(request, batches, fresh or record))
+        return json_response(batch_object(request, fresh or record))
 
     async def delete(request: web.Request) -> web.Response:
         batches, key, record = await _batch(request)
@@ -168,9 +160,10 @@ def add_message_batch_routes(app: web.Application) -> None:
         unrun = "canceled" if record.status == "cancelled" else "expired"
         out = []
         for line in await batches.results(record.id):
+            cut = "canceled" if line.state == "aborted" else unrun
             out.append(line.result if line.state == "done" and line.result is not None
                        else to_json({"custom_id": line.custom_id,
-                                     "result": {"type": unrun}}).decode())
+                                     "result": {"type": cut}}).decode())
         return web.Response(body="".join(f"{text}\n" for text in out).encode(),
                             content_type="application/x-jsonl")
 
@@ -182,27 +175,24 @@ def add_message_batch_routes(app: web.Application) -> None:
     app.router.add_get("/v1/messages/batches/{batch_id}/results", results)
 
 
-def anthropic_dialect(app: web.Application,
-                      transient: Callable[[APIError], float | None]) -> Dialect:
-    """How a Message Batch's requests run; its results are read from the lines (no
-    files). `transient(err)`: the wait before a refusal that passes is tried again."""
+class AnthropicShape:
+    """A Message Batch's result lines (`MessageBatchIndividualResponse`); its results
+    are read from the lines (`GET …/results`), not from files."""
 
-    async def run(line: Claimed, key: KeyContext | None) -> tuple[int, str]:
-        status, body, err = await guarded(run_line(app[PIPELINE], app[STATE], line, key,
-                                                   ENDPOINT), line)
-        request_id = line_request_id(line.batch_id, line.line)
-        if err is not None:
-            wait = transient(err)
-            if wait is not None:
-                raise Busy(wait)
-            result: dict[str, Any] = {"type": "errored",
-                                      "error": anthropic_error_body(err, request_id)}
-        else:
-            result = {"type": "succeeded", "message": body}
-        return status, to_json({"custom_id": line.custom_id, "result": result}).decode()
+    def succeeded(self, line: Claimed, request_id: str, body: dict[str, Any]) -> str:
+        return self._line(line, {"type": "succeeded", "message": body})
 
-    def result_files(record: BatchRecord, results: Sequence[LineResult],
+    def errored(self, line: Claimed, request_id: str, err: APIError) -> tuple[int, str]:
+        return err.status, self._line(line, {"type": "errored", "error": anthropic_error_body(
+            err, request_id)})
+
+    @staticmethod
+    def _line(line: Claimed, result: dict[str, Any]) -> str:
+        return to_json({"custom_id": line.custom_id, "result": result}).decode()
+
+    def result_files(self, record: BatchRecord, results: Sequence[LineResult],
                      status: str) -> list[tuple[str, str, bytes]]:
         return []
 
-    return Dialect(run, result_files)
+
+__all__ = ["AnthropicShape", "add_message_batch_routes", "batch_object"]

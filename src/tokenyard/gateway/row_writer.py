@@ -1,8 +1,9 @@
-"""Rows written off the request path, in batches, by one background task.
+"""Rows written off the request path, in groups, by one background task (not the Batch
+API's: that is `batches.py`).
 
-A request only queues its row (`add`); the task wakes on the first row, lets a batch
+A request only queues its row (`add`); the task wakes on the first row, lets a group
 gather for `flush_s`, and writes what has queued in one call. A failed write is logged
-and the batch dropped: what these rows record (shadow comparisons, moderation events)
+and the group dropped: what these rows record (shadow comparisons, moderation events)
 is never worth slowing or failing a request for. The queue is bounded, so a store that
 is down costs at most `max_pending` rows of memory; rows past it are counted in
 `dropped`. (The ledger is the one writer that must not lose a row: it journals to disk
@@ -22,14 +23,14 @@ logger = logging.getLogger("tokenyard.gateway")
 _T = TypeVar("_T")
 
 
-class BatchWriter(Generic[_T]):
-    """Queues rows and writes them with `write(batch)` from a background task, started
+class RowWriter(Generic[_T]):
+    """Queues rows and writes them with `write(rows)` from a background task, started
     on the first row."""
 
     def __init__(self, write: Callable[[list[_T]], Awaitable[None]], what: str, *,
                  flush_s: float = 0.25, max_pending: int = 10_000) -> None:
         self._write = write
-        self.what = what  # named in the log line of a dropped batch
+        self.what = what  # named in the log line of a dropped group
         self.flush_s = flush_s
         self.max_pending = max_pending
         self.pending: list[_T] = []
@@ -50,19 +51,19 @@ class BatchWriter(Generic[_T]):
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
-            await asyncio.sleep(self.flush_s)  # let a batch gather
+            await asyncio.sleep(self.flush_s)  # let a group gather
             self._wake.clear()
             await self.flush()
 
     async def flush(self) -> None:
         """Write everything queued now."""
-        batch, self.pending = self.pending, []
-        if not batch:
+        group, self.pending = self.pending, []
+        if not group:
             return
         try:
-            await self._write(batch)
+            await self._write(group)
         except Exception as exc:
-            logger.warning("dropped %d %s: %s", len(batch), self.what, exc)
+            logger.warning("dropped %d %s: %s", len(group), self.what, exc)
 
     async def close(self) -> None:
         """Stop the task and write what is left."""
