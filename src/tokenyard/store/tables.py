@@ -7,93 +7,37 @@ micros; timestamps are UTC. `migrations/versions/` must create exactly this sche
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import Any
-
 from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
     Column,
-    DateTime,
-    Dialect,
     Float,
     ForeignKey,
     Index,
     Integer,
     LargeBinary,
-    MetaData,
     PrimaryKeyConstraint,
     String,
     Table,
     Text,
-    TypeDecorator,
-    false,
 )
 
-
-class UTCDateTime(TypeDecorator[datetime]):
-    """An aware UTC datetime in Python on every backend.
-
-    PostgreSQL keeps the zone (timestamptz); SQLite stores text without one, so values are
-    converted to UTC and made naive on the way in and marked UTC on the way out.
-    """
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError(f"naive datetime {value!r}: pass an aware UTC datetime")
-        value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-# SQLite only autoincrements an `INTEGER PRIMARY KEY` (the rowid alias), not BIGINT.
-LedgerId = BigInteger().with_variant(Integer(), "sqlite")
-
-ID = 32  # length of id columns: "proj_" + 16 random chars fits with room to spare
-
-metadata = MetaData(
-    naming_convention={
-        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-        "pk": "pk_%(table_name)s",
-    }
+from tokenyard.store.schema_base import (
+    ID,
+    LedgerId,
+    UTCDateTime,
+    budget_columns,
+    limit_columns,
+    metadata,
 )
-
-
-def _limits() -> list[Column[Any]]:
-    """Rate-limit columns shared by orgs and keys; NULL means unlimited."""
-    return [
-        Column("rpm", Integer, nullable=True),  # requests per minute
-        Column("tpm", Integer, nullable=True),  # tokens per minute
-        Column("max_concurrency", Integer, nullable=True),  # requests in flight
-    ]
-
-
-def _budgets() -> list[Column[Any]]:
-    """Spend budgets of keys and users (0009), in micros; NULL means none."""
-    return [
-        Column("monthly_budget_micros", BigInteger, nullable=True),  # per UTC calendar month
-        Column("total_budget_micros", BigInteger, nullable=True),  # all time
-    ]
-
 
 orgs = Table(
     "orgs",
     metadata,
     Column("id", String(ID), primary_key=True),
     Column("name", String(200), nullable=False),
-    *_limits(),
+    *limit_columns(),
     Column("free_tier_daily_requests", Integer, nullable=True),  # NULL: no free tier
     # The scheduler's class of the org's requests: lower runs first, 0 is normal.
     Column("priority", Integer, nullable=False, server_default="0"),
@@ -126,7 +70,7 @@ users = Table(
     # The project the user works in (NULL: none): its keys default to it. No foreign key
     # (0009 adds the column; the store checks that the project is the org's).
     Column("project_id", String(ID), nullable=True),
-    *_budgets(),
+    *budget_columns(),
     Index(None, "org_id", "email", unique=True),  # an email names one user of an org
 )
 
@@ -142,12 +86,12 @@ api_keys = Table(
     # SHA-256 hex of the whole secret; the secret itself is never stored.
     Column("secret_hash", String(64), nullable=False, unique=True),
     Column("scopes", JSON, nullable=False),  # {"models": [...], "max_context_tokens", "admin"}
-    *_limits(),
+    *limit_columns(),
     Column("priority", Integer, nullable=True),  # NULL: the org's
     Column("expires_at", UTCDateTime, nullable=True),
     Column("revoked_at", UTCDateTime, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
-    *_budgets(),
+    *budget_columns(),
 )
 
 model_prices = Table(
@@ -380,78 +324,8 @@ request_captures = Table(
     Column("truncated", Boolean, nullable=False),
 )
 
+# The Batch API's tables live in batch_tables.py; imported here so that `metadata`
+# holds the whole schema wherever tables is imported.
+from tokenyard.store.batch_tables import batch_lines, batches, files  # noqa: E402
 
-# The Batch API (0011): uploaded files and batches' result files, per org, with their bytes.
-files = Table(
-    "files",
-    metadata,
-    Column("id", String(40), primary_key=True),
-    Column("org_id", String(ID), nullable=False),
-    Column("project_id", String(ID), nullable=True),
-    Column("filename", String(255), nullable=False),
-    Column("purpose", String(32), nullable=False),  # batch, batch_output
-    Column("bytes", BigInteger, nullable=False),
-    Column("lines", Integer, nullable=False),
-    Column("content", LargeBinary, nullable=False),
-    Column("created_at", UTCDateTime, nullable=False),
-    Index(None, "org_id", "created_at"),
-)
-
-batches = Table(
-    "batches",
-    metadata,
-    # One batch, OpenAI's (`dialect` openai: lines from an input file) or Anthropic's
-    # (inline requests), run under its owner key; `status` is OpenAI's vocabulary
-    # (in_progress, cancelling, completed, cancelled, expired, failed).
-    Column("id", String(40), primary_key=True),
-    Column("dialect", String(16), nullable=False),
-    Column("org_id", String(ID), nullable=False),
-    Column("project_id", String(ID), nullable=True),
-    Column("key_id", String(ID), nullable=False),
-    Column("endpoint", String(100), nullable=False),
-    Column("input_file_id", String(40), nullable=True),
-    Column("completion_window", String(8), nullable=False),
-    Column("metadata", JSON, nullable=True),
-    Column("status", String(16), nullable=False, index=True),
-    Column("total", Integer, nullable=False),
-    Column("enqueued_tokens", BigInteger, nullable=False),  # estimated, for the quota
-    Column("output_file_id", String(40), nullable=True),
-    Column("error_file_id", String(40), nullable=True),
-    Column("created_at", UTCDateTime, nullable=False),
-    Column("in_progress_at", UTCDateTime, nullable=True),
-    Column("expires_at", UTCDateTime, nullable=False),
-    Column("cancelling_at", UTCDateTime, nullable=True),
-    Column("ended_at", UTCDateTime, nullable=True),
-    Column("deleted", Boolean, nullable=False, server_default=false()),
-    # Kept as lines end (0016), so a status read is one row: lines ended by how, and what
-    # they used; the model its lines name.
-    Column("model", String(255), nullable=True),
-    Column("succeeded", Integer, nullable=False, server_default="0"),
-    Column("failed", Integer, nullable=False, server_default="0"),
-    Column("cancelled", Integer, nullable=False, server_default="0"),
-    Column("input_tokens", BigInteger, nullable=False, server_default="0"),
-    Column("cached_tokens", BigInteger, nullable=False, server_default="0"),
-    Column("output_tokens", BigInteger, nullable=False, server_default="0"),
-    Index(None, "org_id", "created_at"),
-)
-
-batch_lines = Table(
-    "batch_lines",
-    metadata,
-    # One request of a batch: queued, running (claimed by a worker until `lease_until`),
-    # done (its rendered result: the response body or the error body, as JSON text) or
-    # aborted (cut in flight by the batch's cancel: no result).
-    Column("batch_id", String(40), nullable=False),
-    Column("line", Integer, nullable=False),
-    Column("custom_id", String(512), nullable=False),
-    Column("body", Text, nullable=False),
-    Column("sort_key", String(64), nullable=False),  # lines sharing a prefix run together
-    Column("state", String(8), nullable=False),
-    Column("claimed_by", String(64), nullable=True),
-    Column("lease_until", UTCDateTime, nullable=True),
-    Column("status_code", Integer, nullable=True),
-    Column("result", Text, nullable=True),
-    Column("finished_at", UTCDateTime, nullable=True),
-    PrimaryKeyConstraint("batch_id", "line"),
-    Index(None, "batch_id", "state", "sort_key"),
-)
+__all__ = ["ID", "UTCDateTime", "batch_lines", "batches", "files", "metadata"]
