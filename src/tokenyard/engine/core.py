@@ -106,7 +106,8 @@ class EngineCore:
         )
         self.runner = ModelRunner(
             model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir,
-            cache_dtype=cache_dtype,
+            cache_dtype=cache_dtype, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.grammars: GrammarCompiler | None = None
         if tokenizer is not None:
@@ -228,11 +229,13 @@ class EngineCore:
         outputs = []
         for request in self.scheduler.update(step, result.sampled):
             lp = result.logprobs.get(request.request_id)
-            first = request.num_output_tokens <= 1 and request.params.prompt_logprobs is not None
+            num_outputs = request.num_output_tokens
+            first = num_outputs <= 1 and request.params.prompt_logprobs is not None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=request.output_token_ids[-1:],  # none: prompt scored
+                    # The token just sampled; none when only the prompt was scored.
+                    new_token_ids=request.all_token_ids[-1:] if num_outputs else [],
                     new_logprobs=[lp] if lp is not None else None,
                     finish_reason=request.status.value if request.is_finished else None,
                     stop_reason=request.stop_reason,

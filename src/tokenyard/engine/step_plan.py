@@ -31,6 +31,9 @@ class SchedulerOutput:
     #: Requests that only score their prompt (max_tokens 0), whose last prompt token is
     #: computed this step: they finish after it with no token.
     scored: set[str] = field(default_factory=set)
+    #: Requests whose KV blocks were freed (finished or preempted) since the step before,
+    #: this step's preemptions included: the runner gives their batch rows back.
+    freed: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
