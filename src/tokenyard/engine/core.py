@@ -242,7 +242,7 @@ class EngineCore:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     prompt_logprobs=request.prompt_logprobs if first else None,
-                    **_first_token_times(request),
+                    **(_first_token_times(request) if num_outputs == 1 else {}),
                 )
             )
         return outputs

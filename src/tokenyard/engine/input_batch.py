@@ -28,6 +28,7 @@ from tokenyard.engine.paged_attention import AttentionMetadata, PrefillSpan
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample.prompt_logprobs import PromptSpan, prompt_span
 from tokenyard.engine.step_plan import SchedulerOutput
+from tokenyard.engine.to_device import to_device
 
 
 @dataclass
@@ -53,8 +54,12 @@ class BlockTables:
     """Every row's block ids: a host copy (numpy) and the device's tensor, which is the
     same memory on the CPU and is updated by differences elsewhere."""
 
-    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
+    def __init__(self, rows: int, cols: int, device: torch.device,
+                 shared: bool | None = None) -> None:
+        """`shared`: the device's table is the host copy's memory (default: on the CPU);
+        False keeps a table apart, updated by differences as on CUDA (tests)."""
         self.device = device
+        self.shared = device.type == "cpu" if shared is None else shared
         self.host = np.zeros((max(rows, 1), max(cols, 1)), dtype=np.int64)
         self.table = self._device_copy()
         #: request id -> (its row, the kv manager's block list the row mirrors)
@@ -65,8 +70,8 @@ class BlockTables:
         self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])
 
     @property
-    def on_host(self) -> bool:
-        return self.device.type == "cpu"
+    def num_rows_held(self) -> int:
+        return len(self._rows)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Give the rows of `request_ids` back (unknown ids are ignored)."""
@@ -94,7 +99,7 @@ class BlockTables:
                 self._grow(self.host.shape[0], max(count, 2 * self.host.shape[1]))
             ids = [b.block_id for b in blocks[known:]]
             self.host[row, known:count] = ids
-            if not self.on_host:
+            if not self.shared:
                 rows, cols, values = self._pending
                 rows.extend([row] * len(ids))
                 cols.extend(range(known, count))
@@ -104,7 +109,7 @@ class BlockTables:
 
     def take_pending(self) -> list[np.ndarray]:
         """The writes the device's table still lacks, as (rows, columns, ids) arrays, for
-        `apply` once they are on the device; [] on the CPU."""
+        `apply` once they are on the device; [] when the memory is shared."""
         rows, cols, values = self._pending
         if not rows:
             return []
@@ -129,7 +134,7 @@ class BlockTables:
         host = np.zeros((rows, cols), dtype=np.int64)
         host[:old_rows, :old_cols] = self.host
         self.host = host
-        if self.on_host:
+        if self.shared:
             self.table = self._device_copy()
         else:
             table = torch.zeros((rows, cols), dtype=torch.long, device=self.device)
@@ -139,9 +144,9 @@ class BlockTables:
         self._free = list(range(rows - 1, old_rows - 1, -1)) + self._free
 
     def _device_copy(self) -> torch.Tensor:
-        if self.on_host:
+        if self.shared:
             return torch.from_numpy(self.host)  # the same memory
-        return torch.from_numpy(self.host).to(self.device)
+        return torch.from_numpy(self.host.copy()).to(self.device)
 
 
 class InputBatch:
@@ -227,7 +232,7 @@ class InputBatch:
                   np.array([] if sampled_all else sample_rows, dtype=np.int64),
                   *tables.take_pending()]
         (input_ids, pos_t, slots, rows_t, context_lens, fill_rows, sample_index,
-         *writes) = _to_device(arrays, self.device)
+         *writes) = _send(arrays, self.device)
         if writes:
             tables.apply(writes)
         meta = AttentionMetadata(
@@ -263,9 +268,7 @@ class InputBatch:
             spans.append(span)
 
 
-def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def _send(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """`arrays` (int64, 1-D) as tensors on `device`: views of one block, one copy there."""
-    flat = torch.from_numpy(np.concatenate(arrays))
-    if device.type != "cpu":
-        flat = flat.to(device, non_blocking=True)
+    flat = to_device(torch.from_numpy(np.concatenate(arrays)), device)
     return list(flat.split([len(a) for a in arrays]))

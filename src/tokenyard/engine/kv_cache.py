@@ -211,6 +211,8 @@ class BlockPool:
         """Unpin the blocks whose deadline passed (they go back to LRU as its oldest
         entries: nothing used them for a whole TTL). Returns how many; cheap when none
         is due."""
+        if not self._pins:
+            return 0
         now = self._clock()
         if now < self._next_deadline:
             return 0

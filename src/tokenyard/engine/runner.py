@@ -20,6 +20,7 @@ from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.sample.grammar import fill_bitmask
 from tokenyard.engine.sample.prompt_logprobs import score_prompt_rows
 from tokenyard.engine.scheduler import SchedulerOutput
+from tokenyard.engine.to_device import to_device
 from tokenyard.wire.outputs import TokenLogprobs
 
 __all__ = ["ModelRunner", "PreparedStep", "StepResult"]
@@ -77,6 +78,7 @@ class ModelRunner:
         # while the same requests sample, in the same order (see `_sampling_batch`).
         self._sampling_requests: list[Request] = []
         self._sampling_base: SamplingBatch | None = None
+        self._min_tokens_rows: list[int] = []  # its rows whose params have min_tokens
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         return self.run(self.prepare(step))
@@ -97,7 +99,7 @@ class ModelRunner:
         if prepared.fill_rows is not None:
             last = self._last_sampled
             tokens = torch.tensor([last[i] for i in prepared.fill_ids], dtype=torch.long)
-            input_ids[prepared.fill_rows] = tokens.to(self.device, non_blocking=True)
+            input_ids[prepared.fill_rows] = to_device(tokens, self.device)
         # Pure decode steps, and tails over a cached prefix as decode rows: the one op.
         one_op: AttentionMetadata | None = None
         if self.decode_step is not None:
@@ -120,7 +122,6 @@ class ModelRunner:
             hidden = hidden.index_select(0, prepared.sample_index)
         logits = self.model.compute_logits(hidden)
         batch = self._sampling_batch(sample_requests)
-        _ban_stops_before_min_tokens(batch, sample_requests)
         if any(r.guided is not None for r in sample_requests):
             mask = fill_bitmask([r.guided for r in sample_requests],
                                 [r.output_token_ids for r in sample_requests], logits.shape[1])
@@ -149,9 +150,17 @@ class ModelRunner:
                 [r.params for r in requests], [self._generator(r) for r in requests],
                 [r.prompt_token_ids for r in requests], device=self.device)
             self._sampling_requests, self._sampling_base = list(requests), base
+            # A constrained request's grammar alone decides where EOS may come.
+            self._min_tokens_rows = [i for i, r in enumerate(requests)
+                                     if r.params.min_tokens > 0 and r.guided is None]
+        bans = _stops_banned(requests, self._min_tokens_rows)
+        logit_bias = base.logit_bias
+        if bans:
+            logit_bias = list(logit_bias)
+            for row, banned in bans:
+                logit_bias[row] = {**(logit_bias[row] or {}), **banned}
         return dataclasses.replace(
-            base,
-            logit_bias=[r.params.logit_bias or None for r in requests],
+            base, logit_bias=logit_bias,
             # Only penalties read the outputs: a copy of each list, made only for them.
             output_token_ids=(base.output_token_ids if base.no_penalties
                               else [r.output_token_ids for r in requests]),
@@ -167,18 +176,20 @@ class ModelRunner:
         return request.generator
 
 
-def _ban_stops_before_min_tokens(batch: SamplingBatch, requests: list[Request]) -> None:
+def _stops_banned(requests: list[Request],
+                  rows: list[int]) -> list[tuple[int, dict[int, float]]]:
     """Until a request has `min_tokens` outputs, EOS and its stop token ids cannot be
-    sampled (as in vLLM), rather than being sampled and then ignored. A constrained
-    request's grammar alone decides where EOS may come."""
-    for row, request in enumerate(requests):
+    sampled (as in vLLM), rather than being sampled and then ignored: (row, -inf bias per
+    banned id) for the `rows` (those with `min_tokens`) still short of them."""
+    out = []
+    for row in rows:
+        request = requests[row]
         params = request.params
-        if request.num_output_tokens >= params.min_tokens or request.guided is not None:
+        if request.num_output_tokens >= params.min_tokens:
             continue
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:
             banned |= request.eos_token_ids
         if banned:
-            batch.logit_bias[row] = {
-                **(batch.logit_bias[row] or {}), **dict.fromkeys(banned, float("-inf"))
-            }
+            out.append((row, dict.fromkeys(banned, float("-inf"))))
+    return out

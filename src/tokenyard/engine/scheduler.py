@@ -302,17 +302,19 @@ class Scheduler:
         now = time.monotonic()
         advanced: list[Request] = []
         self.num_computed_tokens_total += out.num_batched_tokens
+        scored, sampling, running = out.scored, out.sampling, RequestStatus.RUNNING
         for request, _ in out.scheduled:
-            if request.request_id in out.scored and request.status is RequestStatus.RUNNING:
+            request_id = request.request_id
+            if request_id in scored and request.status is running:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 advanced.append(request)
                 continue
-            if request.request_id not in out.sampling:
+            if request_id not in sampling:
                 continue  # a prefill chunk: no token yet
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # finished (aborted) or preempted since it was scheduled
             request.num_pending -= 1
-            request.append_token(sampled[request.request_id])
+            request.append_token(sampled[request_id])
             if request.first_token_time is None:
                 request.first_token_time = now
             status = request.check_stop()
