@@ -26,7 +26,9 @@ ENGINE_STAGES: dict[str, Sequence[tuple[str, str]]] = {
     "input preparation": [("engine/runner.py", "prepare")],
     "forward (the null model)": [("engine/null_model.py", "forward"),
                                  ("engine/null_model.py", "compute_logits")],
-    "sample (batch metadata + sampler)": [("sample/metadata.py", "from_params"),
+    # The batch's metadata is the runner's, made from the params only when the rows
+    # sampled change (sample/metadata.py's from_params, inside it).
+    "sample (batch metadata + sampler)": [("engine/runner.py", "_sampling_batch"),
                                           ("sample/sampler.py", "__call__")],
     "outputs (core)": [("engine/core.py", "_outputs")],
     "output processing (with detokenize)": [("text/output_processor.py", "process")],

@@ -57,7 +57,7 @@ class Paths:
         self.step = self.runner.decode_step
         self.spent: dict[str, float] = defaultdict(float)
         runner, model = self.runner, self.runner.model
-        runner._prepare = self._clock("prepare inputs", runner._prepare)
+        runner.prepare = self._clock("prepare inputs", runner.prepare)
         model.forward = self._clock("layers", model.forward)
         model.compute_logits = self._clock("LM head", model.compute_logits)
         self.sampler = runner.sampler
@@ -81,7 +81,7 @@ class Paths:
         self.runner.decode_step = self.timed_step if name == PATHS[0] else None
 
     def close(self) -> None:
-        for owner, attr in ((self.runner, "_prepare"), (self.runner.model, "forward"),
+        for owner, attr in ((self.runner, "prepare"), (self.runner.model, "forward"),
                             (self.runner.model, "compute_logits")):
             vars(owner).pop(attr, None)
         self.runner.sampler = self.sampler

@@ -119,7 +119,8 @@ class EngineCore:
         )
         self.runner = ModelRunner(
             model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir,
-            cache_dtype=cache_dtype,
+            cache_dtype=cache_dtype, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.grammars: GrammarCompiler | None = None
         if tokenizer is not None:
@@ -243,20 +244,21 @@ class EngineCore:
         outputs = []
         for request in self.scheduler.update(step, result.sampled, result.accepted):
             lp = result.logprobs.get(request.request_id)
-            first = request.num_output_tokens <= 1 and request.params.prompt_logprobs is not None
+            num_outputs = request.num_output_tokens
+            first = num_outputs <= 1 and request.params.prompt_logprobs is not None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    # none: the prompt was only scored
-                    new_token_ids=request.output_token_ids[-request.num_new_tokens:]
-                    if request.num_output_tokens else [],
+                    # The tokens the step appended; none when only the prompt was scored.
+                    new_token_ids=request.all_token_ids[-request.num_new_tokens:]
+                    if num_outputs else [],
                     new_logprobs=[lp] if lp is not None else None,
                     finish_reason=request.status.value if request.is_finished else None,
                     stop_reason=request.stop_reason,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     prompt_logprobs=request.prompt_logprobs if first else None,
-                    **_first_token_times(request),
+                    **(_first_token_times(request) if num_outputs == 1 else {}),
                 )
             )
         return outputs

@@ -211,6 +211,8 @@ class BlockPool:
         """Unpin the blocks whose deadline passed (they go back to LRU as its oldest
         entries: nothing used them for a whole TTL). Returns how many; cheap when none
         is due."""
+        if not self._pins:
+            return 0
         now = self._clock()
         if now < self._next_deadline:
             return 0
@@ -259,6 +261,8 @@ class KVCacheManager:
     max_pinned: int | None = None  # default: half the pool
     clock: Callable[[], float] = time.monotonic  # seconds, for pin deadlines
     pool: BlockPool = field(init=False)
+    #: Per running request, its blocks. A request keeps one list, which only grows until
+    #: `free` drops it: the runner's persistent batch copies only the new blocks.
     block_tables: dict[str, list[KVBlock]] = field(default_factory=dict)
     _hashes: dict[str, list[bytes]] = field(default_factory=dict)
     _num_registered: dict[str, int] = field(default_factory=dict)  # blocks already offered
@@ -315,6 +319,10 @@ class KVCacheManager:
         self.pool.expire_pins()
         table = self.block_tables.get(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens
+        if table and not cached and total <= len(table) * self.block_size and (
+                not self.enable_caching
+                or total // self.block_size <= self._num_registered.get(request.request_id, 0)):
+            return True  # a decode inside its last block: no block to take or register
         need = self.blocks_needed(total) - len(table) - len(cached)
         short = need - self._num_free_for(cached)
         if short > 0 and unpin:

@@ -135,14 +135,15 @@ class Request:
         which the mask allows only there).
         """
         params = self.params
-        last = self.all_token_ids[-1]
+        tokens = self.all_token_ids
+        last = tokens[-1]
         if self.guided is not None:
             if self.guided.rejected:  # cannot happen through the sampler's mask
                 return RequestStatus.FINISHED_ABORTED
             if self.guided.terminated:  # the grammar ended and took EOS
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.min_tokens:
+        if len(tokens) - len(self.prompt_token_ids) >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
@@ -154,5 +155,7 @@ class Request:
     def _length_reached(self, extra: int) -> bool:
         """Whether `max_tokens` or the context window is reached with `extra` more tokens."""
         max_tokens = self.params.max_tokens
-        return ((max_tokens is not None and self.num_output_tokens + extra >= max_tokens)
-                or self.num_tokens + extra >= self.max_model_len)
+        num_tokens = len(self.all_token_ids) + extra
+        return ((max_tokens is not None
+                 and num_tokens - len(self.prompt_token_ids) >= max_tokens)
+                or num_tokens >= self.max_model_len)

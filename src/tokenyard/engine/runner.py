@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from tokenyard.engine.input_batch import InputBatch, PreparedStep
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.decode_step import DecodeStep
 from tokenyard.engine.models.loader import CausalLM
-from tokenyard.engine.paged_attention import (
-    AttentionMetadata,
-    PagedAttention,
-    PrefillSpan,
-    as_decode_rows,
-)
+from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention, as_decode_rows
 from tokenyard.engine.request import Request
 from tokenyard.engine.sample import Sampler, SamplingBatch, make_generator
 from tokenyard.engine.sample.grammar import fill_bitmask
-from tokenyard.engine.sample.prompt_logprobs import PromptSpan, prompt_span, score_prompt_rows
+from tokenyard.engine.sample.prompt_logprobs import score_prompt_rows
 from tokenyard.engine.scheduler import SchedulerOutput
 from tokenyard.engine.spec.verify import verify_rows
+from tokenyard.engine.to_device import to_device
 from tokenyard.wire.outputs import TokenLogprobs
+
+__all__ = ["ModelRunner", "PreparedStep", "StepResult"]
 
 
 @dataclass
@@ -34,23 +35,6 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     #: Per request that verified drafts: the tokens it keeps (engine/spec/verify.py).
     accepted: dict[str, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class PreparedStep:
-    """A scheduled step as tensors, ready for `ModelRunner.run`."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: list[int]  # the rows whose hidden state is sampled
-    sample_requests: list[Request]
-    #: (row, request id): inputs that are the token the step before sampled (async).
-    fills: list[tuple[int, str]]
-    #: Prefill rows to score against the next prompt token (prompt logprobs).
-    prompt_spans: list[PromptSpan] = field(default_factory=list)
-    #: Per speculating request: its drafts (its rows in `sample_rows` are consecutive).
-    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -65,8 +49,12 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         kernel_cache_dir: Path | None = None,
         cache_dtype: torch.dtype | None = None,
+        *,
+        max_num_seqs: int = 128,
+        max_model_len: int = 8192,
     ) -> None:
-        """`cache_dtype`: the KV pool's elements (None: `dtype`)."""
+        """`cache_dtype`: the KV pool's elements (None: `dtype`); `max_num_seqs` and
+        `max_model_len` size the persistent batch's block tables (they grow if short)."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -85,39 +73,25 @@ class ModelRunner:
         # Pure decode steps in one C++ op where the model and cache allow it (CPU, block
         # weights); None: every step runs the eager model (see models/decode_step.py).
         self.decode_step = DecodeStep.build(model, self.attention, kernel_cache_dir)
+        self.batch = InputBatch(kv, device, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len)
         self.sampler = Sampler()
         self._last_sampled: dict[str, int] = {}  # the last step's tokens, for placeholders
+        # The last sampling batch's requests and their parameters as tensors: reused
+        # while the same requests sample, in the same order (see `_sampling_batch`).
+        self._sampling_requests: list[Request] = []
+        self._sampling_base: SamplingBatch | None = None
+        self._min_tokens_rows: list[int] = []  # its rows whose params have min_tokens
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         return self.run(self.prepare(step))
 
     @torch.inference_mode()
     def prepare(self, step: SchedulerOutput) -> PreparedStep:
-        """The step's flat inputs. Cheap Python: with async scheduling it runs while the
-        previous step is still computing, so a pending token is a placeholder here."""
-        # Single-token rows first: the attention batches them together.
-        items = sorted(step.scheduled, key=lambda item: item[1] > 1)
-        input_ids, positions, meta, fills = self._prepare(items, step.starts, step.drafts)
-        sample_rows: list[int] = []
-        sample_requests: list[Request] = []
-        spans: list[PromptSpan] = []
-        row = 0
-        for request, n in items:
-            if request.scores_prompt:
-                span = prompt_span(request.request_id, request.prompt_token_ids,
-                                   request.params.prompt_logprobs, row,
-                                   step.starts[request.request_id], n,
-                                   len(request.prompt_logprobs))
-                if span is not None:
-                    spans.append(span)
-            row += n
-            if request.request_id in step.sampling:
-                # A row that verifies drafts samples every position it computes.
-                width = len(step.drafts.get(request.request_id, ())) + 1
-                sample_rows.extend(range(row - width, row))
-                sample_requests.extend([request] * width)
-        return PreparedStep(input_ids, positions, meta, sample_rows, sample_requests, fills,
-                            spans, step.drafts)
+        """The step's flat inputs (input_batch.py). Cheap Python: with async scheduling it
+        runs while the previous step is still computing, so a pending token is a
+        placeholder here."""
+        return self.batch.prepare(step, masks=self.attention.decode_kernel is None)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepResult:
@@ -125,11 +99,10 @@ class ModelRunner:
         they were scheduled: a placeholder takes the token the step before sampled."""
         input_ids, meta = prepared.input_ids, prepared.meta
         sample_requests = prepared.sample_requests
-        if prepared.fills:
-            rows, ids = zip(*prepared.fills, strict=True)
-            input_ids[list(rows)] = torch.tensor(
-                [self._last_sampled[i] for i in ids], dtype=torch.long, device=self.device
-            )
+        if prepared.fill_rows is not None:
+            last = self._last_sampled
+            tokens = torch.tensor([last[i] for i in prepared.fill_ids], dtype=torch.long)
+            input_ids[prepared.fill_rows] = to_device(tokens, self.device)
         # Pure decode steps, and tails over a cached prefix as decode rows: the one op.
         one_op: AttentionMetadata | None = None
         if self.decode_step is not None:
@@ -148,17 +121,10 @@ class ModelRunner:
         if not sample_requests:
             self._last_sampled = {}
             return StepResult({}, {}, prompt_logprobs)
-        if len(prepared.sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(prepared.sample_rows, device=self.device)]
+        if prepared.sample_index is not None:
+            hidden = hidden.index_select(0, prepared.sample_index)
         logits = self.model.compute_logits(hidden)
-        batch = SamplingBatch.from_params(
-            [r.params for r in sample_requests],
-            [self._generator(r) for r in sample_requests],
-            [r.prompt_token_ids for r in sample_requests],
-            [r.output_token_ids for r in sample_requests],
-            device=self.device,
-        )
-        _ban_stops_before_min_tokens(batch, sample_requests)
+        batch = self._sampling_batch(sample_requests)
         if any(r.guided is not None for r in sample_requests):
             mask = fill_bitmask([r.guided for r in sample_requests],
                                 [r.output_token_ids for r in sample_requests], logits.shape[1])
@@ -171,7 +137,8 @@ class ModelRunner:
         else:
             sampled = {r.request_id: t
                        for r, t in zip(sample_requests, out.token_ids, strict=True)}
-        self._last_sampled = {**sampled, **{i: kept[-1] for i, kept in accepted.items()}}
+        self._last_sampled = sampled if not accepted else {
+            **sampled, **{i: kept[-1] for i, kept in accepted.items()}}
         logprobs: dict[str, TokenLogprobs] = {}
         if out.logprobs is not None:
             for i, r in enumerate(sample_requests):
@@ -179,6 +146,34 @@ class ModelRunner:
                     top = out.top_logprobs[i] if out.top_logprobs is not None else []
                     logprobs[r.request_id] = TokenLogprobs(out.logprobs[i], top)
         return StepResult(sampled, logprobs, prompt_logprobs, accepted=accepted)
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        """The sampling batch of `requests`: their parameters' tensors are made again only
+        when the requests sampling (or their order) changed since the step before; what
+        changes every step (bans until `min_tokens`, outputs for penalties) is fresh."""
+        base = self._sampling_base
+        same = (base is not None and len(requests) == len(self._sampling_requests)
+                and all(map(operator.is_, requests, self._sampling_requests)))
+        if base is None or not same:
+            base = SamplingBatch.from_params(
+                [r.params for r in requests], [self._generator(r) for r in requests],
+                [r.prompt_token_ids for r in requests], device=self.device)
+            self._sampling_requests, self._sampling_base = list(requests), base
+            # A constrained request's grammar alone decides where EOS may come.
+            self._min_tokens_rows = [i for i, r in enumerate(requests)
+                                     if r.params.min_tokens > 0 and r.guided is None]
+        bans = _stops_banned(requests, self._min_tokens_rows)
+        logit_bias = base.logit_bias
+        if bans:
+            logit_bias = list(logit_bias)
+            for row, banned in bans:
+                logit_bias[row] = {**(logit_bias[row] or {}), **banned}
+        return dataclasses.replace(
+            base, logit_bias=logit_bias,
+            # Only penalties read the outputs: a copy of each list, made only for them.
+            output_token_ids=(base.output_token_ids if base.no_penalties
+                              else [r.output_token_ids for r in requests]),
+        )
 
     def _generator(self, request: Request) -> torch.Generator | None:
         """The request's seeded generator, made on this replica's device at first use."""
@@ -189,85 +184,21 @@ class ModelRunner:
             request.generator = make_generator(seed, self.device)
         return request.generator
 
-    def _prepare(
-        self, items: list[tuple[Request, int]], starts: dict[str, int],
-        step_drafts: dict[str, list[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, str]]]:
-        """Flat inputs for `items`, which must list single-token rows first, and the
-        rows whose token is still pending."""
-        bs = self.block_size
-        dev = self.device
-        ids: list[int] = []
-        pos: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        decode_tables: list[list[int]] = []
-        decode_ctx: list[int] = []
-        prefills: list[PrefillSpan] = []
-        fills: list[tuple[int, str]] = []
-        for request, n in items:
-            start = starts[request.request_id]
-            table = self.kv.block_ids(request.request_id)
-            if n == 1:
-                decode_tables.append(table[: start // bs + 1])
-                decode_ctx.append(start + 1)
-            else:
-                context_blocks = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
-                prefills.append(
-                    PrefillSpan(
-                        start=len(ids),
-                        num_tokens=n,
-                        context_len=start + n,
-                        block_table=None if start == 0 else context_blocks.to(dev),
-                    )
-                )
-            drafts = step_drafts.get(request.request_id, [])
-            known = request.all_token_ids[start:start + n - len(drafts)] + drafts
-            if len(known) < n:  # the one pending token of a decode row
-                fills.append((len(ids) + len(known), request.request_id))
-                known.append(0)
-            ids.extend(known)
-            p = torch.arange(start, start + n)
-            pos.append(p)
-            slots.append(torch.tensor(table, dtype=torch.long)[p // bs] * bs + p % bs)
-        num_decodes = len(decode_ctx)
-        decode_block_tables = decode_mask = decode_context_lens = None
-        if num_decodes:
-            width = max(len(t) for t in decode_tables)
-            decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
-            ).to(dev)
-            ctx = torch.tensor(decode_ctx, dtype=torch.long)
-            if self.attention.decode_kernel is not None:
-                decode_context_lens = ctx  # the kernel stops at each row's length: no mask
-            else:
-                visible = torch.arange(width * bs)[None, :] < ctx[:, None]
-                decode_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-                decode_mask = decode_mask[:, None, None, :].to(dev)
-        slot_mapping = torch.cat(slots).to(dev)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            num_decodes=num_decodes,
-            decode_block_tables=decode_block_tables,
-            decode_mask=decode_mask,
-            prefills=prefills,
-            decode_context_lens=decode_context_lens,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(pos).to(dev), meta, fills
 
-
-def _ban_stops_before_min_tokens(batch: SamplingBatch, requests: list[Request]) -> None:
+def _stops_banned(requests: list[Request],
+                  rows: list[int]) -> list[tuple[int, dict[int, float]]]:
     """Until a request has `min_tokens` outputs, EOS and its stop token ids cannot be
-    sampled (as in vLLM), rather than being sampled and then ignored. A constrained
-    request's grammar alone decides where EOS may come."""
-    for row, request in enumerate(requests):
+    sampled (as in vLLM), rather than being sampled and then ignored: (row, -inf bias per
+    banned id) for the `rows` (those with `min_tokens`) still short of them."""
+    out = []
+    for row in rows:
+        request = requests[row]
         params = request.params
-        if request.num_output_tokens >= params.min_tokens or request.guided is not None:
+        if request.num_output_tokens >= params.min_tokens:
             continue
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:
             banned |= request.eos_token_ids
         if banned:
-            batch.logit_bias[row] = {
-                **(batch.logit_bias[row] or {}), **dict.fromkeys(banned, float("-inf"))
-            }
+            out.append((row, dict.fromkeys(banned, float("-inf"))))
+    return out

@@ -39,6 +39,7 @@ the next step's input, and a request whose pending token is its last by length i
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import time
@@ -68,7 +69,7 @@ class Scheduler:
     #: n-gram speculation (None: off): decoding requests draft tokens verified in one step.
     speculator: Speculator | None = None
 
-    running: list[Request] = field(default_factory=list)
+    running: list[Request] = field(default_factory=list)  # by sort_key, kept so
     requests: dict[str, Request] = field(default_factory=dict)
     num_preemptions: int = 0
     num_computed_tokens_total: int = 0  # tokens run through the model, all requests
@@ -76,6 +77,7 @@ class Scheduler:
     _tiebreak: itertools.count = field(default_factory=itertools.count)
     _num_waiting: int = 0
     _waiting_tokens: int = 0
+    _freed: list[str] = field(default_factory=list)  # for the next SchedulerOutput
 
     # -- queue -----------------------------------------------------------------------------
     @property
@@ -141,6 +143,7 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = self._plan()
+        out.freed, self._freed = self._freed, []
         for request, n in out.scheduled:
             out.starts[request.request_id] = request.num_computed_tokens
             request.num_computed_tokens += n
@@ -155,9 +158,10 @@ class Scheduler:
 
     def _plan(self) -> SchedulerOutput:
         plan = StepPlan(SchedulerOutput(), self.max_num_batched_tokens, self._prefill_budget())
-        # Decodes first, by priority then arrival: a prompt never stalls the streams.
+        # Decodes first, by priority then arrival (the order `running` is kept in): a
+        # prompt never stalls the streams.
         chunks: list[Request] = []  # running requests with prompt tokens left
-        for request in sorted(self.running, key=lambda r: r.sort_key):
+        for request in tuple(self.running):  # a copy: preemption removes from it
             if request.status is not RequestStatus.RUNNING or request.ends_by_length_with_pending:
                 continue  # preempted earlier in this loop, or its last token is in flight
             left = request.num_tokens_with_pending - request.num_computed_tokens
@@ -243,7 +247,7 @@ class Scheduler:
             request.num_cached_tokens = num_cached
             request.scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        bisect.insort(self.running, request, key=_sort_key)
         plan.give(request, num_new, prompt=True)
         return True
 
@@ -283,6 +287,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._freed.append(request.request_id)
         request.num_computed_tokens = 0
         request.num_pending = 0  # a token in flight for it is dropped: recomputed later
         if request.guided is not None:
@@ -307,19 +312,21 @@ class Scheduler:
         now = time.monotonic()
         advanced: list[Request] = []
         self.num_computed_tokens_total += out.num_batched_tokens
+        scored, sampling, running = out.scored, out.sampling, RequestStatus.RUNNING
         for request, _ in out.scheduled:
-            if request.request_id in out.scored and request.status is RequestStatus.RUNNING:
+            request_id = request.request_id
+            if request_id in scored and request.status is running:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 advanced.append(request)
                 continue
-            if request.request_id not in out.sampling:
+            if request_id not in sampling:
                 continue  # a prefill chunk: no token yet
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # finished (aborted) or preempted since it was scheduled
             request.num_pending -= 1
-            drafts = out.drafts.get(request.request_id)
-            tokens = ([sampled[request.request_id]] if drafts is None or accepted is None
-                      else accepted[request.request_id])
+            drafts = out.drafts.get(request_id)
+            tokens = ([sampled[request_id]] if drafts is None or accepted is None
+                      else accepted[request_id])
             if request.first_token_time is None:
                 request.first_token_time = now
             request.num_new_tokens = 0
@@ -359,8 +366,13 @@ class Scheduler:
             self._num_waiting -= 1
             self._waiting_tokens -= request.num_tokens
         self.kv.free(request)
+        self._freed.append(request.request_id)
         if self.speculator is not None:
             self.speculator.forget(request.request_id)
         request.status = status
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
+
+
+def _sort_key(request: Request) -> tuple[int, float]:
+    return request.sort_key

@@ -34,6 +34,9 @@ class SchedulerOutput:
     #: Per speculating request id: the drafts its row computes after its last token
     #: (engine/spec/speculator.py); each of its positions is sampled.
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    #: Requests whose KV blocks were freed (finished or preempted) since the step before,
+    #: this step's preemptions included: the runner gives their batch rows back.
+    freed: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -6,10 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tokenyard.engine.to_device import to_device
 from tokenyard.wire.sampling_params import SamplingParams
+
+#: The float parameters, in the order `from_params` stacks them.
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty")
 
 # Temperatures below this are treated as greedy (as vLLM does), to avoid dividing by ~0.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -57,10 +63,18 @@ class SamplingBatch:
     #: (bit ``t % 32`` of word ``t // 32``) and the rows it applies to; None: no row has one.
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: list[int] = field(default_factory=list)
+    #: Per-row parameters by field name as Python lists, kept by `from_params` so that
+    #: branching on them never reads the device (see `values`).
+    host_values: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
         return len(self.generators)
+
+    def values(self, name: str) -> list[Any]:
+        """The per-row parameter `name` (a tensor field's name) as a Python list."""
+        kept = self.host_values.get(name)
+        return kept if kept is not None else getattr(self, name).tolist()
 
     @classmethod
     def from_params(
@@ -88,20 +102,26 @@ class SamplingBatch:
                 f"{len(prompts)} prompts, {len(outputs)} outputs"
             )
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
         temperature = [p.temperature for p in params]
         random_rows = [p for p, t in zip(params, temperature, strict=True)
                        if t >= GREEDY_TEMPERATURE_EPS]
+        # One tensor of the float parameters, one copy to the device; rows are views.
+        floats = torch.tensor([[getattr(p, name) for p in params] for name in _FLOATS],
+                              dtype=torch.float32).reshape(len(_FLOATS), size)
+        top_k = [p.top_k for p in params]
+        # The values as the tensors hold them (float32), for `values`.
+        kept: dict[str, list[Any]] = dict(zip(_FLOATS, floats.tolist(), strict=True))
+        kept["top_k"] = top_k
+        on_device = to_device(floats, device)
         return cls(
-            temperature=floats(temperature),
-            top_p=floats([p.top_p for p in params]),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            min_p=floats([p.min_p for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]),
-            frequency_penalty=floats([p.frequency_penalty for p in params]),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            temperature=on_device[0],
+            top_p=on_device[1],
+            top_k=to_device(torch.tensor(top_k, dtype=torch.int64), device),
+            min_p=on_device[2],
+            presence_penalty=on_device[3],
+            frequency_penalty=on_device[4],
+            repetition_penalty=on_device[5],
+            host_values=kept,
             logit_bias=[p.logit_bias or None for p in params],
             generators=gens,
             prompt_token_ids=prompts,
@@ -150,7 +170,7 @@ def split_rows(batch: SamplingBatch) -> tuple[list[int], list[int]]:
         return list(range(size)), []
     if batch.all_random:
         return [], list(range(size))
-    temperature = batch.temperature.tolist()
+    temperature = batch.values("temperature")
     return ([i for i in range(size) if temperature[i] < GREEDY_TEMPERATURE_EPS],
             [i for i in range(size) if temperature[i] >= GREEDY_TEMPERATURE_EPS])
 
@@ -158,18 +178,18 @@ def split_rows(batch: SamplingBatch) -> tuple[list[int], list[int]]:
 def random_rows(batch: SamplingBatch, rows: list[int], vocab: int) -> RandomRows:
     """The filter parameters of random `rows`, skipping tensors the flags rule out."""
     count = len(rows)
-    temperature = batch.temperature.tolist()
+    temperature = batch.values("temperature")
     top_k = [vocab] * count
     top_p = [math.inf] * count
     log_min_p = [-math.inf] * count
     if not batch.no_top_k:
-        all_k = batch.top_k.tolist()
+        all_k = batch.values("top_k")
         top_k = [all_k[r] if 0 < all_k[r] < vocab else vocab for r in rows]
     if not batch.no_top_p:
-        all_p = batch.top_p.tolist()
+        all_p = batch.values("top_p")
         top_p = [all_p[r] if all_p[r] < 1.0 else math.inf for r in rows]
     if not batch.no_min_p:
-        all_min_p = batch.min_p.tolist()
+        all_min_p = batch.values("min_p")
         log_min_p = [math.log(all_min_p[r]) if all_min_p[r] > 0.0 else -math.inf for r in rows]
     return RandomRows(rows=list(rows), temperature=[temperature[r] for r in rows],
                        top_k=top_k, top_p=top_p, log_min_p=log_min_p)

@@ -12,12 +12,11 @@ from tokenyard.engine.sample.metadata import SamplingBatch
 
 
 def penalty_rows(batch: SamplingBatch) -> list[int]:
-    active = (
-        (batch.presence_penalty != 0.0)
-        | (batch.frequency_penalty != 0.0)
-        | (batch.repetition_penalty != 1.0)
-    )
-    return active.nonzero().squeeze(1).tolist()
+    """The rows with any penalty."""
+    rows = zip(batch.values("presence_penalty"), batch.values("frequency_penalty"),
+               batch.values("repetition_penalty"), strict=True)
+    return [i for i, (pres, freq, rep) in enumerate(rows)
+            if pres != 0.0 or freq != 0.0 or rep != 1.0]
 
 
 def apply_penalties(out: torch.Tensor, rows: list[int], batch: SamplingBatch) -> None:
@@ -29,7 +28,7 @@ def apply_penalties(out: torch.Tensor, rows: list[int], batch: SamplingBatch) ->
     device = out.device
     vocab = out.shape[1]
     flat = out.view(-1)
-    rep = batch.repetition_penalty.tolist()
+    rep = batch.values("repetition_penalty")
 
     outputs = flat_positions([batch.output_token_ids[r] for r in rows], rows, vocab)
     rep_rows = [r for r in rows if rep[r] != 1.0]
