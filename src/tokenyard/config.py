@@ -290,6 +290,10 @@ class ServeConfig(Settings):
     batch_concurrency: int = 128
     batch_lease_s: float = 60.0
     batch_enqueued_tokens: int = 20_000_000
+    #: Background responses (gateway/background.py): how many one gateway process runs
+    #: at once; how long a claimed one stays its worker's without a renewal.
+    background_concurrency: int = 64
+    background_lease_s: float = 30.0
 
     _ENV: ClassVar[dict[str, str]] = {
         "state_dir": "TOKENYARD_STATE_DIR",
@@ -322,6 +326,8 @@ class ServeConfig(Settings):
         "batch_concurrency": "TOKENYARD_BATCH_CONCURRENCY",
         "batch_lease_s": "TOKENYARD_BATCH_LEASE_S",
         "batch_enqueued_tokens": "TOKENYARD_BATCH_ENQUEUED_TOKENS",
+        "background_concurrency": "TOKENYARD_BACKGROUND_CONCURRENCY",
+        "background_lease_s": "TOKENYARD_BACKGROUND_LEASE_S",
     }
 
     def validate(self) -> None:
@@ -365,6 +371,8 @@ class ServeConfig(Settings):
                 or self.batch_enqueued_tokens < 0):
             raise ValueError("batch_concurrency and batch_lease_s must be positive, "
                              "batch_enqueued_tokens >= 0")
+        if self.background_concurrency < 1 or not self.background_lease_s > 0:
+            raise ValueError("background_concurrency and background_lease_s must be positive")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
 

@@ -51,6 +51,7 @@ from tokenyard.gateway.batches import (
     FileRecord,
     LineResult,
     NewLine,
+    busy_wait,
     line_request_id,
 )
 
@@ -319,17 +320,6 @@ async def cancel_batch(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------------------- the lane
-
-
-def busy_wait(err: APIError) -> float | None:
-    """How long to wait before a line refused by a passing condition (the limits, a full
-    replica queue) runs again; None for a refusal that is its result."""
-    if err.status != 503 and err.code != "rate_limit_exceeded":
-        return None
-    try:
-        return max(0.1, float(err.headers.get("retry-after", "1")))
-    except ValueError:
-        return 1.0
 
 
 def openai_dialect(app: web.Application) -> Dialect:

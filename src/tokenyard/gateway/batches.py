@@ -81,6 +81,17 @@ class Busy(Exception):
         self.retry_after_s = retry_after_s
 
 
+def busy_wait(err: APIError) -> float | None:
+    """How long to wait before a line refused by a passing condition (the limits, a full
+    replica queue) runs again; None for a refusal that is its result."""
+    if err.status != 503 and err.code != "rate_limit_exceeded":
+        return None
+    try:
+        return max(0.1, float(err.headers.get("retry-after", "1")))
+    except ValueError:
+        return 1.0
+
+
 def line_request_id(batch_id: str, line: int) -> str:
     """A line's request id: the same every time it runs (its ledger row's key)."""
     return f"{batch_id}-{line}"
@@ -312,4 +323,4 @@ class BatchLane:
 
 
 __all__ = ["WINDOW", "BatchLane", "BatchRecord", "BatchSettings", "Batches", "Busy", "Claimed",
-           "Dialect", "FileRecord", "LineResult", "NewLine", "line_request_id"]
+           "Dialect", "FileRecord", "LineResult", "NewLine", "busy_wait", "line_request_id"]

@@ -4,7 +4,7 @@ Validated as strictly as the chat dialect's (`api/schemas.RequestModel`): an unk
 top-level field is a 400 naming it. What this server cannot do is refused with a 400 that
 names the field rather than silently dropped: hosted tools (web search, file search, code
 interpreter, computer use, image generation, MCP, ...), reasoning effort (the model does
-not reason), background mode, prompt templates, context compaction and
+not reason), prompt templates, automatic context compaction (`context_management`) and
 moderation per request. Item types other than messages, function calls and their outputs
 are refused the same way.
 
@@ -283,9 +283,8 @@ def _only(key: str, *allowed: Any) -> Acceptable:
 #: Fields OpenAI defines that this server accepts only with these values; the rest is a
 #: 400 naming the field (the refused-only ones, not declared below, are otherwise ignored).
 RESPONSES_UNSUPPORTED: dict[str, tuple[Acceptable, str]] = {
-    "background": (_none_or_false, "Background responses are not supported by this server."),
-    "background_options": (is_none, "'background_options' is not supported: background "
-                           "responses are not supported by this server."),
+    "background_options": (is_none, "'background_options' is not supported by this "
+                           "server."),
     "prompt": (is_none, "Prompt templates are not supported by this server."),
     "reasoning": (_no_effort, "Reasoning effort is not supported: the model does not "
                   "reason (send no 'reasoning', or effort 'none')."),
