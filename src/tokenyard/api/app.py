@@ -41,6 +41,7 @@ from tokenyard.api.openai.routes import add_openai_routes
 from tokenyard.api.ops import add_ops_routes
 from tokenyard.api.requests import add_request_routes
 from tokenyard.api.responses.background_run import install as install_background
+from tokenyard.api.responses.compact import add_compact_route
 from tokenyard.api.responses.routes import add_responses_routes
 from tokenyard.api.responses.stored import add_stored_response_routes
 from tokenyard.api.web import add_web_routes
@@ -104,6 +105,7 @@ def make_app(state: AppState) -> web.Application:
     install_moderation(app)
     add_stored_response_routes(app)  # GET /v1/responses/{id}/input_items
     install_background(app)  # GET/DELETE /v1/responses/{id}, cancel; background worker
+    add_compact_route(app)  # POST /v1/responses/compact
     install_batches(app)  # /v1/files, /v1/batches, /v1/messages/batches; the batch lane
     add_web_routes(app)  # the chat page at /, the dashboard at /dashboard
     add_dashboard_routes(app)  # /admin/v1/dashboard: what the dashboard polls

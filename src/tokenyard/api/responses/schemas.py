@@ -21,6 +21,7 @@ from tokenyard.api.errors import schema_error
 from tokenyard.api.images import only_from_user, source_problem
 from tokenyard.api.openai.platform_fields import PlatformFields
 from tokenyard.api.openai.tool_schemas import TOOL_NAME_PATTERN
+from tokenyard.api.responses.compaction import CompactionItem
 from tokenyard.api.schemas import (
     TEXT_PART_SEPARATOR,
     Acceptable,
@@ -171,14 +172,16 @@ class FunctionCallOutputItem(RequestModel):
 
 
 class _RefusedItem(_Refused):
-    instead = "input items are messages, 'function_call' and 'function_call_output'"
+    instead = ("input items are messages, 'function_call', 'function_call_output' and "
+               "'compaction'")
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("Call")]
-    | Annotated[FunctionCallOutputItem, Tag("Output")] | Annotated[_RefusedItem, Tag("Refused")],
+    | Annotated[FunctionCallOutputItem, Tag("Output")]
+    | Annotated[CompactionItem, Tag("Compaction")] | Annotated[_RefusedItem, Tag("Refused")],
     _tagged({"message": "Message", "function_call": "Call",
-             "function_call_output": "Output"}, "Refused"),
+             "function_call_output": "Output", "compaction": "Compaction"}, "Refused"),
 ]
 
 
