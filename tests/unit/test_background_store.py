@@ -39,6 +39,9 @@ def test_claims_leases_writes_and_one_outcome(database_url: str) -> None:  # noq
         holder = "w1" if first else "w2"
         assert [j.id for j in await rows.claim(db, "w3", "eu", now=now, lease_s=2, limit=5)
                 ] == ["resp_2"]
+        await rows.release(db, "resp_2", "w3")  # refused for now: not an attempt
+        [back] = await rows.claim(db, "w3", "eu", now=now, lease_s=2, limit=5)
+        assert back.attempts == 1
         assert await rows.append(db, "resp_1", holder, [_event(2, "in_progress")], now=now,
                                  lease_s=2)
         assert not await rows.append(db, "resp_1", "w9", [_event(3, "x")], now=now,

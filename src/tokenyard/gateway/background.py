@@ -165,8 +165,12 @@ class Background:
         """Until this process writes events of the response, or `timeout_s` passes (it
         may run in another process: the caller looks at the store again then)."""
         event = self._changed.setdefault(response_id, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout_s)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout_s)
+        finally:  # not woken: forget it (a reader waiting beside looks again in time)
+            if not event.is_set() and self._changed.get(response_id) is event:
+                del self._changed[response_id]
 
 
 @dataclass

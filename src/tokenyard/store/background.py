@@ -166,12 +166,14 @@ async def renew(db: Database, worker: str, *, now: datetime, lease_s: float) -> 
 
 
 async def release(db: Database, response_id: str, worker: str) -> None:
-    """Give a claimed response back to the queue (refused for now: the limits)."""
+    """Give a claimed response back to the queue (refused for now: the limits); the
+    claim does not count among its attempts."""
     t = background_responses
     async with db.engine.begin() as conn:
         await conn.execute(update(t).where(
             t.c.id == response_id, t.c.state == "running", t.c.claimed_by == worker,
-        ).values(state="queued", claimed_by=None, lease_until=None))
+        ).values(state="queued", claimed_by=None, lease_until=None,
+                 attempts=t.c.attempts - 1))
 
 
 def _held(response_id: str, worker: str) -> Any:
