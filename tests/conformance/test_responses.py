@@ -183,7 +183,9 @@ def test_stored_responses_retrieve_chain_list_and_delete_per_spec(server: Server
 def test_compact_answers_the_spec_s_compacted_response(server: Server) -> None:
     turns = [{"role": "user", "content": "Hi, I am Ada."},
              {"role": "assistant", "content": "Hello Ada."}, {"role": "user", "content": "Bye"}]
-    r = post(server, {"model": server.model, "input": turns}, path="/v1/responses/compact")
+    # The summary is a model turn of up to 128 tokens: slow on a loaded CPU.
+    r = httpx.post(server.base_url + "/v1/responses/compact", headers=server.headers,
+                   json={"model": server.model, "input": turns}, timeout=600)
     assert r.status_code == 200, r.text
     spec = _open()
     spec.validate(r.json(), spec.response_schema("/responses/compact", 200), "compact")

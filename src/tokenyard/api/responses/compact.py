@@ -35,8 +35,8 @@ from tokenyard.api.schemas import Identifier, ModelName, RequestModel, reject_un
 from tokenyard.errors import INVALID_VALUE
 from tokenyard.gateway.responses import with_ids
 
-#: The most tokens a summary may take.
-SUMMARY_TOKENS = 256
+#: The most tokens a summary may take (a few sentences).
+SUMMARY_TOKENS = 128
 SUMMARISE = ("You write short, faithful summaries of conversations, for whoever continues "
              "them.")
 ASK = ("Summarise the conversation so far in a few sentences: keep the names, facts, "
