@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
 import re
@@ -296,6 +295,10 @@ class ServeConfig(Settings):
     batch_concurrency: int = 128
     batch_lease_s: float = 60.0
     batch_enqueued_tokens: int = 20_000_000
+    #: Background responses (gateway/background.py): how many one gateway process runs
+    #: at once; how long a claimed one stays its worker's without a renewal.
+    background_concurrency: int = 64
+    background_lease_s: float = 30.0
 
     _ENV: ClassVar[dict[str, str]] = {
         "state_dir": "TOKENYARD_STATE_DIR",
@@ -329,6 +332,8 @@ class ServeConfig(Settings):
         "batch_concurrency": "TOKENYARD_BATCH_CONCURRENCY",
         "batch_lease_s": "TOKENYARD_BATCH_LEASE_S",
         "batch_enqueued_tokens": "TOKENYARD_BATCH_ENQUEUED_TOKENS",
+        "background_concurrency": "TOKENYARD_BACKGROUND_CONCURRENCY",
+        "background_lease_s": "TOKENYARD_BACKGROUND_LEASE_S",
     }
 
     def validate(self) -> None:
@@ -374,6 +379,8 @@ class ServeConfig(Settings):
                 or self.batch_enqueued_tokens < 0):
             raise ValueError("batch_concurrency and batch_lease_s must be positive, "
                              "batch_enqueued_tokens >= 0")
+        if self.background_concurrency < 1 or not self.background_lease_s > 0:
+            raise ValueError("background_concurrency and background_lease_s must be positive")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
 
@@ -417,37 +424,3 @@ def default_api_key() -> str | None:
         return ServeConfig.from_env().dev_key_file.read_text().strip() or None
     except OSError:
         return None
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags (`generate`, `engine`, `serve`, `bench offline`)."""
-    parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded)")
-    parser.add_argument("--weights", choices=list(WEIGHT_FORMATS),
-                        help="weight format (default auto: q4_1 for a Q4_0/Q4_1 GGUF on "
-                        "the CPU, else float32); CPU only: q8_0 / q4_1 keep blocks of 32 "
-                        "quantized (q4_1: the GGUF's own blocks), int8 is fbgemm's")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--kv-cache-gib", type=float, help="KV cache pool size in GiB")
-    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
-                        help="the KV pool's element type (default auto: the model's; "
-                        "float16 halves the pool's bytes a token)")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
-    parser.add_argument("--prefill-chunk", type=int,
-                        help="prefill tokens per step while other requests decode")
-    parser.add_argument("--max-num-seqs", type=int, help="running requests at once")
-    parser.add_argument("--max-waiting-requests", type=int,
-                        help="waiting-queue bound; past it requests are shed (503)")
-    parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
-    parser.add_argument("--async-scheduling", type=parse_on_off, metavar="on|off",
-                        help="plan each step while the one before computes (default off)")
-    parser.add_argument("--speculative-config", metavar="JSON", help="n-gram speculation, "
-                        'as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4}')
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags that were given, as `EngineConfig` keyword arguments."""
-    names = ["model", "weights", "device", "kv_cache_gib", "kv_cache_dtype",
-             "max_num_batched_tokens",
-             "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads",
-             "async_scheduling", "speculative_config"]
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

@@ -9,8 +9,12 @@ set, the run's start and end go there too (the report states the total run time)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,3 +116,25 @@ def record(scale: Scale, request: pytest.FixtureRequest) -> Iterator[Recorder]:
     recorder = ScenarioRecorder(scale, request.node.nodeid)
     yield recorder
     recorder.finish()
+
+
+@contextlib.contextmanager
+def mock_replica_process(itl_ms: int, output_len: int) -> Iterator[str]:
+    """The project's mock replica (`tokenyard.bench.mock_replica`) in a process of its
+    own, `itl_ms` between tokens and `output_len` tokens a reply: its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenyard.bench.mock_replica", "--port", "0",
+         "--itl-ms", str(itl_ms), "--output-len", str(output_len)],
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        url = line.split()[-1]
+        assert url.startswith("http"), line
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()

@@ -13,13 +13,10 @@ a restart. Short scale (make test)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import signal
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,7 @@ import asyncpg
 import openai
 import pytest
 
-from tests.chaos.conftest import Recorder, Scale
+from tests.chaos.conftest import Recorder, Scale, mock_replica_process
 from tests.e2e.conftest import Server, running_server
 from tests.e2e.test_admin_http import call
 from tests.integration.test_store_postgres import (  # noqa: F401
@@ -45,21 +42,8 @@ LEASE = {"TOKENYARD_BATCH_LEASE_S": "2"}
 
 @pytest.fixture(scope="module")
 def slow_mock() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenyard.bench.mock_replica", "--port", "0",
-         "--itl-ms", "50", "--output-len", "8"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    try:
-        line = proc.stdout.readline()
-        url = line.split()[-1]
-        assert url.startswith("http"), line
+    with mock_replica_process(itl_ms=50, output_len=8) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        if proc.poll() is None:
-            proc.kill()
 
 
 def _lines(server: Server, n: int) -> bytes:

@@ -180,15 +180,24 @@ def test_stored_responses_retrieve_chain_list_and_delete_per_spec(server: Server
         assert error["code"] == "not_found"
 
 
-def test_compact_is_a_404_in_the_api_s_error_shape(server: Server) -> None:
-    r = post(server, {"model": server.model, "input": "Hi"}, path="/v1/responses/compact")
-    assert valid_error(r, 404, "compact")["code"] == "not_found"
+def test_compact_answers_the_spec_s_compacted_response(server: Server) -> None:
+    turns = [{"role": "user", "content": "Hi, I am Ada."},
+             {"role": "assistant", "content": "Hello Ada."}, {"role": "user", "content": "Bye"}]
+    # The summary is a model turn of up to 128 tokens: slow on a loaded CPU.
+    r = httpx.post(server.base_url + "/v1/responses/compact", headers=server.headers,
+                   json={"model": server.model, "input": turns}, timeout=600)
+    assert r.status_code == 200, r.text
+    spec = _open()
+    spec.validate(r.json(), spec.response_schema("/responses/compact", 200), "compact")
+    assert [i["type"] for i in r.json()["output"]] == ["compaction", "message"]
+    bad = post(server, {"model": server.model}, path="/v1/responses/compact")
+    assert valid_error(bad, 400, "compact without input")["param"] == "input"
 
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"bogus_field": 1}, "bogus_field"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
     ({"max_tool_calls": 0}, "max_tool_calls"),
     ({"previous_response_id": "resp_nothere"}, "previous_response_id"),
 ])

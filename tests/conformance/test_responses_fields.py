@@ -68,7 +68,8 @@ FIELDS: dict[str, tuple[str, Any, Check | None]] = {
     "prompt_cache_key": (NO_EFFECT, "conformance", None),
     "service_tier": (NO_EFFECT, "auto", None),
     "user": (NO_EFFECT, "user-1", None),
-    "background": (REFUSED, True, None),
+    "background": (HONOURED, True, lambda r: r.json()["background"] is True
+                   and r.json()["status"] == "queued"),
     "reasoning": (REFUSED, {"effort": "high"}, None),
 }
 

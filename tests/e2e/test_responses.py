@@ -207,7 +207,7 @@ def test_a_named_tool_streams_its_arguments(client: openai.OpenAI, server: Serve
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
     ({"seed": 3}, "seed"),
     ({"reasoning": {"effort": "medium"}}, "reasoning"),
     # The replica's grammar compiler refuses it, naming the Responses field.

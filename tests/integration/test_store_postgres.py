@@ -19,6 +19,9 @@ import pytest
 from tests.conftest import require_service
 
 # The backend-neutral tests: collected here too, where `database_url` is PostgreSQL's.
+from tests.unit.test_background_store import (  # noqa: F401
+    test_claims_leases_writes_and_one_outcome,
+)
 from tests.unit.test_batch_store import (  # noqa: F401
     test_claims_leases_results_and_ending_once,
 )

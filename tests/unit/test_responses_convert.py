@@ -127,7 +127,7 @@ def test_tool_choice_and_parallel_calls_become_the_tool_use() -> None:
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [{"type": "web_search_preview"}]}, "tools.0.type"),
     ({"tools": [WEATHER, {"type": "code_interpreter", "container": {}}]}, "tools.1.type"),
-    ({"background": True}, "background"),
+    ({"background_options": {"x": 1}}, "background_options"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"top_k": 5}, "top_k"),  # frequency_penalty is honoured since issue 27

@@ -40,6 +40,8 @@ from tokenyard.api.openai.moderations import add_moderation_routes
 from tokenyard.api.openai.routes import add_openai_routes
 from tokenyard.api.ops import add_ops_routes
 from tokenyard.api.requests import add_request_routes
+from tokenyard.api.responses.background_run import install as install_background
+from tokenyard.api.responses.compact import add_compact_route
 from tokenyard.api.responses.routes import add_responses_routes
 from tokenyard.api.responses.stored import add_stored_response_routes
 from tokenyard.api.web import add_web_routes
@@ -102,7 +104,9 @@ def make_app(state: AppState) -> web.Application:
     add_fleet_routes(app)  # /admin/v1/deployments, replicas/drain; the shadow runner
     add_moderation_routes(app)  # /v1/moderations, the orgs' moderation policies
     install_moderation(app)
-    add_stored_response_routes(app)  # GET/DELETE /v1/responses/{id}, its input_items
+    add_stored_response_routes(app)  # GET /v1/responses/{id}/input_items
+    install_background(app)  # GET/DELETE /v1/responses/{id}, cancel; background worker
+    add_compact_route(app)  # POST /v1/responses/compact
     install_batches(app)  # /v1/files, /v1/batches, /v1/messages/batches; the batch lane
     add_web_routes(app)  # the chat page at /, the dashboard at /dashboard
     add_dashboard_routes(app)  # /admin/v1/dashboard: what the dashboard polls

@@ -25,6 +25,7 @@ from tokenyard.api.openai import schemas as so
 from tokenyard.api.openai.embeddings import EmbeddingRequest
 from tokenyard.api.openai.moderations import ModerationRequest
 from tokenyard.api.requests import RequestRecordObject
+from tokenyard.api.responses.compact import CompactRequest
 from tokenyard.api.responses.objects import ResponseObject
 from tokenyard.api.responses.schemas import ResponsesRequest
 
@@ -33,7 +34,7 @@ _SCHEMA_MODELS: Sequence[type[BaseModel]] = (
     so.CompletionRequest, so.TextCompletion, so.ModelList,
     sa.MessagesRequest, sa.AnthropicMessage, sa.CountTokensRequest, sa.CountTokensResponse,
     ResponsesRequest, ResponseObject, RequestRecordObject, EmbeddingRequest,
-    ModerationRequest,
+    ModerationRequest, CompactRequest,
 )
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -56,6 +57,13 @@ _INLINE: dict[str, dict[str, Any]] = {
                                      "first_id": {"type": ["string", "null"]},
                                      "last_id": {"type": ["string", "null"]},
                                      "has_more": {"type": "boolean"}}},
+    "CompactedResponse": {"type": "object",
+                          "required": ["id", "object", "created_at", "output", "usage"],
+                          "properties": {"id": {"type": "string"},
+                                         "object": {"const": "response.compaction"},
+                                         "created_at": {"type": "integer"},
+                                         "output": {"type": "array"},
+                                         "usage": _ANY_OBJECT}},
     # The Batch API (api/batch/): the fields SDKs read.
     **{name: {"type": "object", "required": ["id", kind],
               "properties": {"id": {"type": "string"}, kind: {"const": value}}}
@@ -125,8 +133,8 @@ _API_ROUTES: Sequence[tuple[str, str, str | None, str, str]] = (
     ("/v1/responses/{response_id}", "get", None, "ResponseObject", "200"),
     ("/v1/responses/{response_id}", "delete", None, "ResponseDeleted", "200"),
     ("/v1/responses/{response_id}/input_items", "get", None, "InputItemList", "200"),
-    # Not implemented: a 404 in OpenAI's error shape, as for a route OpenAI has not got.
-    ("/v1/responses/compact", "post", None, "OpenAIError", "404"),
+    ("/v1/responses/{response_id}/cancel", "post", None, "ResponseObject", "200"),
+    ("/v1/responses/compact", "post", "CompactRequest", "CompactedResponse", "200"),
     ("/v1/conversations", "post", "ConversationRequest", "Conversation", "200"),
     ("/v1/conversations/{conversation_id}", "get", None, "Conversation", "200"),
     ("/v1/conversations/{conversation_id}", "post", "ConversationRequest", "Conversation",
@@ -225,6 +233,13 @@ def openapi_document(admin_routes: tuple[tuple[str, str], ...] = ()) -> dict[str
     for path, method, request_name, response_name, ok in _API_ROUTES:
         paths.setdefault(path, {})[method] = _operation(
             path, ok, _ref(response_name), _ref(request_name) if request_name else None)
+    # A background response's stream, resumed after a sequence number (api/responses/
+    # background.py): the same route, as server-sent events.
+    retrieve = paths["/v1/responses/{response_id}"]["get"]
+    retrieve["parameters"].extend(
+        {"name": name, "in": "query", "required": False, "schema": {"type": kind}}
+        for name, kind in (("stream", "boolean"), ("starting_after", "integer")))
+    retrieve["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
     for path, ok, content_type in _PUBLIC_ROUTES:
         paths[path] = {"get": {"security": [], "responses": {
             ok: {"description": "OK", "content": {content_type: {"schema": {}}}}}}}

@@ -15,11 +15,10 @@ from tokenyard.config import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     ServeConfig,
-    add_engine_args,
-    engine_kwargs,
     replica_token,
 )
 from tokenyard.deployments import DEFAULT_MAX_OUTPUT_TOKENS, POLICIES
+from tokenyard.engine_args import add_engine_args, engine_kwargs
 
 
 async def _generate(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ MAX_TURNS = 100
 PURGE_EVERY_S = 300.0
 #: The id prefix of an input item without an id, by its type (OpenAI's where it has one).
 ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-                 "reasoning": "rs"}
+                 "reasoning": "rs", "compaction": "cmp"}
 
 
 class ResponseNotFound(LookupError):

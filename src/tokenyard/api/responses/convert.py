@@ -28,6 +28,7 @@ from tokenyard.api.errors import from_validation_error
 from tokenyard.api.images import template_message
 from tokenyard.api.openai.schemas import TokenLogprob
 from tokenyard.api.openai.tools import new_call_id
+from tokenyard.api.responses.compaction import CompactionItem
 from tokenyard.api.responses.objects import (
     FunctionCallOutput,
     IncompleteDetails,
@@ -139,6 +140,9 @@ def item_messages(items: Sequence[InputItem], instructions: str | None, use: Too
             flush()
             role = "system" if item.role == "developer" else item.role
             out.append(template_message(role, item.text, item.content, f"input.{position}"))
+        elif isinstance(item, CompactionItem):  # the summary of the turns it replaced
+            flush()
+            out.append({"role": "system", "content": item.text})
     flush()
     return with_tools(out, use, native)
 

@@ -110,7 +110,9 @@ class ResponseObject(BaseModel):
     id: str = Field(default_factory=new_response_id)
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    #: queued and cancelled: a background response's (`background: true`).
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed",
+                    "cancelled"] = "in_progress"
     completed_at: int | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
@@ -156,7 +158,7 @@ class Event(BaseModel):
 
 
 class ResponseEvent(Event):
-    """response.created / in_progress / completed / incomplete / failed."""
+    """response.created / queued / in_progress / completed / incomplete / failed."""
 
     response: ResponseObject
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokenyard.api.context import read_request
 from tokenyard.api.respond import Plan, answer
-from tokenyard.api.responses import conversations, stored
+from tokenyard.api.responses import background, conversations, stored
 from tokenyard.api.responses.convert import (
     first_user_text,
     fitted_conversation,
@@ -58,7 +58,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if req.store is not False:
             await stored.remember(request, response, items)
 
-    return await answer(request, response_plan(req, earlier, keep))
+    plan = response_plan(req, earlier, keep)
+    if req.background:  # queued now, run by a background worker (background.py)
+        return await background.create(request, req, plan, earlier)
+    return await answer(request, plan)
 
 
 #: Stores a finished response with its turn's input items (`stored.remember`).
@@ -109,7 +112,7 @@ def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
 
 
 def add_responses_routes(app: web.Application) -> None:
-    """The Responses dialect's POST route on `app` (the stored responses' GET, DELETE
-    and input_items routes are `stored.py`'s)."""
+    """The Responses dialect's POST route on `app` (GET, DELETE and cancel of a response
+    are `background_run.py`'s, input_items `stored.py`'s, compact `compact.py`'s)."""
     app.router.add_post("/v1/responses", create_response)
     conversations.add_conversation_routes(app)

@@ -4,7 +4,7 @@ Validated as strictly as the chat dialect's (`api/schemas.RequestModel`): an unk
 top-level field is a 400 naming it. What this server cannot do is refused with a 400 that
 names the field rather than silently dropped: hosted tools (web search, file search, code
 interpreter, computer use, image generation, MCP, ...), reasoning effort (the model does
-not reason), background mode, prompt templates, context compaction and
+not reason), prompt templates, automatic context compaction (`context_management`) and
 moderation per request. Item types other than messages, function calls and their outputs
 are refused the same way.
 
@@ -21,6 +21,7 @@ from tokenyard.api.errors import schema_error
 from tokenyard.api.images import only_from_user, source_problem
 from tokenyard.api.openai.platform_fields import PlatformFields
 from tokenyard.api.openai.tool_schemas import TOOL_NAME_PATTERN
+from tokenyard.api.responses.compaction import CompactionItem
 from tokenyard.api.schemas import (
     TEXT_PART_SEPARATOR,
     Acceptable,
@@ -171,14 +172,16 @@ class FunctionCallOutputItem(RequestModel):
 
 
 class _RefusedItem(_Refused):
-    instead = "input items are messages, 'function_call' and 'function_call_output'"
+    instead = ("input items are messages, 'function_call', 'function_call_output' and "
+               "'compaction'")
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("Call")]
-    | Annotated[FunctionCallOutputItem, Tag("Output")] | Annotated[_RefusedItem, Tag("Refused")],
+    | Annotated[FunctionCallOutputItem, Tag("Output")]
+    | Annotated[CompactionItem, Tag("Compaction")] | Annotated[_RefusedItem, Tag("Refused")],
     _tagged({"message": "Message", "function_call": "Call",
-             "function_call_output": "Output"}, "Refused"),
+             "function_call_output": "Output", "compaction": "Compaction"}, "Refused"),
 ]
 
 
@@ -283,9 +286,8 @@ def _only(key: str, *allowed: Any) -> Acceptable:
 #: Fields OpenAI defines that this server accepts only with these values; the rest is a
 #: 400 naming the field (the refused-only ones, not declared below, are otherwise ignored).
 RESPONSES_UNSUPPORTED: dict[str, tuple[Acceptable, str]] = {
-    "background": (_none_or_false, "Background responses are not supported by this server."),
-    "background_options": (is_none, "'background_options' is not supported: background "
-                           "responses are not supported by this server."),
+    "background_options": (is_none, "'background_options' is not supported by this "
+                           "server."),
     "prompt": (is_none, "Prompt templates are not supported by this server."),
     "reasoning": (_no_effort, "Reasoning effort is not supported: the model does not "
                   "reason (send no 'reasoning', or effort 'none')."),

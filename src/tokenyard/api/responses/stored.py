@@ -5,6 +5,8 @@
     GET    /v1/responses/{id}/input_items   ?limit=1..100 (20) &order=asc|desc (desc)
                                             &after=&before= → an OpenAI list object
 
+(The first two are routed through `background.py`, which finds a background response
+first; a background response is among these once it has ended: completed or incomplete.)
 `expand_previous` turns a `previous_response_id` into the conversation so far;
 `remember` stores a finished response. A key reaches its own org's responses (an admin
 key, every org's); another org's, an unknown, a deleted or an expired id is "not found"
@@ -41,8 +43,8 @@ def _responses(request: web.Request) -> StoredResponses | None:
     return None if gateway is None else gateway.responses
 
 
-def _not_found(response_id: str, responses: StoredResponses | None) -> APIError:
-    """404 in OpenAI's words; without a store, it says why."""
+def not_found(response_id: str, responses: object | None) -> APIError:
+    """404 in OpenAI's words; without a store (`responses` None), it says why."""
     why = f": {NO_STORE}" if responses is None else ""
     return APIError(404, f"No response found with id '{response_id}'{why}.",
                     type="invalid_request_error", code="not_found")
@@ -90,7 +92,7 @@ async def retrieve(request: web.Request) -> web.Response:
     responses = _responses(request)
     found = None if responses is None else await responses.get(request[KEY], response_id)
     if found is None:
-        raise _not_found(response_id, responses)
+        raise not_found(response_id, responses)
     return json_response(found.response)
 
 
@@ -99,10 +101,8 @@ async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     responses = _responses(request)
     if responses is None or not await responses.delete(request[KEY], response_id):
-        raise _not_found(response_id, responses)
+        raise not_found(response_id, responses)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
-
-
 
 
 async def input_items(request: web.Request) -> web.Response:
@@ -113,7 +113,7 @@ async def input_items(request: web.Request) -> web.Response:
     responses = _responses(request)
     found = None if responses is None else await responses.get(request[KEY], response_id)
     if found is None:
-        raise _not_found(response_id, responses)
+        raise not_found(response_id, responses)
     try:
         data, has_more = page(found.input_items, limit=limit, order=order,
                               after=query.get("after"), before=query.get("before"))
@@ -144,21 +144,7 @@ def listing(data: list[dict[str, Any]], has_more: bool) -> web.Response:
     })
 
 
-async def compact(request: web.Request) -> web.Response:
-    """POST /v1/responses/compact: not offered, a 404 in OpenAI's error shape (else the
-    path would match `/v1/responses/{id}`, whose methods do not include POST: a 405).
-    Compacting a conversation means having the model summarise it into an encrypted
-    item only this server could read back; not worth it for a small local model."""
-    raise APIError(404, "Compacting a conversation ('POST /v1/responses/compact') is not "
-                   "supported by this server; send the conversation again, or chain "
-                   "responses with 'previous_response_id' and 'truncation': 'auto'.",
-                   type="invalid_request_error", code="not_found")
-
-
 def add_stored_response_routes(app: web.Application) -> None:
-    """GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, and the
-    404 of POST /v1/responses/compact."""
-    app.router.add_post("/v1/responses/compact", compact)
-    app.router.add_get("/v1/responses/{response_id}", retrieve)
-    app.router.add_delete("/v1/responses/{response_id}", delete)
+    """GET /v1/responses/{id}/input_items (GET and DELETE /v1/responses/{id} are
+    `background.py`'s: they find background responses too)."""
     app.router.add_get("/v1/responses/{response_id}/input_items", input_items)

@@ -71,6 +71,7 @@ class ResponsesFormat:
         self._sequence = 0
         self._open: OutputItem | None = None
         self._finish_reason: str | None = None
+        self._queued = False  # a background response: created and queued went out
 
     # ------------------------------------------------------------------ non-streamed
 
@@ -102,6 +103,8 @@ class ResponsesFormat:
         return self._event(ResponseEvent, kind, response=self.response.model_copy(deep=True))
 
     def head(self) -> list[BaseModel]:
+        if self._queued:
+            return [self._lifecycle("in_progress")]
         return [self._lifecycle("created"), self._lifecycle("in_progress")]
 
     def events(self, index: int, out: RequestOutput) -> list[BaseModel]:
@@ -209,7 +212,22 @@ class ResponsesFormat:
         return sse_event(name, event)
 
     def error(self, err: APIError) -> bytes:
+        return self.encode(self.failed(err))
+
+    def failed(self, err: APIError) -> Event:
+        """The response failed with `err`: its response.failed event."""
         self.response.status = "failed"
         self.response.error = ResponseError(
             code=_FAILED_CODES.get(err.status, "server_error"), message=err.message)
-        return self.encode(self._lifecycle("failed"))
+        return self._lifecycle("failed")
+
+    def after_queue(self, queued: ResponseObject, events: int) -> None:
+        """A background response, `queued` as it was when its first `events` went out
+        (response.created, response.queued): this run is that response (its id and
+        creation time), its stream goes on after them, and `head` is response.in_progress
+        alone."""
+        self.response.id = queued.id
+        self.response.created_at = queued.created_at
+        self.response.background = True
+        self._sequence = events
+        self._queued = True
