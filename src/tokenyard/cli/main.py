@@ -157,6 +157,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.host_path import main as host_main
 
         return host_main(args)
+    if args.bench_command == "agent":
+        from tokenyard.bench.agent import main as agent_main
+
+        return agent_main(args)
     if args.bench_command == "ray":
         from tokenyard.cli.ray_bench import main as ray_bench_main
 
@@ -367,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_host.add_arguments(bench_sub.add_parser(
         "host", help="the host path alone: a model that costs nothing, the engine alone "
                      "and served"))
+    from tokenyard.bench import agent as bench_agent
+
+    bench_agent.add_arguments(bench_sub.add_parser(
+        "agent", help="an agent task of 3 MCP calls run by the platform against a client "
+                      "loop over HTTP: hop overhead"))
     from tokenyard.cli import ray_bench
 
     ray_bench.add_arguments(bench_sub.add_parser(

@@ -2,6 +2,7 @@
 PostgreSQL, a `Store` of async methods returning frozen records, and the usage ledger
 writer that keeps settled usage off the request path without losing it in a crash."""
 
+from tokenyard.store import mcp_tables as mcp_tables  # its tables join the schema
 from tokenyard.store.db import Database, normalize_url
 from tokenyard.store.ledger import LedgerWriter, UsageRecord
 from tokenyard.store.money import Prices, cost_micros, format_money, parse_money
