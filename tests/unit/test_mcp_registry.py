@@ -135,3 +135,34 @@ def test_a_captured_body_loses_its_mcp_secrets() -> None:
     assert out["tools"][0]["headers"] == REDACTED and out["tools"][0]["authorization"] == REDACTED
     assert out["mcp_servers"][0]["authorization_token"] == REDACTED
     assert out["tools"][1] == {"type": "function", "name": "f"}
+
+
+def test_the_cli_registers_lists_grants_and_removes_a_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tokenyard.cli.main import main
+
+    monkeypatch.setenv("TOKENYARD_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENYARD_DATABASE_URL", raising=False)
+
+    def cli(*args: str, code: int = 0) -> Any:
+        assert main(["admin", "--format", "json", *args]) == code
+        out = capsys.readouterr()
+        return json.loads(out.out) if code == 0 else out.err
+
+    org = cli("orgs", "create", "acme")["id"]
+    made = cli("mcp", "add", "--org", org, "--label", "calc", "--url",
+               "http://10.0.0.5:8000/mcp", "--header", "Authorization: Bearer hush",
+               "--allowed-tool", "add", "--require-approval", "never")
+    assert made["headers"] == ["Authorization"] and made["allowed_tools"] == ["add"]
+    assert "'NAME: VALUE'" in cli("mcp", "add", "--org", org, "--label", "x", "--url",
+                                  "http://x/mcp", "--header", "nocolon", code=2)
+    key = cli("keys", "create", "--org", org)["id"]
+    grant = cli("mcp", "grant", made["id"], "--key", key, "--tool", "add")
+    assert grant == {"server_id": made["id"], "subject": "key", "subject_id": key,
+                     "tools": ["add"]}
+    (listed,) = cli("mcp", "list", "--org", org)
+    assert listed["grants"] == [{"subject": "key", "subject_id": key, "tools": ["add"]}]
+    assert "hush" not in json.dumps(listed)
+    assert cli("mcp", "remove", made["id"])["deleted"] is True
+    assert cli("mcp", "list") == []

@@ -17,8 +17,6 @@ import logging
 from typing import Any
 
 import httpx2
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
 from tokenyard.api.image_fetch import (
     AddressPolicy,
@@ -82,7 +80,7 @@ class McpSession:
     """One connected session on one server (`ToolSession`)."""
 
     def __init__(self, server: McpServer, stack: contextlib.AsyncExitStack,
-                 client: Client) -> None:
+                 client: Any) -> None:
         self.server, self._stack, self._client = server, stack, client
 
     async def list_tools(self) -> list[ListedTool]:
@@ -126,6 +124,11 @@ class McpClient:
         except ImageRejected as exc:
             raise ServerRefused(str(exc)[:1].upper() + str(exc)[1:]) from None
         assert url.raw_host is not None  # checked by check_url
+        # Imported on first use: the SDK brings OpenTelemetry's API, which the HTTP process
+        # loads only when tracing is on (tests/unit/test_tracing.py).
+        from mcp import Client
+        from mcp.client.streamable_http import streamable_http_client
+
         http = httpx2.AsyncClient(
             headers=dict(server.headers), trust_env=False,
             transport=_PinnedTransport(url.raw_host, addresses[0]),
