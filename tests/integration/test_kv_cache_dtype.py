@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from tokenyard.bench.offline import agreement_prompts, greedy
-from tokenyard.config import EngineConfig, add_engine_args, engine_kwargs
+from tokenyard.config import EngineConfig
 from tokenyard.engine.core import kv_block_bytes
 from tokenyard.engine.llm import LLM
+from tokenyard.engine_args import add_engine_args, engine_kwargs
 
 GIB = 0.05  # a small pool: both fit easily, and their resident bytes compare
 

@@ -229,7 +229,7 @@ def test_documented_messages_fields_are_accepted(fields: dict[str, Any]) -> None
 @pytest.mark.parametrize(("fields", "param"), [
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"container": "container_1"}, "container"),
-    ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers"),
+    ({"mcp_servers": [{"type": "url", "url": "ftp://x", "name": "x"}]}, "mcp_servers.0.url"),
     ({"context_management": {"edits": []}}, "context_management"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"output_config": {"effort": "most"}}, "output_config.effort"),

@@ -179,6 +179,23 @@ class DashboardQuery(_Forbid):
     recent: str | None = Field(None, description="0-200 (default 30)")
 
 
+class McpServer(_Forbid):
+    label: str = Field(min_length=1, max_length=64)
+    url: str = Field(min_length=1, max_length=2048, description="http(s) URL")
+    headers: dict[str, str] | None = Field(None, description="sent with every call: its "
+                                           "secrets, never shown again")
+    allowed_tools: list[str] | None = Field(None, description="null: every tool it lists")
+    require_approval: str | None = Field(None, description="always, never; null: the "
+                                         "request's rule")
+    description: str | None = None
+
+
+class McpGrant(_Forbid):
+    key_id: str | None = None
+    project_id: str | None = None
+    tools: list[str] | None = Field(None, description="null: every tool it offers")
+
+
 #: (method, path) → the schema of its body (POST, PUT) or query (GET).
 SCHEMAS: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/admin/v1/orgs"): CreateOrg,
@@ -213,6 +230,10 @@ SCHEMAS: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/admin/v1/deployments/{name}/replicas"): Scale,
     ("GET", "/admin/v1/moderation/events"): ModerationEventsQuery,
     ("GET", "/admin/v1/dashboard"): DashboardQuery,
+    ("POST", "/admin/v1/orgs/{org_id}/mcp_servers"): McpServer,
+    ("GET", "/admin/v1/orgs/{org_id}/mcp_servers"): Empty,
+    ("DELETE", "/admin/v1/mcp_servers/{server_id}"): Empty,
+    ("POST", "/admin/v1/mcp_servers/{server_id}/grants"): McpGrant,
 }
 
 

@@ -145,23 +145,26 @@ class _PinnedResolver(AbstractResolver):
         return None
 
 
-async def _checked_addresses(
-    url: URL, allow: AddressPolicy, resolve: Resolver
+async def checked_addresses(
+    url: URL, allow: AddressPolicy, resolve: Resolver, what: str = "image URL"
 ) -> list[IPAddress]:
+    """Every address `url`'s host resolves to, all allowed by `allow`; ImageRejected
+    naming `what` (the kind of URL, for the message) otherwise. The MCP client
+    (`api/mcp_client.py`) checks a tool server's URL with it too."""
     host = url.raw_host
     if not host:
-        raise ImageRejected("the image URL has no host.")
+        raise ImageRejected(f"the {what} has no host.")
     try:
         found = await resolve(host, url.port or 0)
     except OSError as exc:
-        raise ImageRejected(f"the image URL's host {host!r} does not resolve.") from exc
+        raise ImageRejected(f"the {what}'s host {host!r} does not resolve.") from exc
     addresses = [ipaddress.ip_address(a.split("%", 1)[0]) for a in found]
     if not addresses:
-        raise ImageRejected(f"the image URL's host {host!r} does not resolve.")
+        raise ImageRejected(f"the {what}'s host {host!r} does not resolve.")
     for address in addresses:
         if not allow(address):
             raise ImageRejected(
-                f"the image URL's host {host!r} resolves to {address}, which is not a "
+                f"the {what}'s host {host!r} resolves to {address}, which is not a "
                 "public address."
             )
     return addresses
@@ -170,18 +173,20 @@ async def _checked_addresses(
 # ---------------------------------------------------------------------------- fetching
 
 
-def check_url(url: str) -> URL:
-    """`url` parsed, when it is an http(s) URL with a host; ImageRejected otherwise."""
+def check_url(url: str, what: str = "image URL") -> URL:
+    """`url` parsed, when it is an http(s) URL with a host; ImageRejected (naming `what`)
+    otherwise."""
     if len(url) > MAX_URL_CHARS:
-        raise ImageRejected(f"the image URL is longer than {MAX_URL_CHARS} characters.")
+        raise ImageRejected(f"the {what} is longer than {MAX_URL_CHARS} characters.")
     try:
         parsed = URL(url)
     except ValueError as exc:
-        raise ImageRejected("the image URL is not a valid URL.") from exc
+        raise ImageRejected(f"the {what} is not a valid URL.") from exc
     if parsed.scheme not in _SCHEMES:
-        raise ImageRejected("image URLs must use http or https (or be a base64 data URI).")
+        raise ImageRejected(f"{what}s must use http or https"
+                            + (" (or be a base64 data URI)." if what == "image URL" else "."))
     if not parsed.raw_host:
-        raise ImageRejected("the image URL has no host.")
+        raise ImageRejected(f"the {what} has no host.")
     return parsed
 
 
@@ -211,7 +216,7 @@ async def _fetch_hops(
 ) -> bytes:
     current = check_url(url)
     for _ in range(limits.max_redirects + 1):
-        addresses = await _checked_addresses(current, allow, resolve)
+        addresses = await checked_addresses(current, allow, resolve)
         assert current.raw_host is not None  # checked by check_url
         connector = aiohttp.TCPConnector(
             resolver=_PinnedResolver(current.raw_host, addresses), use_dns_cache=False,

@@ -14,6 +14,7 @@ from aiohttp import web
 from tokenyard.api.context import GENERATIONS, RESPONSE_ID, TIMELINE
 from tokenyard.telemetry import tracing
 from tokenyard.telemetry.request_log import RequestSummary
+from tokenyard.telemetry.timeline import ACCUMULATED, STAGES
 from tokenyard.telemetry.tracing import SpanData, TraceIds
 
 #: gen_ai.operation.name by route.
@@ -59,9 +60,9 @@ def attributes(request: web.Request, summary: RequestSummary) -> dict[str, Any]:
         "tokenyard.cost": None if summary.cost is None else str(summary.cost),
         "tokenyard.stream": summary.stream,
     }
-    for stage in ("balance", "moderate", "detokenize"):  # no single interval: attributes
-        if stage in summary.timings_ms:
-            out[f"tokenyard.{stage}_ms"] = summary.timings_ms[stage]
+    for stage, ms in summary.timings_ms.items():  # no single interval: attributes (the
+        if stage in ACCUMULATED or stage not in STAGES:  # MCP loop's hops and calls too)
+            out[f"tokenyard.{stage}_ms"] = ms
     operation = OPERATIONS.get(summary.path)
     if operation is None:
         return out

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from tokenyard.bench.host import Figure, cpu_model
-from tokenyard.config import engine_kwargs
 from tokenyard.engine.frontend import Frontend
 from tokenyard.engine.llm import LLM
+from tokenyard.engine_args import engine_kwargs
 from tokenyard.wire.sampling_params import SamplingParams
 
 

@@ -27,9 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenyard.bench import gateway_profile
 from tokenyard.bench.offline import decode_rate, greedy, random_prompts
-from tokenyard.config import engine_kwargs
 from tokenyard.engine.llm import LLM
 from tokenyard.engine.sample import Sampler, SamplingBatch
+from tokenyard.engine_args import engine_kwargs
 from tokenyard.wire.sampling_params import SamplingParams
 
 #: The two ways a pure decode step can run: the one-op step and the eager layers.

@@ -12,6 +12,7 @@
     tokenyard admin orgs set-moderation org_… --input block --output flag
     tokenyard admin orgs capture org_… --on --retention-days 3     (--off; no flag: show)
     tokenyard admin regions set --org org_… eu          (--project proj_…; "any": unbind)
+    tokenyard admin mcp add --org org_… --label calc --url URL   (cli/admin_mcp.py)
     tokenyard admin usage --group-by day --format csv
     tokenyard admin shadow report --alias smollm2 --since 2026-11-22
     tokenyard admin deployments                         (these two ask the running server:
@@ -27,6 +28,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tokenyard.cli.admin_mcp import add_mcp_parsers, mcp_operations
 from tokenyard.cli.admin_users import add_budget_args, add_user_parsers, user_operations
 from tokenyard.cli.fleet_admin import FLEET_NOUNS, add_fleet_parsers, run_fleet_admin
 from tokenyard.gateway.admin import GROUPS, Admin, AdminError, Json, to_csv, to_table
@@ -187,6 +189,7 @@ def add_admin_parser(sub: Any) -> None:
     report.add_argument("--alias")
     report.add_argument("--since", help="ISO 8601 date or time (inclusive)")
     add_user_parsers(nouns, fmt)
+    add_mcp_parsers(nouns, fmt)
     add_fleet_parsers(nouns, fmt)
 
 
@@ -214,6 +217,7 @@ def _operation(args: argparse.Namespace) -> Callable[[Admin], Awaitable[Json | l
             args.org_id, {**a, "cap": None if args.cap.lower() == "none" else args.cap}),
         ("usage", None): lambda ad: ad.usage(a),
         **user_operations(args, a),
+        **mcp_operations(args, a),
         ("shadow", "report"): lambda ad: ad.shadow_report(a),
         ("regions", "set"): lambda ad: (
             set_org_regions(ad.store, args.org_id, a) if args.org_id

@@ -163,6 +163,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.host_path import main as host_main
 
         return host_main(args)
+    if args.bench_command == "agent":
+        from tokenyard.bench.agent import main as agent_main
+
+        return agent_main(args)
     if args.bench_command == "ray":
         from tokenyard.cli.ray_bench import main as ray_bench_main
 
@@ -387,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_spec.add_arguments(bench_sub.add_parser(
         "spec", help="n-gram speculative decoding against none, one stream"))
+    from tokenyard.bench import agent as bench_agent
+
+    bench_agent.add_arguments(bench_sub.add_parser(
+        "agent", help="an agent task of 3 MCP calls run by the platform against a client "
+                      "loop over HTTP: hop overhead"))
     from tokenyard.cli import ray_bench
 
     ray_bench.add_arguments(bench_sub.add_parser(

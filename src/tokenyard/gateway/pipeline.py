@@ -275,6 +275,11 @@ class Run:
                 self.capture.add(i, out)
             yield i, out
 
+    @property
+    def generated(self) -> Sequence[Generating]:
+        """What the answer renders: the generations (an MCP loop's: every hop's sums)."""
+        return self.gens
+
     def settle(self) -> None:
         """Settle the ticket with what the generations really used, once (the body or
         the last event carries the cost the ledger row charges)."""
@@ -300,7 +305,7 @@ class Run:
         try:
             completions = await self.completions()
             self.settle()
-            body = self.stamp(render.body(self.gens, completions))
+            body = self.stamp(render.body(self.generated, completions))
             await self.end(finish, body)
             return body
         finally:
@@ -339,10 +344,11 @@ class Run:
             except Exception as exc:
                 failure = exc
             else:
-                last.extend(render.tail(self.gens))
+                last.extend(render.tail(self.generated))
                 self.settle()  # metered before the last byte
                 if self.capture is not None:
-                    body = self.stamp(render.body(self.gens, self.capture.completions))
+                    body = self.stamp(render.body(self.generated,
+                                                  self.capture.completions))
             await self.end(finish, body)
             if failure is not None:
                 yield Failed(failure)

@@ -3,6 +3,7 @@ PostgreSQL, a `Store` of async methods returning frozen records, and the usage l
 writer that keeps settled usage off the request path without losing it in a crash."""
 
 from tokenyard.store import background_tables as background_tables  # its tables join the schema
+from tokenyard.store import mcp_tables as mcp_tables  # its tables join the schema
 from tokenyard.store.db import Database, normalize_url
 from tokenyard.store.ledger import LedgerWriter, UsageRecord
 from tokenyard.store.money import Prices, cost_micros, format_money, parse_money

@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenyard.api.anthropic import mcp
 from tokenyard.api.anthropic.convert import (
     anthropic_messages,
     anthropic_request_to_engine,
@@ -37,21 +38,26 @@ from tokenyard.gateway.pipeline import (
 )
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage
-from tokenyard.text.tools import template_tools
+from tokenyard.text.tools import Tool, template_tools
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    return await answer(request, messages_plan(await read_request(request, MessagesRequest)))
+    req = await read_request(request, MessagesRequest)
+    if mcp.offered(req):  # the platform runs the MCP servers' tools between turns
+        converted, _ = anthropic_request_to_engine(req)
+        return await mcp.answer_mcp(request, req, messages_plan, first_user_text(converted))
+    return await answer(request, messages_plan(req))
 
 
-def messages_plan(req: MessagesRequest) -> Plan:
-    """A messages request's `Plan`."""
+def messages_plan(req: MessagesRequest, mcp_part: mcp.McpPart | None = None) -> Plan:
+    """A messages request's `Plan` (`mcp_part`: its MCP servers, run by the platform)."""
     converted, _ = anthropic_request_to_engine(req)  # its errors before the pipeline
+    extra = mcp_part.tools if mcp_part is not None else ()
 
     def build(served: Served, timeline: Timeline) -> Prepared:
         template_messages, prompt, (tools, passed_on, _) = _conversation(
-            req, converted, served, timeline)
+            req, converted, served, timeline, extra)
         _, params = anthropic_request_to_engine(req, served.sampling)
         prepare, _ = preparer(served)
         fitted = prepare.fit(len(prompt), prepare.constrained(params, tools), "max_tokens")
@@ -62,6 +68,8 @@ def messages_plan(req: MessagesRequest) -> Plan:
                         passed_on=passed_on, tools=tools or passed_on)
 
     def fmt(run: Run) -> MessagesFormat:
+        if mcp_part is not None:
+            return mcp_part.format(run)
         return MessagesFormat(run.served.name, req.stop_sequences or [], run.call.request_id,
                               run.ready.pins, run.ready.tools,
                               run.served.reasoning_for(run.ready.prompts[0]), run.token_bytes)
@@ -90,11 +98,12 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 def _conversation(
     req: MessagesRequest | CountTokensRequest, converted: list[TemplateMessage],
-    served: Served, timeline: Timeline,
+    served: Served, timeline: Timeline, extra: tuple[Tool, ...] = (),
 ) -> tuple[list[TemplateMessage], list[int], ToolPlacement]:
-    """The request's turns with its tools where `served` takes them, templated with the
-    prefill rule and tokenized: (template messages, prompt ids, where the tools went)."""
-    placement = placed(tool_use(req), served)
+    """The request's turns with its tools (then `extra`: its MCP servers') where `served`
+    takes them, templated with the prefill rule and tokenized: (template messages,
+    prompt ids, where the tools went)."""
+    placement = placed(tool_use(req, extra), served)
     tools, _, native = placement
     template_messages = tool_messages(req, converted, tools, native)
     prepare, _ = preparer(served)

@@ -18,16 +18,19 @@ from the cache; `cache_read_input_tokens` the ones that were.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
+from tokenyard.api.anthropic.mcp_schemas import McpServerURL
 from tokenyard.api.anthropic.request_fields import (
     REFUSED,
     ConversationOptions,
     GenerationOptions,
 )
 from tokenyard.api.anthropic.tool_schemas import (
+    McpToolResultBlock,
+    McpToolUseBlock,
     ToolChoiceParam,
     ToolParam,
     ToolUseBlock,
@@ -41,6 +44,7 @@ from tokenyard.api.images import (
 )
 from tokenyard.api.schemas import (
     TEXT_PART_SEPARATOR,
+    Acceptable,
     ModelName,
     RequestModel,
     StopString,
@@ -233,10 +237,13 @@ class _Conversation(ConversationOptions):
     #: Automatic caching: a breakpoint on the last block of the last message.
     cache_control: CacheControl | None = None
 
+    #: Documented fields this route refuses when set (`request_fields.REFUSED`).
+    refused: ClassVar[dict[str, Acceptable]] = REFUSED
+
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
-        reject_unsupported(data, REFUSED)
+        reject_unsupported(data, cls.refused)
         reject_unknown(data, [*cls.model_fields, *REFUSED])
         if isinstance(data, dict) and data.get("output_format") is not None and isinstance(
                 data.get("output_config"), dict) and data["output_config"].get("format"):
@@ -262,10 +269,12 @@ class _Conversation(ConversationOptions):
     def _check_tools(self) -> _Conversation:
         names = [t.name for t in self.tools or ()]
         choice = self.tool_choice
-        if choice is not None and choice.type in ("any", "tool") and not names:
+        servers = bool(getattr(self, "mcp_servers", None))  # their tools: known once listed
+        if choice is not None and choice.type == "any" and not names and not servers:
             raise schema_error(INVALID_VALUE, "tool_choice",
                                f"tool_choice.type '{choice.type}' needs 'tools'.")
-        if choice is not None and choice.type == "tool" and choice.name not in names:
+        if (choice is not None and choice.type == "tool" and choice.name not in names
+                and not servers):
             raise schema_error(INVALID_VALUE, "tool_choice.name",
                                f"tool_choice names the tool {choice.name!r}, which is not "
                                "among 'tools'.")
@@ -322,6 +331,12 @@ class MessagesRequest(_Conversation, GenerationOptions):
     stream: bool | None = None
     #: vLLM's extension, for benchmarks: generate past the end-of-sequence token.
     ignore_eos: bool | None = None
+    #: MCP servers whose tools the platform runs (`api/anthropic/mcp.py`).
+    mcp_servers: list[McpServerURL] | None = None
+
+    #: Documented fields refused here: all of REFUSED but `mcp_servers`, which runs.
+    refused: ClassVar[dict[str, Acceptable]] = {
+        k: ok for k, ok in REFUSED.items() if k != "mcp_servers"}
 
 
 class CountTokensRequest(_Conversation):
@@ -360,7 +375,8 @@ class ThinkingBlock(BaseModel):
     signature: str = ""
 
 
-ResponseBlock = TextBlock | ToolUseBlock | ThinkingBlock
+ResponseBlock = (TextBlock | ToolUseBlock | ThinkingBlock | McpToolUseBlock
+                 | McpToolResultBlock)
 
 
 class CacheCreation(BaseModel):

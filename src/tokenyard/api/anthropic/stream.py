@@ -162,13 +162,16 @@ class AnthropicStream:
                 text_open = True
             elif isinstance(event, CallStart):
                 out.extend(self.content_block_stop())
-                out.append(self.content_block_start(
-                    ToolUseBlock(id=event.id, name=event.name, input={})))
+                out.append(self.content_block_start(self.call_block(event)))
                 text_open = False
             elif isinstance(event, CallArguments):
                 out.append(ContentBlockDeltaEvent(
                     index=self._index, delta=InputJSONDelta(partial_json=event.fragment)))
         return out
+
+    def call_block(self, call: CallStart) -> ResponseBlock:
+        """The block a call opens (`api/anthropic/mcp.py`: an MCP tool's)."""
+        return ToolUseBlock(id=call.id, name=call.name, input={})
 
     def finish_events(
         self,

@@ -59,3 +59,24 @@ class ToolUseBlock(BaseModel):
     input: dict[str, Any]
     #: Who made the call: always the model itself here (no code-execution tool runs).
     caller: DirectCaller = Field(default_factory=lambda: DirectCaller())
+
+
+class McpToolUseBlock(BaseModel):
+    """An mcp_tool_use content block: a call the platform made on MCP server
+    `server_name` (the request's `mcp_servers`), its result in the next block."""
+
+    type: Literal["mcp_tool_use"] = "mcp_tool_use"
+    id: str
+    name: str
+    server_name: str
+    input: dict[str, Any]
+
+
+class McpToolResultBlock(BaseModel):
+    """An mcp_tool_result content block: what the call `tool_use_id` returned, as text
+    blocks (the spec's text block, `citations` null)."""
+
+    type: Literal["mcp_tool_result"] = "mcp_tool_result"
+    tool_use_id: str
+    is_error: bool = False
+    content: list[dict[str, Any]]

@@ -37,11 +37,13 @@ def new_tool_use_id() -> str:
     return random_id("toolu_")
 
 
-def tool_use(req: MessagesRequest | CountTokensRequest) -> ToolUse | None:
-    """The request's tools and choice, or None when it sent no tools."""
-    if not req.tools:
+def tool_use(req: MessagesRequest | CountTokensRequest, extra: tuple[Tool, ...] = ()
+             ) -> ToolUse | None:
+    """The request's tools (then `extra`: its MCP servers' tools) and choice, or None
+    when it has no tools."""
+    tools = tuple(Tool(t.name, t.description, t.input_schema) for t in req.tools or ()) + extra
+    if not tools:
         return None
-    tools = tuple(Tool(t.name, t.description, t.input_schema) for t in req.tools)
     choice = req.tool_choice
     if choice is None:
         return ToolUse(tools)

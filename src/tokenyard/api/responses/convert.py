@@ -29,6 +29,7 @@ from tokenyard.api.images import template_message
 from tokenyard.api.openai.schemas import TokenLogprob
 from tokenyard.api.openai.tools import new_call_id
 from tokenyard.api.responses.compaction import CompactionItem
+from tokenyard.api.responses.mcp_schemas import McpApprovalRequestItem, McpCallItem, McpTool
 from tokenyard.api.responses.objects import (
     FunctionCallOutput,
     IncompleteDetails,
@@ -109,7 +110,8 @@ def item_messages(items: Sequence[InputItem], instructions: str | None, use: Too
     tools; else calls and results are written into the turns, `text/tools.py`).
     `first_index`: the position of `items[0]` in the request's `input`, for the parameter
     paths of image errors (earlier turns count from minus their number)."""
-    names = {i.call_id: i.name for i in items if isinstance(i, FunctionCallItem)}
+    names: dict[str, str] = {i.call_id: i.name for i in items
+                             if isinstance(i, FunctionCallItem)}
     out: list[TemplateMessage] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
@@ -127,15 +129,20 @@ def item_messages(items: Sequence[InputItem], instructions: str | None, use: Too
             out.extend(result_turns(results, native))
             results.clear()
 
+    answered = {i.approval_request_id for i in items if isinstance(i, McpCallItem)}
     for position, item in enumerate(items, start=first_index):
-        if isinstance(item, FunctionCallItem):
+        if isinstance(item, FunctionCallItem | McpCallItem | McpApprovalRequestItem):
             if results:
                 flush()
-            calls.append(PastCall(item.name, item.arguments))
-        elif isinstance(item, FunctionCallOutputItem):
+            if not (isinstance(item, McpApprovalRequestItem) and item.id in answered):
+                calls.append(PastCall(item.name, item.arguments))
+        if isinstance(item, FunctionCallOutputItem | McpCallItem):
             if calls:
                 flush()
-            results.append(ToolResult(item.text, names.get(item.call_id)))
+            if isinstance(item, McpCallItem):
+                results.append(ToolResult(*item.result_of))
+            else:
+                results.append(ToolResult(item.text, names.get(item.call_id)))
         elif isinstance(item, MessageItem):
             flush()
             role = "system" if item.role == "developer" else item.role
@@ -171,15 +178,16 @@ def fitted_conversation(
             start += 1
 
 
-def tool_use(req: ResponsesRequest) -> ToolUse | None:
-    """The request's function tools and choice, or None when it sent none."""
+def tool_use(req: ResponsesRequest, extra: tuple[Tool, ...] = ()) -> ToolUse | None:
+    """The request's function tools (then `extra`: its MCP servers' tools) and choice, or
+    None when it has none."""
     functions = [t for t in req.tools or () if isinstance(t, FunctionTool)]
-    if not functions:
-        return None
     tools = tuple(Tool(t.name, t.description,
                        t.parameters or {"type": "object", "properties": {}},
                        t.strict is not False)
-                  for t in functions)
+                  for t in functions) + extra
+    if not tools:
+        return None
     parallel = req.parallel_tool_calls is not False
     choice = req.tool_choice
     if isinstance(choice, FunctionChoice):
@@ -233,8 +241,8 @@ def response_shell(req: ResponsesRequest, model: str,
     """The response object before any output: the request's settings echoed, as OpenAI
     returns them (defaults filled in: the deployment's sampling `defaults`)."""
     tools = [t.model_dump(mode="json", by_alias=True, exclude_none=True)
-             | {"strict": t.strict is not False}
-             for t in req.tools or () if isinstance(t, FunctionTool)]
+             | {"strict": t.strict is not False} if isinstance(t, FunctionTool)
+             else t.echo() for t in req.tools or () if isinstance(t, FunctionTool | McpTool)]
     choice = req.tool_choice
     sampled = sampling_values(req, defaults)
     text: dict[str, Any] = {"format": {"type": "text"}, "verbosity": "medium"}

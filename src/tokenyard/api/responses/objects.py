@@ -62,7 +62,48 @@ class FunctionCallOutput(BaseModel):
     arguments: str = ""
 
 
-OutputItem = OutputMessage | FunctionCallOutput
+class McpListToolsOutput(BaseModel):
+    """An mcp_list_tools item: the tools a server offers this response (`error` when it
+    could not be listed)."""
+
+    id: str = Field(default_factory=lambda: random_id("mcpl_"))
+    type: Literal["mcp_list_tools"] = "mcp_list_tools"
+    server_label: str
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    error: str | None = None
+    status: ItemStatus = Field(default="completed", exclude=True)  # not OpenAI's
+
+
+class McpCallOutput(BaseModel):
+    """An mcp_call item: a call the platform ran on an MCP server, with its `output`, or
+    its `error` (OpenAI's error objects: the tool's own error, or a protocol failure)."""
+
+    id: str = Field(default_factory=lambda: random_id("mcp_"))
+    type: Literal["mcp_call"] = "mcp_call"
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] = \
+        "in_progress"
+    server_label: str
+    name: str
+    arguments: str = ""
+    output: str | None = None
+    error: dict[str, Any] | None = None
+    approval_request_id: str | None = None
+
+
+class McpApprovalRequestOutput(BaseModel):
+    """An mcp_approval_request item: a call that waits for the client's approval (an
+    `mcp_approval_response` input item naming its id)."""
+
+    id: str = Field(default_factory=lambda: random_id("mcpr_"))
+    type: Literal["mcp_approval_request"] = "mcp_approval_request"
+    server_label: str
+    name: str
+    arguments: str = ""
+    status: ItemStatus = Field(default="in_progress", exclude=True)  # not OpenAI's
+
+
+McpItem = McpListToolsOutput | McpCallOutput | McpApprovalRequestOutput
+OutputItem = OutputMessage | FunctionCallOutput | McpItem
 
 
 class InputTokensDetails(BaseModel):
@@ -213,3 +254,8 @@ class ArgumentsDoneEvent(_ItemPart):
     """response.function_call_arguments.done: the call's whole arguments."""
 
     arguments: str
+
+
+class ItemStatusEvent(_ItemPart):
+    """response.mcp_list_tools.in_progress / completed / failed and
+    response.mcp_call.in_progress / completed / failed: an MCP item's progress."""

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokenyard.api.context import read_request
 from tokenyard.api.respond import Plan, answer
-from tokenyard.api.responses import background, conversations, stored
+from tokenyard.api.responses import background, conversations, mcp, stored
 from tokenyard.api.responses.convert import (
     first_user_text,
     fitted_conversation,
@@ -27,6 +27,7 @@ from tokenyard.api.responses.convert import (
     response_shell,
     tool_use,
 )
+from tokenyard.api.responses.mcp import McpPart
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
 from tokenyard.errors import invalid_request
@@ -58,6 +59,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if req.store is not False:
             await stored.remember(request, response, items)
 
+    if mcp.offered(req):  # the platform runs the MCP tools between the model's turns
+        return await mcp.answer_mcp(request, req, earlier, keep, response_plan)
     plan = response_plan(req, earlier, keep)
     if req.background:  # queued now, run by a background worker (background.py)
         return await background.create(request, req, plan, earlier)
@@ -69,17 +72,19 @@ Keep = Callable[[dict[str, Any], list[dict[str, Any]]], Awaitable[None]]
 
 
 def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
-                  keep: Keep) -> Plan:
+                  keep: Keep, mcp_part: McpPart | None = None) -> Plan:
     """A Responses request's `Plan`, after the turns it continues (`earlier_items`, as
     `stored.expand_previous` gives them); `keep` stores the response (unless `store` is
-    false) before its last bytes go out."""
+    false) before its last bytes go out. `mcp_part`: its MCP tools, run by the platform
+    (`api/responses/mcp.py`)."""
     items = request_items(req)
     earlier = parse_items(earlier_items)
-    conversation = [*earlier, *items]
+    conversation = [*earlier, *(items if mcp_part is None else mcp_part.items)]
     truncate = req.truncation == "auto"
 
     def build(served: Served, timeline: Timeline) -> Prepared:
-        tools, passed_on, native = placed(tool_use(req), served)
+        tools, passed_on, native = placed(
+            tool_use(req, mcp_part.tools if mcp_part is not None else ()), served)
         prepare, _ = preparer(served)
         # Images weigh nothing in the prompt's token count: loaded once it is fitted.
         messages, prompt, params = fitted_conversation(
@@ -94,8 +99,10 @@ def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
     plain = item_messages(conversation, req.instructions, None, False, -len(earlier))
 
     def fmt(run: Run) -> ResponsesFormat:
-        return ResponsesFormat(response_shell(req, run.served.name, run.served.sampling),
-                               run.ready.tools, run.token_bytes)
+        shell = response_shell(req, run.served.name, run.served.sampling)
+        if mcp_part is not None:
+            return mcp_part.format(shell, run)
+        return ResponsesFormat(shell, run.ready.tools, run.token_bytes)
 
     async def remember(fmt: ResponsesFormat) -> None:
         if fmt.final is None:  # failed: nothing a later turn could continue from

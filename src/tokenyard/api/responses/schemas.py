@@ -3,10 +3,11 @@
 Validated as strictly as the chat dialect's (`api/schemas.RequestModel`): an unknown
 top-level field is a 400 naming it. What this server cannot do is refused with a 400 that
 names the field rather than silently dropped: hosted tools (web search, file search, code
-interpreter, computer use, image generation, MCP, ...), reasoning effort (the model does
+interpreter, computer use, image generation, ...), reasoning effort (the model does
 not reason), prompt templates, automatic context compaction (`context_management`) and
-moderation per request. Item types other than messages, function calls and their outputs
-are refused the same way.
+moderation per request. Item types other than messages, function calls, their outputs,
+compaction items and MCP items are refused the same way. MCP tools run here
+(`api/responses/mcp.py`).
 
 The output objects and stream events are in `api/responses/objects.py`.
 """
@@ -22,6 +23,14 @@ from tokenyard.api.images import only_from_user, source_problem
 from tokenyard.api.openai.platform_fields import PlatformFields
 from tokenyard.api.openai.tool_schemas import TOOL_NAME_PATTERN
 from tokenyard.api.responses.compaction import CompactionItem
+from tokenyard.api.responses.mcp_schemas import (
+    MCP_ITEM_TAGS,
+    McpApprovalRequestItem,
+    McpApprovalResponseItem,
+    McpCallItem,
+    McpListToolsItem,
+    McpTool,
+)
 from tokenyard.api.schemas import (
     TEXT_PART_SEPARATOR,
     Acceptable,
@@ -173,15 +182,20 @@ class FunctionCallOutputItem(RequestModel):
 
 class _RefusedItem(_Refused):
     instead = ("input items are messages, 'function_call', 'function_call_output' and "
-               "'compaction'")
+               "'compaction' and MCP items")
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("Call")]
     | Annotated[FunctionCallOutputItem, Tag("Output")]
-    | Annotated[CompactionItem, Tag("Compaction")] | Annotated[_RefusedItem, Tag("Refused")],
+    | Annotated[CompactionItem, Tag("Compaction")]
+    | Annotated[McpListToolsItem, Tag("McpList")] | Annotated[McpCallItem, Tag("McpCall")]
+    | Annotated[McpApprovalRequestItem, Tag("McpApprovalRequest")]
+    | Annotated[McpApprovalResponseItem, Tag("McpApprovalResponse")]
+    | Annotated[_RefusedItem, Tag("Refused")],
     _tagged({"message": "Message", "function_call": "Call",
-             "function_call_output": "Output", "compaction": "Compaction"}, "Refused"),
+             "function_call_output": "Output", "compaction": "Compaction", **MCP_ITEM_TAGS},
+            "Refused"),
 ]
 
 
@@ -200,12 +214,13 @@ class FunctionTool(RequestModel):
 
 
 class _HostedTool(_Refused):
-    instead = "hosted tools do not run here; declare 'function' tools"
+    instead = "hosted tools do not run here; declare 'function' or 'mcp' tools"
 
 
 ToolParam = Annotated[
-    Annotated[FunctionTool, Tag("Function")] | Annotated[_HostedTool, Tag("Hosted")],
-    _tagged({"function": "Function"}, "Hosted"),
+    Annotated[FunctionTool, Tag("Function")] | Annotated[McpTool, Tag("Mcp")]
+    | Annotated[_HostedTool, Tag("Hosted")],
+    _tagged({"function": "Function", "mcp": "Mcp"}, "Hosted"),
 ]
 
 
@@ -358,7 +373,8 @@ class ResponsesRequest(PlatformFields):
             raise schema_error(INVALID_VALUE, "input", "'input' must not be empty.")
         names = [t.name for t in self.tools or () if isinstance(t, FunctionTool)]
         choice = self.tool_choice
-        if not names and choice not in (None, "none", "auto"):
+        servers = any(isinstance(t, McpTool) for t in self.tools or ())
+        if not names and not servers and choice not in (None, "none", "auto"):
             raise schema_error(INVALID_VALUE, "tool_choice",
                                "'tool_choice' is only allowed when 'tools' are specified.")
         if isinstance(choice, FunctionChoice) and choice.name not in names:

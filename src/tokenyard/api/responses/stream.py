@@ -195,7 +195,8 @@ class ResponsesFormat:
                                   logprobs=part.logprobs, **at),
                       self._event(PartEvent, "content_part.done",
                                   part=part.model_copy(deep=True), **at)]
-        else:
+        else:  # a function call (the MCP items close in `mcp_stream`)
+            assert isinstance(item, FunctionCallOutput)
             events = [self._event(ArgumentsDoneEvent, "function_call_arguments.done",
                                   arguments=item.arguments, **at)]
         events.append(self._event(ItemEvent, "output_item.done", output_index=self._index,
