@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -316,6 +317,30 @@ def _add_serve_parser(sub: Any) -> None:
     add_engine_args(serve)
 
 
+#: `tokenyard bench` subcommands whose module gives their flags: (name, module, help).
+_BENCHES = (
+    ("serve", "tokenyard.bench.serve",
+     "load-test any OpenAI- or Anthropic-compatible server"),
+    ("gateway", "tokenyard.bench.gateway",
+     "what tokenyard's HTTP process adds, in front of a mock replica"),
+    ("fleet", "tokenyard.bench.fleet",
+     "the balancer's policies side by side on a multi-turn workload"),
+    ("peers", "tokenyard.bench.peers", "tokenyard beside llama.cpp's llama-server, built "
+     "once into the cache (make bench-peers)"),
+    ("batch", "tokenyard.bench.batch",
+     "the Batch API's lane against the engine alone and beside live traffic"),
+    ("host", "tokenyard.bench.host_path",
+     "the host path alone: a model that costs nothing, the engine alone and served"),
+    ("spec", "tokenyard.bench.spec", "n-gram speculative decoding against none, one stream"),
+    ("agent", "tokenyard.bench.agent", "an agent task of 3 MCP calls run by the platform "
+     "against a client loop over HTTP: hop overhead"),
+    ("ray", "tokenyard.cli.ray_bench",
+     "a replica's start under Ray: actor created -> healthy"),
+    ("suite", "tokenyard.bench.suite",
+     "the standard benchmarks; rewrites docs/benchmarks.md (make bench)"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -361,49 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(offline)
     add_engine_args(offline)
-    from tokenyard.bench import gateway as bench_gateway
-    from tokenyard.bench import serve as bench_serve
-
-    bench_serve.add_arguments(bench_sub.add_parser(
-        "serve", help="load-test any OpenAI- or Anthropic-compatible server"))
-    bench_gateway.add_arguments(bench_sub.add_parser(
-        "gateway", help="what tokenyard's HTTP process adds, in front of a mock replica"))
-    from tokenyard.bench import fleet as bench_fleet
-
-    bench_fleet.add_arguments(bench_sub.add_parser(
-        "fleet", help="the balancer's policies side by side on a multi-turn workload"))
-    from tokenyard.bench import peers as bench_peers
-
-    bench_peers.add_arguments(bench_sub.add_parser(
-        "peers", help="tokenyard beside llama.cpp's llama-server, built once into the cache "
-                      "(make bench-peers)"))
-    from tokenyard.bench import batch as bench_batch
-
-    bench_batch.add_arguments(bench_sub.add_parser(
-        "batch", help="the Batch API's lane against the engine alone and beside live "
-                      "traffic"))
-    from tokenyard.bench import host_path as bench_host
-
-    bench_host.add_arguments(bench_sub.add_parser(
-        "host", help="the host path alone: a model that costs nothing, the engine alone "
-                     "and served"))
-    from tokenyard.bench import spec as bench_spec
-
-    bench_spec.add_arguments(bench_sub.add_parser(
-        "spec", help="n-gram speculative decoding against none, one stream"))
-    from tokenyard.bench import agent as bench_agent
-
-    bench_agent.add_arguments(bench_sub.add_parser(
-        "agent", help="an agent task of 3 MCP calls run by the platform against a client "
-                      "loop over HTTP: hop overhead"))
-    from tokenyard.cli import ray_bench
-
-    ray_bench.add_arguments(bench_sub.add_parser(
-        "ray", help="a replica's start under Ray: actor created -> healthy"))
-    from tokenyard.bench import suite as bench_suite
-
-    bench_suite.add_arguments(bench_sub.add_parser(
-        "suite", help="the standard benchmarks; rewrites docs/benchmarks.md (make bench)"))
+    for name, module, text in _BENCHES:  # each module's add_arguments fills its parser
+        importlib.import_module(module).add_arguments(bench_sub.add_parser(name, help=text))
 
     _add_chat_parser(sub)
     add_admin_parser(sub)
