@@ -21,8 +21,9 @@ from tests.conformance.test_anthropic import valid_message, validate_event
 from tokenyard.api.app import AppState, make_app
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import BalancerSpec, DeploymentSpec
-from tokenyard.gateway.served import build_served, now
-from tokenyard.gateway.served import replica_client as make_client
+from tokenyard.gateway.kinds import build_served
+from tokenyard.gateway.kinds import replica_client as make_client
+from tokenyard.gateway.served import now
 from tokenyard.text.model_files import load_tokenizer
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.protocol import dumps
