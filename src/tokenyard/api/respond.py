@@ -160,7 +160,8 @@ async def generate(
 
 async def _stream(request: web.Request, fmt: Format, run: Run,
                   finish: Finish | None = None) -> web.StreamResponse:
-    """The run's stream as SSE: its headers go out with the first write."""
+    """The run's stream as SSE: its headers go out at its first FLUSH, before any output
+    is read (their Server-Timing holds the stages before the first byte)."""
     response: web.StreamResponse | None = None
     pending: list[bytes] = []
     async with contextlib.aclosing(run.stream(fmt, finish)) as events:
@@ -177,7 +178,7 @@ async def _stream(request: web.Request, fmt: Format, run: Run,
                 await _send(request, response, pending)
             else:
                 pending.append(fmt.encode(event))
-    assert response is not None  # the stream ends with a FLUSH
+    assert response is not None  # the stream begins with a FLUSH
     return response
 
 

@@ -313,15 +313,17 @@ class Run:
 
     async def stream(self, render: Render, finish: Finish | None = None,
                      ) -> AsyncGenerator[Event | dict[str, Any] | Mark, None]:
-        """A streamed answer, in order: `render`'s events, `FLUSH` where what came so far
-        may go out in one write (no next output is in yet: events of one replica step
-        leave together), a `Failed` for a failure after the first byte; the last event
-        (`stamp`ed) and `DONE` come after the request's `end`, so a stream the client saw
-        complete is settled and its cost is the ledger row's. Closed whatever happens:
-        iterate it under `contextlib.aclosing`."""
+        """A streamed answer, in order: a first `FLUSH` (the headers may go out), then
+        `render`'s events, `FLUSH` where what came so far may go out in one write (no next
+        output is in yet: events of one replica step leave together), a `Failed` for a
+        failure after the first byte; the last event (`stamp`ed) and `DONE` come after
+        the request's `end`, so a stream the client saw complete is settled and its cost
+        is the ledger row's. Closed whatever happens: iterate it under
+        `contextlib.aclosing`."""
         if self.capture is not None:  # its body is built from the outputs as they go
             self.capture.watch(self.gens)
         try:
+            yield FLUSH  # nothing yet: the headers go out before the first output is read
             for event in render.head():
                 yield event
             last: list[Event] = []
