@@ -28,9 +28,9 @@ def accepted_tokens(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} samples, "
                          f"not {len(sampled)}")
     out: list[int] = []
-    for draft, token in zip(drafts, sampled, strict=False):
-        out.append(token)
-        if token != draft:
+    for draft, chosen in zip(drafts, sampled, strict=False):
+        out.append(chosen)
+        if chosen != draft:
             return out
     out.append(sampled[-1])
     return out
