@@ -48,6 +48,9 @@ CHOSEN = "must equal the name of one of the request's `tools` (pattern-bounded),
 #: String fields bounded by something other than their own declared length, and why.
 #: Keys: the declaring model and field, `{key}` for the keys of a dict field.
 BOUNDED_ELSEWHERE: dict[str, str] = {
+    # A compaction item's summary, encoded: it must decode to a summary this server wrote
+    # (else a 400), and is read by the model as a system message.
+    "CompactionItem.encrypted_content": CONTENT,
     # OpenAI chat and completions
     "ChatMessage.content": CONTENT,
     "ChatMessage.name": CONTENT,

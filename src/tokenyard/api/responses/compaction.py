@@ -15,7 +15,7 @@ import binascii
 import json
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from tokenyard.api.convert import random_id
 from tokenyard.api.errors import schema_error
@@ -59,8 +59,8 @@ class CompactionItem(RequestModel):
 
     type: Literal["compaction"]
     encrypted_content: str
-    id: str | None = None
-    created_by: str | None = None
+    id: str | None = Field(default=None, max_length=100)
+    created_by: str | None = Field(default=None, max_length=100)
 
     @field_validator("encrypted_content")
     @classmethod
