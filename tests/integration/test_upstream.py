@@ -40,7 +40,7 @@ from tokenyard.balancer.upstream_generation import UpstreamGeneration, request_b
 from tokenyard.bench.mock_core import MOCK_MODEL, MOCK_TOKENS, MockConfig
 from tokenyard.bench.mock_replica import MockReplica
 from tokenyard.errors import APIError
-from tokenyard.gateway.pipeline import finished_completions
+from tokenyard.gateway.generations import finished_completions
 from tokenyard.text.content import ImagePart, NormalisedImage, TemplateMessage
 from tokenyard.wire.outputs import Completion, RequestOutput
 from tokenyard.wire.sampling_params import GuidedDecoding, SamplingParams

@@ -52,6 +52,7 @@ from tokenyard.gateway.call import (
 from tokenyard.gateway.capture import BodyCapture
 from tokenyard.gateway.fallbacks import run_with_fallbacks
 from tokenyard.gateway.gate import Ticket
+from tokenyard.gateway.generations import each, finished_completions, merged, single
 from tokenyard.gateway.kinds import Opening, kind_of
 from tokenyard.gateway.moderate import check_input, policy_for, tap
 from tokenyard.gateway.moderation import ModerationPolicy, Moderator
@@ -175,7 +176,7 @@ class Pipeline:
         try:
             # Sent together: the replica batches them; a refusal of any refuses the request.
             async with asyncio.timeout(first_byte_timeout_s):
-                await _each(run.gens, lambda gen: gen.start())
+                await each(run.gens, lambda gen: gen.start())
         except BaseException as exc:
             await run.close(given_up=moves_on is not None and moves_on(exc))
             raise
@@ -265,11 +266,11 @@ class Run:
 
     async def completions(self) -> list[list[Completion]]:
         """Every generation run to its end: each prompt's finished choices."""
-        return await _each(self.gens, finished_completions)
+        return await each(self.gens, finished_completions)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every generation's outputs as they arrive, tagged with its position."""
-        outs = (_single(self.gens[0]) if len(self.gens) == 1 else merged(self.gens))
+        outs = (single(self.gens[0]) if len(self.gens) == 1 else merged(self.gens))
         async for i, out in outs:
             if self.capture is not None:
                 self.capture.add(i, out)
@@ -390,61 +391,6 @@ class Run:
         self.settle()
         if self.capture is not None and not given_up:
             self.capture.send(None)
-
-
-async def _single(gen: Generating) -> AsyncIterator[tuple[int, RequestOutput]]:
-    async for out in gen:
-        yield 0, out
-
-
-async def finished_completions(gen: Generating) -> list[Completion]:
-    """Run a generation to its end, accumulating each choice."""
-    completions = [Completion(index=i) for i in range(gen.params.n)]
-    try:
-        async for out in gen:
-            for delta in out.deltas:
-                completions[delta.index].add(delta)
-    finally:
-        await gen.close()
-    return completions
-
-
-async def merged(gens: Sequence[Generating]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of several generations as they arrive, tagged with their position."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
-
-    async def pump(i: int, gen: Generating) -> None:
-        try:
-            async for out in gen:
-                await queue.put((i, out))
-        except Exception as exc:  # delivered to the consumer, which raises it
-            await queue.put(exc)
-        await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _each(
-    gens: Sequence[Generating], fn: Callable[[Generating], Awaitable[_T]]
-) -> list[_T]:
-    """`fn(gen)` for every generation, concurrently (no task for a lone one)."""
-    if len(gens) == 1:
-        return [await fn(gens[0])]
-    return list(await asyncio.gather(*(fn(gen) for gen in gens)))
 
 
 __all__ = ["LoadsImages", "Pipeline", "Run", "Served", "ToolPlacement", "first_user_text",
