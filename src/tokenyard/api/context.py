@@ -16,6 +16,7 @@ from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec
 from tokenyard.errors import overloaded
 from tokenyard.gateway.auth import KeyContext
+from tokenyard.gateway.background import BackgroundSettings
 from tokenyard.gateway.batches import BatchSettings
 from tokenyard.gateway.gate import Ticket
 from tokenyard.gateway.pipeline import Pipeline
@@ -48,6 +49,8 @@ class AppState(Fleet):
     scaler: ReplicaScaler | None = None
     #: The Batch API lane's settings (`ServeConfig`'s `batch_*`: serve's flags).
     batch: BatchSettings = field(default_factory=BatchSettings)
+    #: The background responses' lane's (`ServeConfig`'s `background_*`: serve's config).
+    background: BackgroundSettings = field(default_factory=BackgroundSettings)
 
     @classmethod
     def single(cls, served: Served, created: int) -> AppState:

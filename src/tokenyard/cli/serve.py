@@ -38,6 +38,7 @@ from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import WorkerPool
 from tokenyard.config import ServeConfig, default_cache_dir
 from tokenyard.deployments import DeploymentSpec, load_fleet, single_fleet
+from tokenyard.gateway.background import BackgroundSettings
 from tokenyard.gateway.batches import BatchSettings
 from tokenyard.gateway.gate import Gateway
 from tokenyard.gateway.kinds import kind_of
@@ -229,6 +230,7 @@ async def run(
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
         state.batch = BatchSettings.of(config)
+        state.background = BackgroundSettings.of(config)
         state.scaler = ray_scaler(fleet.spec, config)
         if config.workers > 1:  # they serve; this process supervises (cli/workers.py)
             workers = WorkerPool(config.workers, host, port, fleet=fleet, state=state,

@@ -23,6 +23,7 @@ from tokenyard.cli.ray_admin import ray_scaler
 from tokenyard.cli.workers import READY_MARK, WORKER_HEADER, WORKER_SPEC_ENV, WorkerSpec
 from tokenyard.config import default_cache_dir
 from tokenyard.deployments import DeploymentSpec
+from tokenyard.gateway.background import BackgroundSettings
 from tokenyard.gateway.batches import BatchSettings
 from tokenyard.telemetry import logs
 
@@ -82,6 +83,7 @@ async def run_worker(spec: WorkerSpec) -> int:
         state.max_body_bytes = config.max_body_bytes
         state.edge = EdgeLimits.of(config)
         state.batch = BatchSettings.of(config)
+        state.background = BackgroundSettings.of(config)
         state.scaler = ray_scaler(fleet.spec, config)
         app = make_app(state)
         pid = str(os.getpid())

@@ -23,6 +23,7 @@ from tokenyard.api.batch.http import BATCHES
 from tokenyard.api.batch.openai import OpenAIShape, add_batch_routes
 from tokenyard.api.batch.runner import Runner
 from tokenyard.api.context import PIPELINE, STATE
+from tokenyard.api.lanes import install_lane
 from tokenyard.gateway.batch_lane import BatchLane
 from tokenyard.gateway.batches import Batches
 
@@ -36,24 +37,17 @@ def install(app: web.Application) -> None:
     add_batch_routes(app)
     add_message_batch_routes(app)
 
-    async def start(app: web.Application) -> None:
+    def lane(app: web.Application) -> BatchLane | None:
         state = app[STATE]
         gateway = state.gateway
         if gateway is None:
-            return
+            return None
         batches = app[BATCHES] = Batches(gateway.store, state.batch)
         runner = Runner(app[PIPELINE], state,
                         {"openai": OpenAIShape(), "anthropic": AnthropicShape()})
-        lane = app[LANE] = BatchLane(batches, runner, lambda: gateway.live_open)
-        lane.start()
+        return BatchLane(batches, runner, lambda: gateway.live_open)
 
-    async def stop(app: web.Application) -> None:
-        lane = app.get(LANE)
-        if lane is not None:
-            await lane.close()
-
-    app.on_startup.append(start)
-    app.on_shutdown.append(stop)
+    install_lane(app, LANE, lane)
 
 
 __all__ = ["LANE", "install"]

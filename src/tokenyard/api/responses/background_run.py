@@ -22,20 +22,19 @@ from aiohttp import web
 
 from tokenyard.api.context import PIPELINE, STATE
 from tokenyard.api.errors import parse_body
+from tokenyard.api.lanes import install_lane
 from tokenyard.api.responses import background as http
 from tokenyard.api.responses.conversations import conversation_id
 from tokenyard.api.responses.objects import ResponseObject
 from tokenyard.api.responses.routes import response_plan
 from tokenyard.api.responses.schemas import ResponsesRequest
 from tokenyard.api.responses.stream import ResponsesFormat
-from tokenyard.config import ServeConfig
 from tokenyard.errors import APIError, authentication_failed, internal_error
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.background import (
     QUEUED_EVENTS,
     Background,
     BackgroundLane,
-    BackgroundSettings,
     Busy,
     Held,
     Lost,
@@ -150,21 +149,14 @@ def install(app: web.Application) -> None:
     app.router.add_delete("/v1/responses/{response_id}", http.delete)
     app.router.add_post("/v1/responses/{response_id}/cancel", http.cancel)
 
-    async def start(app: web.Application) -> None:
-        gateway = app[STATE].gateway
+    def lane(app: web.Application) -> BackgroundLane | None:
+        state = app[STATE]
+        gateway = state.gateway
         if gateway is None:
-            return
+            return None
         region = gateway.responses.region
-        background = app[http.BACKGROUND] = Background(
-            gateway.store, BackgroundSettings.of(ServeConfig.from_env()), region)
-        lane = app[LANE] = BackgroundLane(background, runner(
+        background = app[http.BACKGROUND] = Background(gateway.store, state.background, region)
+        return BackgroundLane(background, runner(
             app[PIPELINE], Conversations(gateway.store, region=region)))
-        lane.start()
 
-    async def stop(app: web.Application) -> None:
-        lane = app.get(LANE)
-        if lane is not None:
-            await lane.close()
-
-    app.on_startup.append(start)
-    app.on_shutdown.append(stop)
+    install_lane(app, LANE, lane)
