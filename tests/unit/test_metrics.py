@@ -116,7 +116,7 @@ def test_a_batch_line_moves_only_the_batch_lane_of_the_latencies() -> None:
 
 
 def test_engine_figures_are_the_snapshot_as_is() -> None:
-    assert render_engine_stats(STATS).splitlines()[-9:] == [
+    assert render_engine_stats(STATS).splitlines()[-15:] == [
         "# HELP tokenyard:prefix_cache_hits Prompt tokens served from the prefix cache.",
         "# TYPE tokenyard:prefix_cache_hits counter",
         "tokenyard:prefix_cache_hits 120",
@@ -127,6 +127,14 @@ def test_engine_figures_are_the_snapshot_as_is() -> None:
         "before still computed (async scheduling).",
         "# TYPE tokenyard:num_overlapped_steps_total counter",
         "tokenyard:num_overlapped_steps_total 0",
+        "# HELP tokenyard:spec_decode_num_draft_tokens_total Draft tokens verified by "
+        "speculative decoding.",
+        "# TYPE tokenyard:spec_decode_num_draft_tokens_total counter",
+        "tokenyard:spec_decode_num_draft_tokens_total 0",
+        "# HELP tokenyard:spec_decode_num_accepted_tokens_total Draft tokens speculative "
+        "decoding accepted.",
+        "# TYPE tokenyard:spec_decode_num_accepted_tokens_total counter",
+        "tokenyard:spec_decode_num_accepted_tokens_total 0",
     ]
     # A replica that restarted reports smaller totals: shown as they are (a counter reset).
     later = TokenyardMetrics()

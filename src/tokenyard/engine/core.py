@@ -285,6 +285,7 @@ class EngineCore:
         return failed
 
     def stats(self) -> EngineStats:
+        spec = self.scheduler.speculator
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -297,6 +298,8 @@ class EngineCore:
             num_computed_tokens=self.scheduler.num_computed_tokens_total,
             num_pinned_kv_blocks=self.kv.num_pinned_blocks,
             num_overlapped_steps=self.num_overlapped_steps,
+            num_draft_tokens=spec.num_drafts if spec is not None else 0,
+            num_accepted_draft_tokens=spec.num_accepted if spec is not None else 0,
             num_evicted_kv_blocks=self.kv.pool.num_evicted,
         )
 

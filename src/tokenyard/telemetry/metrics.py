@@ -97,6 +97,10 @@ ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("num_overlapped_steps_total", "counter",
      "Engine steps planned while the step before still computed (async scheduling).",
      "num_overlapped_steps"),
+    ("spec_decode_num_draft_tokens_total", "counter",
+     "Draft tokens verified by speculative decoding.", "num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens_total", "counter",
+     "Draft tokens speculative decoding accepted.", "num_accepted_draft_tokens"),
 )
 
 

@@ -139,6 +139,9 @@ class EngineStats:
     num_overlapped_steps: int = 0
     #: Cached blocks evicted (their hash dropped) to make room, since start.
     num_evicted_kv_blocks: int = 0
+    #: Speculative decoding since start: drafts verified, and of them accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @classmethod
     def summed(cls, parts: Sequence[EngineStats]) -> EngineStats:
