@@ -77,12 +77,10 @@ class Pair:
 
 
 @contextlib.contextmanager
-def two_gateways(database_url: str, redis_url: str | None, *,
-                 replica: MockConfig | None = None,
-                 env: dict[str, str] | None = None) -> Iterator[Pair]:
-    """Two gateways over a mock replica (by default 40 ms to the first token, 5 ms a
-    token: requests sent at once overlap); `env`: more of their environment. The first
-    may be killed (its exit is not checked)."""
+def mock_fleet(replica: MockConfig | None = None) -> Iterator[tuple[str, Path]]:
+    """A mock replica (by default 40 ms to the first token, 5 ms a token: requests sent at
+    once overlap) and a state directory holding a fleet file that serves MODEL from it,
+    priced at one micro a token: (the directory, the fleet file)."""
     mock = MockReplica(replica or MockConfig(output_len=64, ttft_ms=40.0, itl_ms=5.0))
     with _serving({"replica": mock.make_app()}) as urls, \
             tempfile.TemporaryDirectory() as tmp:
@@ -96,6 +94,30 @@ name = "{MODEL}"
 urls = ["{urls['replica']}"]
 prices = {{ input = "1", cached_input = "1", output = "1" }}
 """)
+        yield tmp, config
+
+
+def measure_prompts(pair: Pair) -> None:
+    """Set `pair`'s prompt tokens of CONTENT on the chat and the Anthropic route."""
+    a, b = pair.gateways
+    chat = openai.OpenAI(base_url=a.base_url + "/v1", api_key=a.api_key,
+                         max_retries=0).chat.completions.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": CONTENT}])
+    assert chat.usage is not None
+    pair.chat_prompt = chat.usage.prompt_tokens
+    message = anthropic.Anthropic(base_url=b.base_url, api_key=b.api_key,
+                                  max_retries=0).messages.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": CONTENT}])
+    pair.messages_prompt = message.usage.input_tokens
+
+
+@contextlib.contextmanager
+def two_gateways(database_url: str, redis_url: str | None, *,
+                 replica: MockConfig | None = None,
+                 env: dict[str, str] | None = None) -> Iterator[Pair]:
+    """Two gateways over a mock replica (`mock_fleet`); `env`: more of their environment.
+    The first may be killed (its exit is not checked)."""
+    with mock_fleet(replica) as (tmp, config):
         env = {**(env or {}), "TOKENYARD_DATABASE_URL": database_url}
         if redis_url is not None:
             env["TOKENYARD_REDIS_URL"] = redis_url
@@ -104,15 +126,7 @@ prices = {{ input = "1", cached_input = "1", output = "1" }}
                             check_exit=False) as (a, first), \
                 running_server("--config", str(config), state_dir=tmp, env=env) as (b, _):
             pair = Pair((a, b), redis_url, first)
-            chat = openai.OpenAI(base_url=a.base_url + "/v1", api_key=a.api_key,
-                                 max_retries=0).chat.completions.create(
-                model=MODEL, max_tokens=1, messages=[{"role": "user", "content": CONTENT}])
-            assert chat.usage is not None
-            pair.chat_prompt = chat.usage.prompt_tokens
-            message = anthropic.Anthropic(base_url=b.base_url, api_key=b.api_key,
-                                          max_retries=0).messages.create(
-                model=MODEL, max_tokens=1, messages=[{"role": "user", "content": CONTENT}])
-            pair.messages_prompt = message.usage.input_tokens
+            measure_prompts(pair)
             yield pair
 
 
@@ -248,8 +262,10 @@ def redis_account(pair: Pair, case: Case) -> tuple[int, int]:
         client.close()
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_two_gateways_never_spend_past_an_account(pair: Pair, kind: str) -> None:
+def spend_past_budget_check(pair: Pair, kind: str) -> tuple[Case, int]:
+    """Fifty requests at once over `pair`'s gateways against a fresh account of `kind`
+    covering three and a half: each refusal names the account, and the ledger spent
+    exactly what the answers reported, at most the amount. The case, and what it spent."""
     # The dearest a 1-completion request may cost: a budget holds its prompt at the 1-hour
     # prompt-cache write price (twice the input price), the others at the input price.
     prompt = max(pair.chat_prompt, pair.messages_prompt)
@@ -268,6 +284,12 @@ def test_two_gateways_never_spend_past_an_account(pair: Pair, kind: str) -> None
 
     spent = ledger_spend(pair.gateways[1], case, len(ok))
     assert spent == sum(ok) <= case.amount, (spent, case.amount, len(ok))
+    return case, spent
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_two_gateways_never_spend_past_an_account(pair: Pair, kind: str) -> None:
+    case, spent = spend_past_budget_check(pair, kind)
     redis_spent, held = redis_account(pair, case)
     assert held == 0
     assert redis_spent == spent

@@ -62,10 +62,13 @@ async def run_worker(spec: WorkerSpec) -> int:
             affinity = RedisAffinity(config.redis_url)
         if spec.auth:
             limiter: Limiter
-            if spec.limit_socket is not None:
+            money = make_money(config)
+            if spec.limit_socket is not None:  # limits and money are the parent's
                 from tokenyard.gateway.limit_server import SocketLimiter
+                from tokenyard.gateway.money_server import SocketMoney
 
                 limiter = SocketLimiter(spec.limit_socket)
+                money = SocketMoney(limiter)
             else:
                 from tokenyard.gateway.redis_limits import RedisLimiter
 
@@ -73,7 +76,7 @@ async def run_worker(spec: WorkerSpec) -> int:
                 limiter = RedisLimiter(config.redis_url)
             gateway, _ = await Gateway.open(
                 config.database, limiter, config.journal_dir / f"worker-{spec.index}",
-                config=config, money=make_money(config))
+                config=config, money=money)
         fleet = FleetBuilder(spec.fleet_spec(), _no_local_replicas, config,
                              Path(spec.cache_dir or default_cache_dir()), affinity=affinity)
         deployments = await fleet.build()

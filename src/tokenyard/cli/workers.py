@@ -22,7 +22,9 @@ key), starts the replicas, then runs a `WorkerPool`:
 - **limits** stay exact: with Redis each worker's `RedisLimiter` shares the buckets as
   separate gateway hosts do; without it the parent runs the one `InProcessLimiter` behind a
   `LimitServer` on a Unix socket in a private directory, and every worker's limiter is a
-  `SocketLimiter` to it (`gateway/limit_server.py`).
+  `SocketLimiter` to it (`gateway/limit_server.py`). Money goes the same way: with Redis
+  through `RedisMoney`; without, the parent's `MemoryMoney` holds every balance, cap and
+  budget for all workers, over the same socket (`gateway/money_server.py`).
 - **metrics**: the parent sets PROMETHEUS_MULTIPROC_DIR to a fresh directory for the
   workers (removed at exit); `/metrics` on any worker sums all of them
   (`telemetry/metrics.py`). A worker that exits is marked dead there, so the live-workers
@@ -244,8 +246,10 @@ class WorkerPool:
             self.metrics_dir.mkdir()
             if self._spec.auth and self.config.redis_url is None:
                 from tokenyard.gateway.limit_server import LimitServer
+                from tokenyard.gateway.money_server import MemoryMoney
 
-                self._limit_server = LimitServer(self._private_dir / "limits.sock")
+                self._limit_server = LimitServer(self._private_dir / "limits.sock",
+                                                 money=MemoryMoney())
                 await self._limit_server.start()
                 self._spec.limit_socket = str(self._limit_server.path)
             started = await asyncio.gather(

@@ -22,6 +22,9 @@ lease its connection still holds with the whole reservation, so the concurrency 
 back at once and the token buckets keep what was reserved (as `RedisLimiter` does after
 its lease ttl). A parent that goes away makes every call fail with `LimiterUnavailable`,
 which the gateway answers as it answers a Redis outage: 503 with `retry-after`.
+
+The same connection carries the workers' money holds (`money_*` calls) when the server
+has a `MemoryMoney` (gateway/money_server.py): a worker that goes away releases those too.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from tokenyard.gateway.limits import (
     RateLimitState,
     Subject,
 )
+from tokenyard.gateway.money_server import MemoryMoney
 from tokenyard.store.records import Limits
 
 logger = logging.getLogger("tokenyard.limit_server")
@@ -72,9 +76,12 @@ def _subject(row: Sequence[Any]) -> Subject:
 class LimitServer:
     """The one limiter of a host's workers, served on a Unix socket at `path`."""
 
-    def __init__(self, path: str | Path, limiter: InProcessLimiter | None = None) -> None:
+    def __init__(self, path: str | Path, limiter: InProcessLimiter | None = None,
+                 money: MemoryMoney | None = None) -> None:
+        """`money`: the workers' money accounts too (`money_*` calls), when given."""
         self.path = Path(path)
         self.limiter = limiter if limiter is not None else InProcessLimiter()
+        self.money = money
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
@@ -108,9 +115,10 @@ class LimitServer:
         assert task is not None
         self._connections[task] = writer
         leases: dict[str, Admission] = {}
+        holds: set[str] = set()  # its money holds
         try:
             while line := await reader.readline():
-                writer.write(_dumps(self._answer(line, leases)))
+                writer.write(_dumps(self._answer(line, leases, holds)))
                 # Replies are small: only wait when the worker stops reading.
                 if writer.transport.get_write_buffer_size() > MAX_LINE:
                     await writer.drain()
@@ -123,13 +131,18 @@ class LimitServer:
             if leases:
                 logger.warning("limit server: a worker left %d leases; released",
                                len(leases))
+            if self.money is not None:
+                self.money.drop(holds)
             writer.close()
 
-    def _answer(self, line: bytes, leases: dict[str, Admission]) -> dict[str, Any]:
+    def _answer(self, line: bytes, leases: dict[str, Admission],
+                holds: set[str]) -> dict[str, Any]:
         call_id: Any = None
         try:
             call = json.loads(line)
             call_id = call["id"]
+            if self.money is not None and str(call["op"]).startswith("money_"):
+                return {"id": call_id, **self.money.answer(call, holds)}
             if call["op"] == "admit":
                 subjects = [_subject(row) for row in call["subjects"]]
                 try:
@@ -206,7 +219,7 @@ class SocketLimiter:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, not {tokens}")
         subjects = tuple(subjects)
-        reply = await self._call({"op": "admit", "tokens": tokens,
+        reply = await self.call({"op": "admit", "tokens": tokens,
                                   "subjects": [_subject_row(s) for s in subjects]})
         state = RateLimitState(*reply["state"])
         refused = reply.get("refused")
@@ -221,7 +234,7 @@ class SocketLimiter:
         if admission.settled:
             return
         admission.settled = True
-        await self._call({"op": "settle", "lease": admission.lease_id,
+        await self.call({"op": "settle", "lease": admission.lease_id,
                           "tokens": actual_tokens})
 
     async def close(self) -> None:
@@ -230,7 +243,7 @@ class SocketLimiter:
             await self._conn.close()
             self._conn = None
 
-    async def _call(self, call: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, call: dict[str, Any]) -> dict[str, Any]:
         conn = await self._connection()
         self._next_id += 1
         call_id = call["id"] = self._next_id
