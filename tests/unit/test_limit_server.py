@@ -131,7 +131,7 @@ def test_a_malformed_call_is_an_error_and_the_connection_lives_on(tmp_path: Path
         assert b'"lease"' in replies[2] and b'"id":3' in replies[2]
         writer.close()
         with pytest.raises(LimiterUnavailable, match="unknown op"):
-            await a._call({"op": "nothing"})
+            await a.call({"op": "nothing"})
         await a.admit([key(rpm=1)], 0)  # the same client goes on
 
     run(tmp_path, scenario)
