@@ -882,3 +882,22 @@ def test_a_key_twice_in_one_object_is_a_400_naming_it(raw: bytes) -> None:
     # the same keys once each are fine
     parse_body(ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", '
                b'"content": "hi"}], "response_format": {"type": "json_object"}}')
+
+
+def test_a_validator_message_with_its_own_period_is_not_doubled() -> None:
+    from pydantic import BaseModel, field_validator
+
+    class Body(BaseModel):
+        size: int
+
+        @field_validator("size")
+        @classmethod
+        def positive(cls, value: int) -> int:
+            if value <= 0:
+                raise ValueError("It must be positive.")
+            return value
+
+    with pytest.raises(APIError) as info:
+        parse_body(Body, b'{"size": -1}')
+    assert info.value.message.endswith("must be positive.")
+    assert ".." not in info.value.message

@@ -183,6 +183,9 @@ def _pick(errors: list[Any]) -> Any:
 
 
 def _lower_first(text: str) -> str:
+    """`text` as a clause inside a sentence of ours: lower first letter, no final period
+    (the sentence adds its own: a message never ends in '..')."""
+    text = text.rstrip().removesuffix(".")
     return text[:1].lower() + text[1:] if text else text
 
 
