@@ -47,7 +47,7 @@ from tokenyard.bench.children import start_tokenyard
 from tokenyard.bench.host import cpu_model
 from tokenyard.bench.mcp_server import running_mcp_server
 from tokenyard.bench.peers_table import write_section
-from tokenyard.bench.proctree import sample_tree
+from tokenyard.bench.proctree import process_cpu_s
 
 TITLE = "## Agent hops: the platform's MCP loop against a client loop (`tokenyard bench agent`)"
 TASK = "Task {n}: compute (2 + 3) * 4, then add 10. Use the tools, one step at a time."
@@ -119,14 +119,14 @@ class Bench:
     async def idle_rate(self, seconds: float = 10.0) -> float:
         """The gateway's CPU seconds per second with no request in flight (its background
         jobs: ledger writer, refreshes), subtracted from each run's figure."""
-        cpu, start = sample_tree(self.pid).root_cpu_s, time.perf_counter()
+        cpu, start = process_cpu_s(self.pid), time.perf_counter()
         await asyncio.sleep(seconds)
-        return (sample_tree(self.pid).root_cpu_s - cpu) / (time.perf_counter() - start)
+        return (process_cpu_s(self.pid) - cpu) / (time.perf_counter() - start)
 
     async def platform(self, n: int, first: tuple[int, int]) -> Run:
-        start, cpu = time.perf_counter(), sample_tree(self.pid).root_cpu_s
+        start, cpu = time.perf_counter(), process_cpu_s(self.pid)
         body = await self.post(self.task(n))
-        wall, cpu = time.perf_counter() - start, sample_tree(self.pid).root_cpu_s - cpu
+        wall, cpu = time.perf_counter() - start, process_cpu_s(self.pid) - cpu
         usage, stages = body["usage"], body.get("timings", {})
         prompt, cached = usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
         later = prompt - first[0]
@@ -136,7 +136,7 @@ class Bench:
                    (cached - first[1]) / later if later > 0 else None)
 
     async def client(self, n: int, tools: list[dict[str, Any]], session: Any) -> Run:
-        start, cpu = time.perf_counter(), sample_tree(self.pid).root_cpu_s
+        start, cpu = time.perf_counter(), process_cpu_s(self.pid)
         prompt = cached = output = calls = 0
         model_ms = 0.0
         body = await self.post({"input": TASK.format(n=n), "tools": tools,
@@ -161,7 +161,7 @@ class Bench:
                                     "tools": tools, "parallel_tool_calls": False,
                                     "tool_choice": "required" if turn < 2 else "auto",
                                     "max_output_tokens": TURN_TOKENS})
-        wall, cpu = time.perf_counter() - start, sample_tree(self.pid).root_cpu_s - cpu
+        wall, cpu = time.perf_counter() - start, process_cpu_s(self.pid) - cpu
         return Run("client", wall, cpu, prompt, cached, output, calls, model_ms / 1000)
 
 
