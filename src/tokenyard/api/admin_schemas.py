@@ -182,6 +182,7 @@ class RequestsQuery(OrgIdQuery):
 
 class DashboardQuery(_Forbid):
     recent: str | None = Field(None, description="0-200 (default 30)")
+    lane: str | None = Field(None, description="live (default) or batch")
 
 
 class McpServer(_Forbid):
