@@ -4,6 +4,7 @@ GET /admin/v1/dashboard."""
 from __future__ import annotations
 
 import time
+import urllib.request
 from typing import Any
 
 from tests.browser.conftest import call, new_key, screenshot
@@ -85,3 +86,47 @@ def test_a_refused_key_is_shown_and_not_polled_again(page: Any, server: Server) 
     seen = len(polls)
     page.wait_for_timeout(2_500)
     assert len(polls) == seen, polls
+
+
+def test_the_lane_switch_shows_live_traffic_by_default_and_batch_lines_on_request(
+    page: Any, server: Server,
+) -> None:
+    polls: list[str] = []
+    page.on("request", lambda r: polls.append(r.url) if "/admin/v1/dashboard" in r.url else None)
+    page.goto(server.base_url + "/dashboard")
+    assert page.locator("#lane").input_value() == "live"
+    page.fill("#key", server.api_key or "")
+    page.press("#key", "Tab")
+    page.locator("#status", has_text="live traffic").wait_for()
+    status, headers, _ = chat(server, "Say hello.")
+    assert status == 200
+    row = page.locator(f'#recent tr[data-request-id="{headers["x-request-id"]}"]')
+    row.wait_for()
+    assert polls and all("lane=live" in url for url in polls), polls
+    # Batch lines on request: the live request's row goes, the polls ask for the batch lane.
+    page.select_option("#lane", "batch")
+    page.locator("#status", has_text="batch lines").wait_for()
+    row.wait_for(state="detached")
+    assert "lane=batch" in polls[-1], polls
+    page.select_option("#lane", "live")
+    row.wait_for()
+
+
+def test_the_page_s_lane_switch_starts_on_live_and_its_endpoint_keeps_lanes_apart(
+    server: Server,
+) -> None:
+    """Without a browser: the page ships the switch (live selected, batch offered), and
+    a live request shows in the endpoint's live lane and not in its batch lane."""
+    with urllib.request.urlopen(server.base_url + "/dashboard", timeout=30) as response:
+        html = response.read().decode()
+    switch = html[html.index('<select id="lane"'):html.index("</select>")]
+    assert '<option value="live" selected>' in switch and '<option value="batch">' in switch
+    status, headers, _ = chat(server, "Say hello.")
+    assert status == 200
+    request_id = headers["x-request-id"]
+    lanes = {}
+    for lane in ("live", "batch"):
+        status, _, body = call(server, "GET", f"/admin/v1/dashboard?lane={lane}&recent=200")
+        assert status == 200 and body["lane"] == lane, body
+        lanes[lane] = {r["request_id"] for r in body["requests"]["recent"]}
+    assert request_id in lanes["live"] and request_id not in lanes["batch"]

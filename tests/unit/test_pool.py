@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tokenyard.balancer.affinity import LocalAffinity, prefix_hashes
-from tokenyard.balancer.members import record_failure
+from tokenyard.balancer.health import record_failure
 from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,

@@ -175,8 +175,14 @@ class ModerationEventsQuery(OrgIdQuery):
     limit: str | None = Field(None, description="a whole number (default 100)")
 
 
+class RequestsQuery(OrgIdQuery):
+    lane: str | None = Field(None, description="live, batch or background; none: every lane")
+    limit: str | None = Field(None, description="1-1000 (default 100)")
+
+
 class DashboardQuery(_Forbid):
     recent: str | None = Field(None, description="0-200 (default 30)")
+    lane: str | None = Field(None, description="live (default) or batch")
 
 
 class McpServer(_Forbid):
@@ -230,6 +236,7 @@ SCHEMAS: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/admin/v1/deployments/{name}/replicas"): Scale,
     ("GET", "/admin/v1/moderation/events"): ModerationEventsQuery,
     ("GET", "/admin/v1/dashboard"): DashboardQuery,
+    ("GET", "/admin/v1/requests"): RequestsQuery,
     ("POST", "/admin/v1/orgs/{org_id}/mcp_servers"): McpServer,
     ("GET", "/admin/v1/orgs/{org_id}/mcp_servers"): Empty,
     ("DELETE", "/admin/v1/mcp_servers/{server_id}"): Empty,

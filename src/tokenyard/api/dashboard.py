@@ -119,9 +119,11 @@ def add_dashboard_routes(app: web.Application) -> None:
     app[_STARTED] = time.monotonic()
 
     def api_request(summary: request_log.RequestSummary) -> None:
-        # The API's traffic only: not the pages, probes, scrapes or these polls.
-        if summary.path.startswith(API_PREFIX):
-            recent[summary.lane].observe(summary)
+        # The API's traffic only: not the pages, probes, scrapes or these polls; and
+        # the lanes with latency series of their own (a background response has none).
+        ring = recent.get(summary.lane)
+        if ring is not None and summary.path.startswith(API_PREFIX):
+            ring.observe(summary)
 
     async def observe(app: web.Application) -> None:
         request_log.add_observer(api_request)

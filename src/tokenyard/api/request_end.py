@@ -89,16 +89,19 @@ def summarize(
 
 
 def call_ended(call: Call, *, status: int, error_code: str | None,
-               started_at: float) -> None:
-    """Publish the summary of a call that ran without HTTP (a batch line: its record and
-    its log line, as a live request's), answered with `status`. Never raises."""
+               started_at: float, lane: str | None = None) -> None:
+    """Publish the summary of a call that ran without HTTP (a batch line, a background
+    response: its record and its log line, as a live request's), answered with `status`.
+    `lane`: where it came from, as its record says (`request_log.LANES`; None: its
+    timeline's, "batch" for a batch line's). Never raises."""
     if not request_log.has_observers():
         return
     try:
         summary = _summary(call.request_id, call.timeline, call.ticket, call.key,
                            call.route, call.gens, method="POST", path=call.endpoint,
                            status=status, error_code=error_code, started_at=started_at,
-                           stream=False, attempts=call.attempts)
+                           stream=False, attempts=call.attempts,
+                           lane=lane)
     except Exception:
         logger.exception("summarizing request %s failed", call.request_id)
         return
@@ -109,7 +112,7 @@ def _summary(
     request_id: str, timeline: Timeline, ticket: Ticket | None, key: KeyContext | None,
     chosen: Route | None, gens: Sequence[Any], *, method: str, path: str, status: int,
     error_code: str | None, started_at: float, stream: bool,
-    attempts: Sequence[Any] | None = None,
+    attempts: Sequence[Any] | None = None, lane: str | None = None,
 ) -> RequestSummary:
     usage: Usage | None = ticket.usage if ticket is not None else None
     if usage is None and gens:
@@ -143,5 +146,5 @@ def _summary(
         stream=stream,
         duration_ms=round((time.perf_counter_ns() - received) / 1e6, 3),
         attempts=tuple(a.to_json() for a in attempts) if attempts is not None else None,
-        lane=timeline.lane,
+        lane=lane or timeline.lane,
     )

@@ -22,10 +22,12 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import urlsplit
 
+from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.dns_query import lookup
+from tokenyard.balancer.member_clients import MemberClient
 from tokenyard.balancer.members import Member
 
 logger = logging.getLogger("tokenyard.balancer")
@@ -44,7 +46,7 @@ class Members(Protocol):
 
     name: str
     members: list[Member]
-    affinity: Any
+    affinity: AffinityTable
 
 
 def is_dns_url(url: str) -> bool:
@@ -118,7 +120,7 @@ class Discovery:
     `make_client(url)` builds a member's client. `initial()` gives the first members
     (before the pool exists); `attach(pool)` follows the source from then on."""
 
-    def __init__(self, source: Source, make_client: Callable[[str], Any], *,
+    def __init__(self, source: Source, make_client: Callable[[str], MemberClient], *,
                  interval_s: float = 5.0, what: str = "discovery") -> None:
         self.source = source
         self.make_client = make_client
@@ -128,7 +130,7 @@ class Discovery:
         self._task: asyncio.Task[None] | None = None
         self._leaving: dict[str, asyncio.Task[None]] = {}
 
-    async def initial(self) -> list[tuple[str, Any]]:
+    async def initial(self) -> list[tuple[str, MemberClient]]:
         """The members found now, as (url, client) pairs for a new pool."""
         return [(url, self.make_client(url)) for url in await self.source()]
 

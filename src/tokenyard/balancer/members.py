@@ -1,40 +1,16 @@
-"""One replica of a pool as the balancer tracks it (`Member`), with its bookkeeping.
-
-- **Health**: the pool polls every replica's health route (`probe`); a replica that fails
-  it takes no new work until it passes again.
-- **Outlier ejection** is passive (`record_failure`): `eject_after` consecutive failures
-  (connection errors, 5xx, broken streams) eject a replica for `eject_base_s`, doubled
-  for each ejection in a row (capped at a minute; a success ends the row, and failures
-  reported while it is ejected do not extend it); it comes back when the time is up and
-  its health check passes. A connection refused before the first byte marks the replica
-  down at once: the process is gone.
-- **Load**: a request holds a `Lease` on its member until it ends.
+"""One replica of a pool as the balancer tracks it (`Member`), and a request's hold on it
+(`Lease`): what it is (its id, its client, of the kinds in `balancer/member_clients.py`),
+its state (healthy, draining, ejected: kept by `balancer/health.py`), its load and its
+counts.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tokenyard.balancer.replica_client import ReplicaConnectionError, ReplicaError
-from tokenyard.deployments import BalancerSpec
+from tokenyard.balancer.member_clients import MemberClient
 from tokenyard.wire.outputs import EngineStats
-
-logger = logging.getLogger("tokenyard.balancer")
-
-MAX_EJECTION_S = 60.0
-#: Health probes in a row without any answer (a round is the interval plus the probe's
-#: timeout: 2 s by default) after which a replica's open connections are closed, so its
-#: requests fail over or end instead of waiting out a partition.
-SILENT_PROBES_TO_CUT = 3
-#: A probe without an answer is a busy replica as often as a sick one (its HTTP loop waits
-#: behind a long step on a loaded host); one that refuses or says it drains is out at
-#: once, one silent for this many probes in a row is out too.
-SILENT_PROBES_TO_UNHEALTHY = 2
 
 
 @dataclass(eq=False)
@@ -42,7 +18,7 @@ class Member:
     """One replica of the pool and what the balancer knows of it."""
 
     id: str
-    client: Any
+    client: MemberClient
     healthy: bool = True
     draining: bool = False
     ejected_until: float = 0.0
@@ -98,9 +74,9 @@ def _cache_figures(stats: EngineStats | None) -> dict[str, Any]:
 
 
 class Waking(Protocol):
-    """What a lease returns its capacity to (`pool.Pool`)."""
+    """What a lease returns its capacity to (`failover.Failover`)."""
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         ...
 
 
@@ -121,64 +97,4 @@ class Lease:
             self.member.inflight -= 1
             self.member.inflight_tokens -= self.cost
             if wake:
-                self.pool._wake()
-
-
-async def probe(
-    member: Member, spec: BalancerSpec, with_stats: bool,
-) -> tuple[bool, EngineStats | None]:
-    """One health check of `member` (and its stats if `with_stats`: an engine replica);
-    counts the probes in a row that got no answer at all."""
-    timeout = max(0.5, spec.health_interval_s)
-    try:
-        async with asyncio.timeout(timeout):
-            ok = bool(await member.client.health())
-            stats = None
-            stats_fn = getattr(member.client, "stats", None)
-            if ok and stats_fn is not None and with_stats:
-                with contextlib.suppress(ReplicaError):
-                    stats = await stats_fn()
-            member.silent = 0
-            return ok, stats
-    except TimeoutError:
-        member.silent += 1
-        return False, None
-    except (ReplicaError, OSError):
-        return False, None
-
-
-def record_success(member: Member) -> None:
-    """A request reached `member`: its run of failures ends, and so does its run of
-    ejections (the next one starts from `eject_base_s` again)."""
-    member.failures = 0
-    member.ejections = 0
-    member.served += 1
-
-
-def record_failure(
-    member: Member, exc: Exception, spec: BalancerSpec, pool: str, *,
-    before_first_byte: bool,
-) -> None:
-    """A request failed on `member` (of the pool named `pool`): marks it down when
-    nothing listens, ejects it after `spec.eject_after` failures in a row."""
-    member.failed += 1
-    member.failures += 1
-    if before_first_byte and isinstance(exc, ReplicaConnectionError) and (
-            "Connect" in str(exc) or "refused" in str(exc).lower()):
-        member.healthy = False  # nothing listens: the process is gone
-    now = time.monotonic()
-    if now < member.ejected_until:
-        # Requests that were already on it when it failed report in after the ejection:
-        # one incident, so it must not double the ejection once per batch of them (a
-        # killed replica's 16 broken streams took it to the 60 s cap at once).
-        member.failures = 0
-        return
-    if member.failures >= spec.eject_after:
-        span = min(MAX_EJECTION_S, spec.eject_base_s * 2 ** member.ejections)
-        member.ejected_until = now + span
-        member.ejections += 1
-        member.failures = 0
-        logger.warning("replica %s of %s ejected for %.1f s after %r", member.id,
-                       pool, span, exc, extra={
-                           "event": "replica_ejected", "replica": member.id, "deployment": pool,
-                           "ejected_for_s": span, "error": repr(exc)})
+                self.pool.wake()

@@ -1,48 +1,43 @@
 """Stage 12: one deployment's replicas behind one object — health, selection, failover.
 
+- **Members** are clients of one kind (`balancer/member_clients.py`: engine replicas,
+  upstreams, embeddings replicas), each tracked as a `Member` (`balancer/members.py`).
 - **Health**: each replica's health route is polled (`health_interval_s`); failures eject
-  it for a while (`balancer/members.py` keeps that account).
+  it for a while (`balancer/health.py`).
 - **Selection**: the pool's `Policy` (`balancer/policy.py`, named by the fleet file's
   `balancer.policy`: `affinity`, `least`, `round_robin`, or one registered there) ranks
   the replicas that may take work; the pool tries them in that order.
-- **Failover**: a request that has not received its first byte is tried on the next
-  replica (each at most once); one that has, ends with the error (the caller's stream
-  gets a clean error event). A replica that answers "draining" is skipped the same way.
-- **Queue**: when every available replica is "full", the request waits here by priority,
-  then arrival (`balancer/wait_queue.py`), up to `queue_timeout_s`, woken as a request
-  of this pool ends; then, or when `queue_max` already wait, 503 with retry-after.
+- **Failover and the queue** (`balancer/failover.py`, `balancer/wait_queue.py`): a
+  request is tried on the next replica until its first byte; when every available
+  replica is "full" it waits by priority, then arrival.
 
-One mechanism (`_stream`) serves engine replicas (the pool is itself a `Replica`),
-upstreams (`open_chat`, `open_completion`) and embeddings replicas (`call`).
+The kinds' entry points: an engine replica's (`generate`, `stop`, `abort`, `stats`,
+`info`: the pool is itself a `Replica`), an upstream's (`open_chat`, `open_completion`)
+and an embeddings replica's (`call`, `embeddings_model`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tokenyard.balancer.affinity import AffinityTable, LocalAffinity
-from tokenyard.balancer.members import (
-    SILENT_PROBES_TO_CUT,
-    SILENT_PROBES_TO_UNHEALTHY,
-    Lease,
-    Member,
-    probe,
-    record_failure,
-    record_success,
+from tokenyard.balancer.embeddings_client import EmbeddingsModel
+from tokenyard.balancer.failover import Failover
+from tokenyard.balancer.health import HealthChecks
+from tokenyard.balancer.member_clients import (
+    EmbeddingsMember,
+    MemberClient,
+    embeddings_of,
+    engine_of,
+    upstream_of,
 )
+from tokenyard.balancer.members import Lease, Member
 from tokenyard.balancer.policy import Policy, RequestFacts, make_policy
-from tokenyard.balancer.replica_client import (
-    ReplicaConnectionError,
-    ReplicaError,
-    ReplicaOverloaded,
-    ReplicaStreamError,
-    ReplicaUnauthorized,
-)
+from tokenyard.balancer.replica_client import ReplicaConnectionError, ReplicaError
 from tokenyard.balancer.wait_queue import WaitQueue
 from tokenyard.deployments import BalancerSpec
 from tokenyard.telemetry.timeline import Timeline
@@ -52,9 +47,14 @@ from tokenyard.wire.protocol import CoreDelta
 from tokenyard.wire.replica_info import ReplicaInfo, ReplicaStats
 from tokenyard.wire.sampling_params import SamplingParams
 
-logger = logging.getLogger("tokenyard.balancer")
-
 _T = TypeVar("_T")
+
+
+class Watcher(Protocol):
+    """What changes a pool's members and stops with it (`balancer/discovery.Discovery`)."""
+
+    async def close(self) -> None:
+        ...
 
 
 class Pool:
@@ -66,7 +66,7 @@ class Pool:
     def __init__(
         self,
         name: str,
-        members: Sequence[tuple[str, Any]],
+        members: Sequence[tuple[str, MemberClient]],
         spec: BalancerSpec | None = None,
         *,
         affinity: AffinityTable | None = None,
@@ -82,31 +82,42 @@ class Pool:
         #: already refused it).
         self.policy: Policy = make_policy(self.spec.policy, self.affinity, block_size)
         self.info_cache = info
-        self._waiting = WaitQueue()
-        self._owner: dict[str, Member] = {}
-        self._health_task: asyncio.Task[None] | None = None
+        self._model: EmbeddingsModel | None = None
+        self.failover = Failover(name, self.spec, self._order, self.policy.placed)
+        self.checks = HealthChecks(name, self.spec, lambda: self.members,
+                                   forget=self._forget, wake=self.failover.wake)
         self._memo: tuple[int, int, str | None, list[int]] = (0, -1, None, [])
-        self.inflight = 0
-        #: Decisions taken and how long they took (ns), for the `balance` stage.
-        self.decisions = 0
         #: What changes the members and stops with the pool (`balancer/discovery.py`).
-        self.watchers: list[Any] = []
+        self.watchers: list[Watcher] = []
+
+    @property
+    def inflight(self) -> int:
+        """Requests of this pool in flight."""
+        return self.failover.inflight
+
+    @property
+    def decisions(self) -> int:
+        """Decisions taken (their time is each request's `balance` stage)."""
+        return self.failover.decisions
+
+    @property
+    def _owner(self) -> dict[str, Member]:
+        return self.failover.owner
+
+    @property
+    def _waiting(self) -> WaitQueue:
+        return self.failover.waiting
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Begin polling health (idempotent)."""
-        if self._health_task is None and self.spec.health_interval_s > 0:
-            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        self.checks.start(self._with_stats)
         if self.tracks_prefixes:  # `precise`: the replicas' KV events
             self.policy.watch(self.members)
 
     async def stop_health(self) -> None:
         """Stop polling health (at shutdown draining replicas answer 503: no failure)."""
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._health_task
-            self._health_task = None
+        await self.checks.stop()
 
     async def close(self) -> None:
         for watcher in self.watchers:
@@ -123,64 +134,35 @@ class Pool:
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    def _forget(self, member_id: str) -> None:
+        """Drop the prefixes a member held (it may have restarted with an empty cache)."""
+        forget = getattr(self.affinity, "forget", None)
+        if forget is not None:
+            forget(member_id)
+
+    def _with_stats(self) -> bool:
+        """Probes read the engine figures too: an engine's pool (its model is known)."""
+        return isinstance(self.info_cache, ReplicaInfo)
+
     async def check_health(self) -> None:
         """One round of health checks (also each tick of the loop)."""
-        with_stats = isinstance(self.info_cache, ReplicaInfo)
-        results = await asyncio.gather(*(probe(m, self.spec, with_stats) for m in self.members))
-        for member, (ok, stats) in zip(self.members, results, strict=True):
-            if not ok and 0 < member.silent < SILENT_PROBES_TO_UNHEALTHY:
-                ok = member.healthy  # one probe without an answer: busy, not yet sick
-            if ok and not member.healthy:
-                logger.info("replica %s of %s is healthy again", member.id, self.name,
-                            extra={"event": "replica_readmitted", "replica": member.id,
-                                   "deployment": self.name})
-                forget = getattr(self.affinity, "forget", None)
-                if forget is not None:  # it may have restarted with an empty cache
-                    forget(member.id)
-            elif not ok and member.healthy:
-                logger.warning("replica %s of %s failed its health check", member.id,
-                               self.name, extra={"event": "replica_unhealthy",
-                                                 "replica": member.id, "deployment": self.name})
-            member.healthy = ok
-            if stats is not None:
-                member.stats = stats
-            if member.silent == SILENT_PROBES_TO_CUT:
-                # Unreachable (a partition: not a drain, not a refusal). Its open requests
-                # would wait for it indefinitely; closing its connections fails over those
-                # before their first byte and ends the others with an error.
-                logger.warning("replica %s of %s does not answer; closing its connections",
-                               member.id, self.name, extra={
-                                   "event": "replica_silent", "replica": member.id,
-                                   "deployment": self.name})
-                with contextlib.suppress(Exception):
-                    await member.client.close()
-        self._wake()
+        await self.checks.check(self._with_stats())
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.spec.health_interval_s)
-            try:
-                await self.check_health()
-            except Exception:  # never let the loop die
-                logger.exception("health checks of %s failed", self.name)
+    async def health(self) -> bool:
+        """Whether a replica may take work now (checked now, not at the last tick)."""
+        await self.check_health()
+        now = time.monotonic()
+        return any(m.available(now) for m in self.members)
 
     # ------------------------------------------------------------------ admin
     def drain(self, member_id: str, draining: bool = True) -> bool:
         """Stop (or resume) sending new work to a member; running requests go on."""
-        for member in self.members:
-            if member.id == member_id:
-                member.draining = draining
-                logger.info("replica %s of %s %s", member_id, self.name,
-                            "draining" if draining else "back in service", extra={
-                                "event": "replica_drain" if draining else "replica_undrain",
-                                "replica": member_id, "deployment": self.name})
-                return True
-        return False
+        return self.checks.drain(member_id, draining)
 
     @property
     def queued(self) -> int:
         """Requests waiting here for a replica with room (the full-pool queue)."""
-        return len(self._waiting)
+        return len(self.failover.waiting)
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -216,132 +198,13 @@ class Pool:
             return avail
         return await self.policy.order(avail, facts)
 
-    # ------------------------------------------------------------------ failover
     async def acquire(
-        self,
-        attempt: Callable[[Member], Awaitable[_T]],
-        *,
-        hashes: Sequence[int] = (),
-        cost: int = 1,
-        priority: int = 0,
-        timeline: Timeline | None = None,
+        self, attempt: Callable[[Member], Awaitable[_T]], *, hashes: Sequence[int] = (),
+        cost: int = 1, priority: int = 0, timeline: Timeline | None = None,
     ) -> tuple[Lease, _T]:
-        """Run `attempt` on the best member, failing over before the first byte; wait in
-        the queue when every member is full. Returns the lease (release it when the
-        request ends) and what `attempt` returned. The decisions' own time is the
-        timeline's `balance` stage."""
-        deadline = time.monotonic() + self.spec.queue_timeout_s
-        facts = RequestFacts(hashes, cost, priority)
-        tried: set[str] = set()
-        arrival = self._waiting.arrival()  # kept through every wait: FIFO in a class
-        waited = False
-        while True:
-            if self._waiting.ahead(priority, arrival):
-                if waited:  # woken, but an earlier or more urgent request waits: its turn
-                    self._waiting.wake()
-                await self._waiting.wait(priority, arrival, deadline, 1.0,
-                                         self.spec.queue_max, self.name)
-                waited = True
-                continue
-            self.decisions += 1
-            began = time.perf_counter_ns()
-            order = await self._order(facts, tried)
-            if timeline is not None:
-                timeline.add("balance", time.perf_counter_ns() - began)
-            full: ReplicaOverloaded | None = None
-            last: ReplicaError | None = None
-            for member in order:
-                lease = self._lease(member, cost)
-                try:
-                    result = await attempt(member)
-                except ReplicaOverloaded as exc:
-                    lease.release(wake=False)
-                    tried.add(member.id)
-                    if exc.code != "draining":
-                        full = exc
-                    continue
-                except (ReplicaConnectionError, ReplicaStreamError, ReplicaUnauthorized) as exc:
-                    lease.release(wake=False)
-                    tried.add(member.id)
-                    record_failure(member, exc, self.spec, self.name, before_first_byte=True)
-                    last = exc
-                    continue
-                except BaseException:
-                    lease.release(wake=False)
-                    raise
-                record_success(member)
-                if hashes:
-                    await self.policy.placed(hashes, member)
-                if waited:  # there may be room for the next in line too
-                    self._waiting.wake()
-                return lease, result
-            if full is None:
-                raise last or ReplicaConnectionError(
-                    f"no replica of {self.name} is available")
-            await self._waiting.wait(priority, arrival, deadline, full.retry_after or 1.0,
-                                     self.spec.queue_max, self.name)
-            waited = True
-            tried.clear()  # everyone may have room now
-
-    def _lease(self, member: Member, cost: int) -> Lease:
-        member.inflight += 1
-        member.inflight_tokens += cost
-        return Lease(self, member, cost)
-
-    def _wake(self) -> None:
-        """Let the first waiting request (by priority) try again."""
-        self._waiting.wake()
-
-    async def _stream(
-        self,
-        open_fn: Callable[[Member], AsyncIterator[_T]],
-        *,
-        hashes: Sequence[int] = (),
-        cost: int = 1,
-        priority: int = 0,
-        request_id: str | None = None,
-        timeline: Timeline | None = None,
-    ) -> AsyncIterator[_T]:
-        """A member's stream, opened with failover; its first item is read before the
-        member is chosen for good. Closing it closes the member's stream."""
-        self.inflight += 1
-        lease: Lease | None = None
-        stream: AsyncIterator[_T] | None = None
-        try:
-            async def attempt(member: Member) -> tuple[AsyncIterator[_T], _T]:
-                if request_id is not None:  # `abort` reaches it before its first item too
-                    self._owner[request_id] = member
-                it = open_fn(member)
-                try:
-                    return it, await it.__anext__()
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        await it.aclose()  # type: ignore[attr-defined]
-                    raise
-
-            lease, (stream, first) = await self.acquire(
-                attempt, hashes=hashes, cost=cost, priority=priority, timeline=timeline)
-            if request_id is not None:
-                self._owner[request_id] = lease.member
-            if timeline is not None:
-                timeline.replica = lease.member.id
-            yield first
-            try:
-                async for item in stream:
-                    yield item
-            except (ReplicaConnectionError, ReplicaStreamError) as exc:
-                record_failure(lease.member, exc, self.spec, self.name,
-                               before_first_byte=False)
-                raise
-        finally:
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    await stream.aclose()  # type: ignore[attr-defined]
-            if request_id is not None:
-                self._owner.pop(request_id, None)
-            if lease is not None:
-                lease.release()
-            self.inflight -= 1
+        """`Failover.acquire` over this pool's members."""
+        return await self.failover.acquire(attempt, hashes=hashes, cost=cost,
+                                           priority=priority, timeline=timeline)
 
     # ------------------------------------------------------------------ engine replicas
     def generate(
@@ -356,9 +219,9 @@ class Pool:
     ) -> AsyncIterator[CoreDelta]:
         """`Replica.generate` over the pool: the best replica for this prompt (`timeline`
         gets the decision's time as its `balance` stage)."""
-        stream = self._stream(
-            lambda m: m.client.generate(request_id, prompt_token_ids, params, cache_salt,
-                                        priority, **extra),
+        stream = self.failover.stream(
+            lambda m: engine_of(m.client).generate(
+                request_id, prompt_token_ids, params, cache_salt, priority, **extra),
             hashes=self.hashes(prompt_token_ids, cache_salt),
             cost=len(prompt_token_ids) + (params.max_tokens or 0),
             priority=priority, request_id=request_id, timeline=timeline,
@@ -393,58 +256,56 @@ class Pool:
     async def stop(self, request_id: str, stop: str) -> None:
         member = self._owner.get(request_id)
         if member is not None:
-            await member.client.stop(request_id, stop)
+            await engine_of(member.client).stop(request_id, stop)
 
     async def abort(self, request_id: str) -> AbortReport | None:
         member = self._owner.get(request_id)
-        return await member.client.abort(request_id) if member is not None else None
+        return await engine_of(member.client).abort(request_id) if member is not None else None
 
     async def stats(self) -> ReplicaStats:
         """The pool's engine figures, summed over the replicas that answer."""
         found = [s for s in await asyncio.gather(
-            *(m.client.stats() for m in self.members), return_exceptions=True)
+            *(engine_of(m.client).stats() for m in self.members), return_exceptions=True)
             if isinstance(s, EngineStats)]
         if not found:
             raise ReplicaConnectionError(f"no replica of {self.name} answered its stats")
         return EngineStats.summed(found)
 
     async def info(self) -> ReplicaInfo:
+        """The engine's model facts, asked of the first replica that answers, then kept."""
         if self.info_cache is None:
-            for member in self.members:
-                with contextlib.suppress(ReplicaError):
-                    self.info_cache = await member.client.info()
-                    break
-            else:
-                raise ReplicaConnectionError(f"no replica of {self.name} answered")
+            self.info_cache = await self._first_answer(lambda m: engine_of(m.client).info())
         return self.info_cache
 
-    async def health(self) -> bool:
-        """Whether a replica may take work now (checked now, not at the last tick)."""
-        await self.check_health()
-        now = time.monotonic()
-        return any(m.available(now) for m in self.members)
+    async def _first_answer(self, ask: Callable[[Member], Awaitable[_T]]) -> _T:
+        for member in self.members:
+            with contextlib.suppress(ReplicaError):
+                return await ask(member)
+        raise ReplicaConnectionError(f"no replica of {self.name} answered")
 
-    # ------------------------------------------------------------------ upstreams, embeddings
+    # ------------------------------------------------------------------ upstreams
     def open_chat(self, body: Mapping[str, Any], *, cost: int = 1, priority: int = 0,
                   timeline: Timeline | None = None) -> AsyncIterator[dict[str, Any]]:
         """An upstream's chat stream (OpenAI chunks), opened with failover."""
-        return self._stream(lambda m: m.client.open_chat(body), cost=cost, priority=priority,
-                            timeline=timeline)
+        return self.failover.stream(lambda m: upstream_of(m.client).open_chat(body),
+                                    cost=cost, priority=priority, timeline=timeline)
 
     def open_completion(self, body: Mapping[str, Any], *, cost: int = 1, priority: int = 0,
                         timeline: Timeline | None = None) -> AsyncIterator[dict[str, Any]]:
         """An upstream's completions stream, opened with failover."""
-        return self._stream(lambda m: m.client.open_completion(body), cost=cost,
-                            priority=priority, timeline=timeline)
+        return self.failover.stream(lambda m: upstream_of(m.client).open_completion(body),
+                                    cost=cost, priority=priority, timeline=timeline)
 
-    async def call(self, fn: Callable[[Any], Awaitable[_T]], *, cost: int = 1,
+    # ------------------------------------------------------------------ embeddings
+    async def call(self, fn: Callable[[EmbeddingsMember], Awaitable[_T]], *, cost: int = 1,
                    priority: int = 0, timeline: Timeline | None = None) -> _T:
         """One request/response call (embeddings) on the best member, with failover."""
-        self.inflight += 1
-        try:
-            lease, result = await self.acquire(lambda m: fn(m.client), cost=cost,
-                                               priority=priority, timeline=timeline)
-            lease.release()
-            return result
-        finally:
-            self.inflight -= 1
+        return await self.failover.call(lambda m: fn(embeddings_of(m.client)), cost=cost,
+                                        priority=priority, timeline=timeline)
+
+    async def embeddings_model(self) -> EmbeddingsModel:
+        """The embeddings model and its tokenizer, asked of the first replica that
+        answers, then kept."""
+        if self._model is None:
+            self._model = await self._first_answer(lambda m: embeddings_of(m.client).info())
+        return self._model

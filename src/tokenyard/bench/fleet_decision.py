@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenyard.balancer.members import Member
 from tokenyard.balancer.policy import PrecisePrefix
@@ -28,10 +29,20 @@ from tokenyard.wire.kv_events import EventBatch
 
 
 class _NoClient:
-    """A member's client that is never called (no `info`: the policy watches nothing)."""
+    """A member's client that is never called: an upstream's shape (no `info`: the policy
+    watches nothing)."""
+
+    async def health(self) -> bool:
+        return True
 
     async def close(self) -> None:
         return None
+
+    def open_chat(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        raise NotImplementedError
+
+    def open_completion(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        raise NotImplementedError
 
 
 @dataclass

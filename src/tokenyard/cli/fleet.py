@@ -16,12 +16,13 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from tokenyard.api.context import AppState
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.discovery import Discovery, dns_source, is_dns_url, make_resolver
+from tokenyard.balancer.member_clients import MemberClient
+from tokenyard.balancer.pool import Pool
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec, load_fleet
 from tokenyard.fleet_values import FleetConfigError
@@ -113,7 +114,7 @@ class FleetBuilder:
     async def served(self, spec: DeploymentSpec,
                      children: Sequence[LocalReplica] = ()) -> Served:
         """The deployment over its local children and its listed URLs."""
-        clients: list[tuple[str, Any]] = []
+        clients: list[tuple[str, MemberClient]] = []
         for child in children:
             clients.append((child.url, self._client(spec, child.url, child.token)))
         token = self._url_token(spec)
@@ -189,7 +190,7 @@ class FleetBuilder:
                                "token_env": spec.token_env})
         return token
 
-    def _client(self, spec: DeploymentSpec, url: str, token: str | None) -> Any:
+    def _client(self, spec: DeploymentSpec, url: str, token: str | None) -> MemberClient:
         return kind_of(spec).client(spec, url, token)
 
     async def build(self) -> dict[str, Served]:
@@ -268,7 +269,7 @@ async def reload(fleet: FleetBuilder, state: AppState) -> str:
     return summary
 
 
-async def _retire(state: AppState, pool: Any, timeout: float) -> None:
+async def _retire(state: AppState, pool: Pool, timeout: float) -> None:
     await pool.wait_idle(timeout)
     await pool.close()
     with contextlib.suppress(ValueError):

@@ -4,8 +4,9 @@ run by a worker in every gateway process, read, streamed and cancelled from any 
 `Background` is what the routes call: it queues a response for the caller's org (in this
 gateway's region: only a gateway of that region runs it), reads it and its events back,
 cancels and deletes it, and wakes a local reader when new events are written.
-`BackgroundLane` is the worker, built like the batch lane (`gateway/batches.py`): it
-claims queued responses from the store under a lease (`store/background.py`), runs each
+`BackgroundLane` is the worker, on the lease loop it shares with the batch lane
+(`gateway/lease_loop.py`): it claims queued responses from the store under a lease
+(`store/background.py`), runs each
 with the dialect's runner at the caller's key — through the same `Pipeline.run` as a live
 request, so each model turn is admitted, limited and billed under that key — renews the
 leases of what it runs, and gives back what the limits refuse for now (`Busy`). A
@@ -20,9 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import secrets
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,6 +29,7 @@ from typing import Any
 from tokenyard.config import ServeConfig
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.batches import Busy
+from tokenyard.gateway.lease_loop import LeaseLoop
 from tokenyard.gateway.regions import require_data_region
 from tokenyard.gateway.responses import _org_scope, _store_failures, with_ids
 from tokenyard.store import background as rows
@@ -238,91 +237,72 @@ class Held:
 Runner = Callable[[Held, KeyContext | None], Awaitable[None]]
 
 
+def _job_id(job: BackgroundJob) -> str:
+    return job.id
+
+
 class BackgroundLane:
-    """The background worker of one gateway process (see the module's docstring)."""
+    """The background worker of one gateway process (see the module's docstring), a
+    `LeaseLoop` over the store's queued responses."""
 
     def __init__(self, background: Background, run: Runner) -> None:
         self.background = background
         self.db = background.store.db
         self.settings = background.settings
-        self.run = run
-        self.worker = f"{socket.gethostname()[:30]}:{os.getpid()}:{secrets.token_hex(4)}"
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._idle_until = 0.0  # refused for now: nothing is claimed until then
+        self.runner = run
+        self.loop: LeaseLoop[BackgroundJob, str] = LeaseLoop(
+            "background worker", self, background.store, name=_job_id,
+            running=background.running, lease_s=self.settings.lease_s,
+            poll_s=self.settings.poll_s)
+        self.worker = self.loop.worker
         self._purged_at = float("-inf")
-        background.queued.append(self._wake.set)
+        background.queued.append(self.loop.wake)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self.loop.start()
 
     async def close(self, grace_s: float = 10.0) -> None:
         """Stop claiming and give the responses still running `grace_s` to finish; those
         cut then go back to the queue when their leases run out."""
         with contextlib.suppress(ValueError):
-            self.background.queued.remove(self._wake.set)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        tasks = list(self.background.running.values())
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace_s)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self.background.queued.remove(self.loop.wake)
+        await self.loop.close(grace_s)
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        renewed = loop.time()
-        running = self.background.running
-        while True:
-            claimed: list[BackgroundJob] = []
-            try:
-                await self._purge(loop.time())
-                free = self.settings.concurrency - len(running)
-                if free > 0 and loop.time() >= self._idle_until:
-                    claimed = await rows.claim(self.db, self.worker, self.background.region,
-                                               now=utcnow(), lease_s=self.settings.lease_s,
-                                               limit=free)
-                for job in claimed:
-                    running[job.id] = asyncio.create_task(self._run(job))
-                if running and loop.time() - renewed > self.settings.lease_s / 3:
-                    await rows.renew(self.db, self.worker, now=utcnow(),
-                                     lease_s=self.settings.lease_s)
-                    renewed = loop.time()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("the background worker's round failed; trying again")
-            if claimed and len(running) < self.settings.concurrency:
-                continue
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+    # -- the lease loop's `Work` ------------------------------------------------------
 
-    async def _run(self, job: BackgroundJob) -> None:
+    async def round(self) -> None:
+        await self._purge(asyncio.get_running_loop().time())
+
+    def room(self, now: float, running: int) -> tuple[int, int]:
+        return self.settings.concurrency - running, 1
+
+    async def claim(self, worker: str, limit: int) -> list[BackgroundJob]:
+        return await rows.claim(self.db, worker, self.background.region, now=utcnow(),
+                                lease_s=self.settings.lease_s, limit=limit)
+
+    async def renew(self, worker: str) -> None:
+        await rows.renew(self.db, worker, now=utcnow(), lease_s=self.settings.lease_s)
+
+    async def release(self, worker: str, item: BackgroundJob) -> None:
+        await rows.release(self.db, item.id, worker)
+
+    def key_id(self, item: BackgroundJob) -> str:
+        return item.key_id
+
+    async def run(self, item: BackgroundJob, key: KeyContext | None) -> None:
         try:
-            key = await self.background.store.find_key_by_id(job.key_id)
-            if key is not None and not key.is_active(utcnow()):
-                key = None
-            await self.run(Held(self, job), key)
-        except Busy as busy:
-            self._idle_until = asyncio.get_running_loop().time() + busy.retry_after_s
-            with contextlib.suppress(Exception):
-                await rows.release(self.db, job.id, self.worker)
+            await self.runner(Held(self, item), key)
         except Lost:
             logger.info("background response %s ended elsewhere (cancelled, deleted or "
-                        "taken over)", job.id)
+                        "taken over)", item.id)
         except asyncio.CancelledError:
             pass  # cancelled here, or this process stops: the lease runs out
-        except Exception:
-            # The store failed: the lease runs out and the response is run again.
-            logger.exception("background response %s failed to run", job.id)
-        finally:
-            self.background.running.pop(job.id, None)
-            self.background.changed(job.id)
-            self._wake.set()
+
+    def ended(self, item: BackgroundJob) -> None:
+        self.background.changed(item.id)
+
+    def describe(self, item: BackgroundJob) -> str:
+        return f"background response {item.id}"
 
     async def _purge(self, now: float) -> None:
         if now - self._purged_at >= PURGE_EVERY_S:

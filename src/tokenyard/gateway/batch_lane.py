@@ -1,7 +1,8 @@
 """The Batch API's lane: the batch worker of one gateway process.
 
-It claims lines from the store in groups (`store/batches.claim`: a lease, so a line whose
-gateway died is claimed again once the lease is past), runs each through the
+It claims lines from the store in groups through the lease loop both lanes share
+(`gateway/lease_loop.py`; `store/batches.claim`: a lease, so a line whose gateway died
+is claimed again once the lease is past), runs each through the
 `LineRunner` it was given — the same `Pipeline.run` a live request takes, under the
 batch owner's key, at `BATCH_PRIORITY` and the deployment's batch price — with at most
 `concurrency` lines in flight in this process (by default 128, a replica's
@@ -28,12 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import secrets
-import socket
 from collections.abc import Callable
 
-from tokenyard.gateway.batches import Batches, Busy, LineRunner, Spent
+from tokenyard.gateway.auth import KeyContext
+from tokenyard.gateway.batches import Batches, LineRunner, Spent
+from tokenyard.gateway.lease_loop import LeaseLoop
 from tokenyard.store import batches as rows
 from tokenyard.store.batches import Claimed, LineEnd
 from tokenyard.store.files import FileRecord, new_file_id
@@ -56,9 +56,14 @@ CANCEL_LOOK_S = 0.25
 Line = tuple[str, int]
 
 
+def _line(item: Claimed) -> Line:
+    return item.batch_id, item.line
+
+
 class BatchLane:
-    """The batch worker of one gateway process (see the module's docstring). `live()`:
-    this process's live requests in flight (`Gateway.live_open`)."""
+    """The batch worker of one gateway process (see the module's docstring), a
+    `LeaseLoop` over the store's batch lines. `live()`: this process's live requests in
+    flight (`Gateway.live_open`)."""
 
     def __init__(self, batches: Batches, runner: LineRunner,
                  live: Callable[[], int] = lambda: 0) -> None:
@@ -67,23 +72,24 @@ class BatchLane:
         self.settings = batches.settings
         self.runner = runner
         self.live = live
-        self.worker = f"{socket.gethostname()[:30]}:{os.getpid()}:{secrets.token_hex(4)}"
         self._running: dict[Line, asyncio.Task[None]] = {}
         self._aborting: set[Line] = set()
         self._ended: list[LineEnd] = []
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self.loop: LeaseLoop[Claimed, Line] = LeaseLoop(
+            "batch worker", self, batches.store, name=_line, running=self._running,
+            lease_s=self.settings.lease_s, poll_s=self.settings.poll_s, gather_s=GATHER_S)
+        self.worker = self.loop.worker
         self._look = True  # look for cancels at the next round
+        self._looked = float("-inf")
         batches.changed.append(self._changed)
         self._live_seen = float("-inf")
-        self._idle_until = 0.0  # a line came back busy: nothing is claimed until then
 
     def _changed(self) -> None:
         self._look = True
-        self._wake.set()
+        self.loop.wake()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self.loop.start()
 
     async def close(self, grace_s: float = 10.0) -> None:
         """Stop claiming and give the lines still running `grace_s` to finish, then write
@@ -92,93 +98,62 @@ class BatchLane:
         row of a line)."""
         with contextlib.suppress(ValueError):
             self.batches.changed.remove(self._changed)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        tasks = list(self._running.values())
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace_s)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.loop.close(grace_s)
         with contextlib.suppress(Exception):
             await self._write_ends()
 
-    def _room(self, now: float) -> tuple[int, int]:
-        """(lines that may start now, the most that may run now)."""
+    # -- the lease loop's `Work` ------------------------------------------------------
+
+    async def round(self) -> None:
+        """Write the ends gathered, end the batches that are done, and cut the lines of
+        batches cancelled since the last look."""
+        await self._write_ends()
+        await self._end_due()
+        now = asyncio.get_running_loop().time()
+        if self._running and (self._look or now - self._looked >= CANCEL_LOOK_S):
+            self._look, self._looked = False, now
+            await self._abort_cancelled()
+
+    def room(self, now: float, running: int) -> tuple[int, int]:
+        """(lines that may start now, the group worth a claim): fewer while live
+        requests run here (`YIELD_LINES` until `YIELD_S` after the last)."""
         if self.live() > 0:
             self._live_seen = now
         most = self.settings.concurrency
         if now - self._live_seen < YIELD_S:
             most = min(most, YIELD_LINES)
-        return most - len(self._running), most
+        return most - running, max(1, min(most, self.settings.concurrency // CLAIM_GROUPS))
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        renewed = looked = loop.time()
-        while True:
-            claimed: list[Claimed] = []
-            free = 0
-            try:
-                await self._write_ends()
-                await self._end_due()
-                now = loop.time()
-                if self._running and (self._look or now - looked >= CANCEL_LOOK_S):
-                    self._look, looked = False, now
-                    await self._abort_cancelled()
-                free, most = self._room(now)
-                group = max(1, min(most, self.settings.concurrency // CLAIM_GROUPS))
-                if (free >= group or not self._running) and free > 0 \
-                        and now >= self._idle_until:
-                    claimed = await rows.claim(self.db, self.worker, now=utcnow(),
-                                               lease_s=self.settings.lease_s, limit=free)
-                for line in claimed:
-                    task = asyncio.create_task(self._run(line))
-                    self._running[(line.batch_id, line.line)] = task
-                now = loop.time()
-                if self._running and now - renewed > self.settings.lease_s / 3:
-                    await rows.renew(self.db, self.worker, now=utcnow(),
-                                     lease_s=self.settings.lease_s)
-                    renewed = now
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("the batch worker's round failed; trying again")
-            if claimed and len(claimed) == free:
-                continue  # as many as it asked for: there may be more
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
-            if self._running:
-                await asyncio.sleep(GATHER_S)
+    async def claim(self, worker: str, limit: int) -> list[Claimed]:
+        return await rows.claim(self.db, worker, now=utcnow(),
+                                lease_s=self.settings.lease_s, limit=limit)
 
-    async def _run(self, line: Claimed) -> None:
+    async def renew(self, worker: str) -> None:
+        await rows.renew(self.db, worker, now=utcnow(), lease_s=self.settings.lease_s)
+
+    async def release(self, worker: str, item: Claimed) -> None:
+        await rows.release(self.db, item.batch_id, item.line, worker)
+
+    def key_id(self, item: Claimed) -> str:
+        return item.key_id
+
+    async def run(self, item: Claimed, key: KeyContext | None) -> None:
+        """Run the line; its end is written with the next round's. A line cut by its
+        batch's cancel ends aborted, billed for what it computed."""
         spent = Spent()
-        name = (line.batch_id, line.line)
         try:
-            key = await self.batches.store.find_key_by_id(line.key_id)
-            if key is not None and not key.is_active(utcnow()):
-                key = None
-            end = await self.runner.run(line, key, spent)
-        except Busy as busy:
-            self._idle_until = asyncio.get_running_loop().time() + busy.retry_after_s
-            with contextlib.suppress(Exception):
-                await rows.release(self.db, line.batch_id, line.line, self.worker)
-            return
+            end = await self.runner.run(item, key, spent)
         except asyncio.CancelledError:
-            if name not in self._aborting:
+            if _line(item) not in self._aborting:
                 raise  # the lane closes: the line's lease runs out, it runs again
-            end = spent.end(line, None, None)
-        except Exception:
-            # The store failed: the lease runs out and the line is run again.
-            logger.exception("batch %s line %d failed to run", line.batch_id, line.line)
-            return
-        finally:
-            self._running.pop(name, None)
-            self._aborting.discard(name)
-            self._wake.set()
+            end = spent.end(item, None, None)
         self._ended.append(end)
+
+    def ended(self, item: Claimed) -> None:
+        self._aborting.discard(_line(item))
+
+    def describe(self, item: Claimed) -> str:
+        return f"batch {item.batch_id} line {item.line}"
 
     async def _write_ends(self) -> None:
         """Write the lines ended since the last round, in one transaction."""

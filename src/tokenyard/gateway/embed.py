@@ -6,7 +6,6 @@ and settlement — its prompt tokens if it was embedded, else nothing."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from tokenyard.balancer.generation import replica_error
 from tokenyard.balancer.replica_client import ReplicaError
@@ -25,10 +24,10 @@ async def embed(
     """Embed `texts` (or token-id lists `ids`) on the embeddings pool of the deployment
     `call` names."""
     served = pipeline.route(call)
-    target: Any = served.pool  # its members are embeddings clients: `info` is their model
+    target = served.pool  # its members are embeddings clients
     timeline = call.timeline
     try:
-        model = await target.info()
+        model = await target.embeddings_model()
     except ReplicaError as exc:
         raise replica_error(exc) from None
     if dimensions is not None and dimensions != model.dimensions:

@@ -15,11 +15,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.embeddings_client import EmbeddingsClient
 from tokenyard.balancer.generation import Generation
+from tokenyard.balancer.member_clients import MemberClient
 from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import ReplicaClient, ReplicaError
 from tokenyard.balancer.upstream import UpstreamClient
@@ -82,7 +82,7 @@ class Kind:
     #: A request's active tools go in the upstream's body, not into the prompt.
     passes_tools_on: bool = False
 
-    def client(self, spec: DeploymentSpec, url: str, token: str | None) -> Any:
+    def client(self, spec: DeploymentSpec, url: str, token: str | None) -> MemberClient:
         """The client of one of its replicas at `url`."""
         return replica_client(url, token=token)
 
@@ -125,7 +125,7 @@ class Upstream(Kind):
     own_replicas = False
     passes_tools_on = True
 
-    def client(self, spec: DeploymentSpec, url: str, token: str | None) -> Any:
+    def client(self, spec: DeploymentSpec, url: str, token: str | None) -> MemberClient:
         return UpstreamClient(url, api_key=token, model=spec.model or spec.name,
                               deployment=spec.name, salts_cache=spec.salts_cache)
 
@@ -159,7 +159,7 @@ class Embeddings(Kind):
     name = "embeddings"
     generates = False
 
-    def client(self, spec: DeploymentSpec, url: str, token: str | None) -> Any:
+    def client(self, spec: DeploymentSpec, url: str, token: str | None) -> MemberClient:
         return EmbeddingsClient(url, token=token)
 
     def replica_command(self, spec: DeploymentSpec, engine_args: Sequence[str]) -> list[str]:
@@ -178,10 +178,10 @@ class Embeddings(Kind):
         if served.spec.max_context is not None:
             return served.spec.max_context
         try:
-            model = await served.pool.info()
+            model = await served.pool.embeddings_model()
         except ReplicaError:
             return None
-        return getattr(model, "max_tokens", None)
+        return model.max_tokens
 
 
 class Engine(Kind):
@@ -211,7 +211,7 @@ def kind_of(spec: DeploymentSpec) -> Kind:
 
 async def build_served(
     spec: DeploymentSpec,
-    clients: Sequence[tuple[str, Any]],
+    clients: Sequence[tuple[str, MemberClient]],
     cache_dir: Path,
     *,
     balancer: BalancerSpec | None = None,

@@ -36,6 +36,7 @@ from tokenyard.store.requests import (
     capture_settings,
     find_request,
     insert_requests,
+    list_requests,
     purge_requests,
     set_capture,
 )
@@ -63,6 +64,7 @@ def record_of(summary: RequestSummary) -> RequestRecord:
         timings=dict(summary.timings_ms), duration_ms=summary.duration_ms,
         region=summary.region,
         attempts=None if summary.attempts is None else list(summary.attempts),
+        lane=summary.lane,
     )
 
 
@@ -86,7 +88,7 @@ def record_json(record: RequestRecord, capture: Capture | None, *,
         "cost": None if record.cost_micros is None else {
             "currency": "USD", "total": format_money(record.cost_micros)},
         "timeline": record.timings, "duration_ms": record.duration_ms,
-        "attempts": record.attempts,
+        "attempts": record.attempts, "lane": record.lane,
         "capture": None if capture is None else {
             "request": _parsed(capture.request), "response": _parsed(capture.response),
             "truncated": capture.truncated, "expires_at": capture.expires_at.isoformat()},
@@ -196,6 +198,14 @@ class RequestLog:
             # A queued body is redacted for its reader, after the check, and off the loop.
             capture = await asyncio.to_thread(self._redacted, request_id, *body)
         return record_json(record, capture, internal=key.scopes.admin)
+
+    async def listed(self, *, lane: str | None = None, org_id: str | None = None,
+                     limit: int = 100) -> list[dict[str, Any]]:
+        """The latest records first, of every org (an admin's view: replicas shown),
+        optionally of one lane or org; what is queued here is written first."""
+        await self.flush()
+        found = await list_requests(self.store.db, lane=lane, org_id=org_id, limit=limit)
+        return [record_json(record, None, internal=True) for record in found]
 
     async def set_capture(self, org_id: str, retention_days: int | None) -> None:
         """Capture the org's bodies for `retention_days` (None: stop); applies here at once."""

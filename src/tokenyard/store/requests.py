@@ -50,6 +50,9 @@ class RequestRecord:
     #: A request with fallbacks: each candidate tried, {model, deployment, outcome,
     #: error_code}, in order (None: a request without).
     attempts: list[dict[str, Any]] | None = None
+    #: Where it came from: "live", "batch" (a Batch API line) or "background" (a
+    #: background response).
+    lane: str = "live"
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,20 @@ async def find_request(
             request_captures.c.expires_at > utcnow()))).mappings().first()
     return (RequestRecord(**row) if row is not None else None,
             Capture(**captured) if captured is not None else None)
+
+
+async def list_requests(
+    db: Database, *, lane: str | None = None, org_id: str | None = None, limit: int = 100,
+) -> list[RequestRecord]:
+    """The latest records first (at most `limit`), optionally of one lane or one org."""
+    t = request_records.c
+    query = select(request_records).order_by(t.created_at.desc()).limit(limit)
+    if lane is not None:
+        query = query.where(t.lane == lane)
+    if org_id is not None:
+        query = query.where(t.org_id == org_id)
+    async with db.engine.connect() as conn:
+        return [RequestRecord(**row) for row in (await conn.execute(query)).mappings()]
 
 
 async def purge_requests(db: Database, records_before: datetime) -> tuple[int, int]:

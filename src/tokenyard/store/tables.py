@@ -298,6 +298,9 @@ request_records = Table(
     Column("region", String(64), nullable=True),  # the serving deployment's (NULL: none)
     # Each candidate a request with fallbacks tried (NULL: it had none; 0015).
     Column("attempts", JSON, nullable=True),
+    # Where it came from: live, batch (a Batch API line) or background (0019).
+    Column("lane", String(16), nullable=False, server_default="live"),
+    Index(None, "lane", "created_at"),  # the admin listing filters by lane, newest first
 )
 
 org_capture = Table(

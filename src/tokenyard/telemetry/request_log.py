@@ -22,6 +22,9 @@ from typing import Any
 
 logger = logging.getLogger("tokenyard.telemetry")
 
+#: Where a request came from: its summary's and its request record's `lane`.
+LANES = ("live", "batch", "background")
+
 
 @dataclass(frozen=True, slots=True)
 class RequestSummary:
@@ -64,7 +67,8 @@ class RequestSummary:
     #: A request with fallbacks: each candidate tried, in order ({model, deployment,
     #: outcome, error_code}); None for a request without.
     attempts: tuple[dict[str, Any], ...] | None = None
-    #: "live" (a client waited on it) or "batch" (a Batch API line).
+    #: Where it came from (`LANES`): "live" (a client waited on it), "batch" (a Batch
+    #: API line) or "background" (a background response).
     lane: str = "live"
 
     def to_json(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 // The operator dashboard: polls GET /admin/v1/dashboard every second with the admin key
-// and redraws every panel from the answer.
+// and redraws every panel from the answer. The lane switch picks whose requests and
+// latencies it shows: live traffic (the default) or the Batch API's lines.
 
 import { el, formatMs, getJSON, storeKey, storedKey, waterfall } from "/static/common.js";
 
@@ -7,6 +8,7 @@ const POLL_MS = 1000;
 const RETRY_MS = 5000;
 const $ = (id) => document.getElementById(id);
 const keyInput = $("key");
+const laneSelect = $("lane");
 let timer = 0;
 let polls = 0;
 let shownRequest = null; // the request whose waterfall is open
@@ -131,10 +133,11 @@ async function poll() {
   const run = ++polls; // a newer poll (the key changed) supersedes this one
   const key = keyInput.value.trim();
   try {
-    const data = await getJSON("/admin/v1/dashboard", key);
+    const lane = encodeURIComponent(laneSelect.value);
+    const data = await getJSON(`/admin/v1/dashboard?lane=${lane}`, key);
     if (run !== polls) return;
     $("error").classList.add("hidden");
-    $("status").textContent = `Updated ${new Date().toLocaleTimeString([], { hour12: false })} · worker ${data.worker_pid} · up ${Math.round(data.uptime_s)} s`;
+    $("status").textContent = `Updated ${new Date().toLocaleTimeString([], { hour12: false })} · worker ${data.worker_pid} · up ${Math.round(data.uptime_s)} s · ${data.lane === "batch" ? "batch lines" : "live traffic"}`;
     cards(data);
     latency(data);
     refusals(data);
@@ -160,6 +163,10 @@ async function poll() {
 keyInput.value = storedKey();
 keyInput.addEventListener("change", () => {
   storeKey(keyInput.value.trim());
+  poll();
+});
+laneSelect.addEventListener("change", () => {
+  shownRequest = null;
   poll();
 });
 poll();
