@@ -6,8 +6,9 @@ Each round the lane first does its own chores (`Work.round`: write ends, end bat
 look for cancels, purge), then, while it has room (`Work.room`), claims up to that many
 items (in groups: it claims once at least `group` are free, or none runs) and starts
 them; a third of the lease after the last renewal, it renews them all. A round that got
-all it asked for goes again at once (there may be more); otherwise it waits `poll_s`, or
-until woken (`wake`: an item ended, or this process queued or cancelled something), and
+all it asked for goes again at once (there may be more); otherwise it waits `poll_s`
+(doubled after each idle round, one that ran and found nothing, up to `idle_poll_s`:
+an idle gateway does not ask the store several times a second), or until woken (`wake`: an item ended, or this process queued or cancelled something), and
 then `gather_s` more while items run, so that their ends are written together.
 
 A run refused for now (`Busy`) gives its item back to the store and this worker claims
@@ -84,10 +85,15 @@ class LeaseLoop(Generic[Item, Name]):
 
     def __init__(self, what: str, work: Work[Item], store: Store, *,
                  name: Callable[[Item], Name], running: dict[Name, asyncio.Task[None]],
-                 lease_s: float, poll_s: float, gather_s: float = 0.0) -> None:
+                 lease_s: float, poll_s: float, gather_s: float = 0.0,
+                 idle_poll_s: float | None = None) -> None:
         self.what, self.work, self.store, self.name = what, work, store, name
         self.running = running
         self.lease_s, self.poll_s, self.gather_s = lease_s, poll_s, gather_s
+        #: The longest wait between two idle rounds (default: 4 × poll_s, at most a
+        #: third of the lease, so that a dead worker's items are found well within it).
+        self.idle_poll_s = max(poll_s, idle_poll_s if idle_poll_s is not None
+                               else min(4 * poll_s, lease_s / 3))
         self.worker = f"{socket.gethostname()[:30]}:{os.getpid()}:{secrets.token_hex(4)}"
         self.woken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -116,6 +122,7 @@ class LeaseLoop(Generic[Item, Name]):
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         renewed = loop.time()
+        wait = self.poll_s
         while True:
             claimed: list[Item] = []
             free = 0
@@ -138,9 +145,15 @@ class LeaseLoop(Generic[Item, Name]):
                 logger.exception("the %s's round failed; trying again", self.what)
             if claimed and len(claimed) == free:
                 continue  # as many as it asked for: there may be more
+            idle = not claimed and not self.running
+            this_wait = wait if idle else self.poll_s
+            wait = min(wait * 2, self.idle_poll_s) if idle else self.poll_s
             self.woken.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.woken.wait(), self.poll_s)
+            try:
+                await asyncio.wait_for(self.woken.wait(), this_wait)
+                wait = self.poll_s  # woken: something happened here
+            except TimeoutError:
+                pass
             if self.running and self.gather_s:
                 await asyncio.sleep(self.gather_s)
 
