@@ -8,8 +8,9 @@ items (in groups: it claims once at least `group` are free, or none runs) and st
 them; a third of the lease after the last renewal, it renews them all. A round that got
 all it asked for goes again at once (there may be more); otherwise it waits `poll_s`
 (doubled after each idle round, one that ran and found nothing, up to `idle_poll_s`:
-an idle gateway does not ask the store several times a second), or until woken (`wake`: an item ended, or this process queued or cancelled something), and
-then `gather_s` more while items run, so that their ends are written together.
+an idle gateway does not ask the store several times a second), or until woken
+(`wake`: an item ended, or this process queued or cancelled something), and then
+`gather_s` more while items run, so that their ends are written together.
 
 A run refused for now (`Busy`) gives its item back to the store and this worker claims
 nothing for `retry_after_s`. A run whose key was revoked or expired runs with None (the
