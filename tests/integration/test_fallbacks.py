@@ -294,3 +294,26 @@ def test_a_stream_never_switches_after_its_first_byte(fleet: Fleet) -> None:
     assert record["attempts"] == _attempts(("cut-2026", "cut-2026", "served", None))
     assert record["deployment"] == "cut-2026" and record["error_code"] is not None
     assert all(r["model"] == "cut-2026" for r in fleet.ledger(request_id))
+
+
+def test_a_request_that_falls_back_counts_once_against_the_keys_rpm(fleet: Fleet) -> None:
+    status, org = call(fleet.server, "POST", "/admin/v1/orgs", body={"name": "rpm-two"})
+    assert status == 201, org
+    status, key = call(fleet.server, "POST", "/admin/v1/keys", body={
+        "org_id": org["id"], "rpm": 2, "tpm": 10_000})
+    assert status == 201, key
+    client = fleet.openai(key["secret"])
+    raw = client.chat.completions.with_raw_response.create(
+        model="limited-2026", messages=HELLO, max_tokens=3)
+    reply = raw.parse()
+    assert reply.model == EMBEDDED and reply.usage is not None
+    assert len(fleet.record(raw.headers["x-request-id"], key["secret"])["attempts"]) == 2
+    # Two attempts, one request; the tokens held are the attempt's that served.
+    assert raw.headers["x-ratelimit-limit-requests"] == "2"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+    assert int(raw.headers["x-ratelimit-remaining-tokens"]) == (
+        10_000 - reply.usage.prompt_tokens - 3)
+    again = client.chat.completions.with_raw_response.create(
+        model="limited-2026", messages=HELLO, max_tokens=3)
+    assert again.parse().model == EMBEDDED
+    assert again.headers["x-ratelimit-remaining-requests"] == "0"

@@ -9,8 +9,10 @@ followed.
 
 Each candidate is a whole attempt through the pipeline (`Pipeline.route`, then
 `Pipeline.serve`): routed, with the key's model scope and regions checked; prepared for
-that deployment (its window, its template); admitted with its own hold at its own price;
-moderated; started. An attempt ends the chain unless it failed on a condition of the
+that deployment (its window, its template); admitted with its own hold at its own price
+(the key's RPM counts the request once, at its first admitted attempt: `Call.counted`;
+its TPM keeps only what served, a failed attempt's reservation given back); moderated;
+started. An attempt ends the chain unless it failed on a condition of the
 failed candidate's `fallback_on` (rate_limit, server_error, timeout, context_length,
 content_policy): then its hold is released unbilled and the next candidate is tried. A
 candidate the key may not use (its scope, its regions, its context cap), or one that

@@ -136,8 +136,9 @@ class Pipeline:
 
     async def admit(self, call: Call, served: Served, ready: Prepared) -> Ticket | None:
         """Stages 4–6: the key's context scope, its limits (reserving every prompt token
-        and every token the completions may generate) and its billing hold. None without
-        a gateway."""
+        and every token the completions may generate) and its billing hold; one request
+        from the RPM buckets unless the call took it already (`Call.counted`). None
+        without a gateway."""
         gateway = self.fleet.gateway
         if gateway is None or call.key is None:
             return None
@@ -146,8 +147,9 @@ class Pipeline:
             call.key, model=served.name, endpoint=call.endpoint, request_id=call.request_id,
             prompts=ready.prompts, params=ready.params, timeline=call.timeline,
             alias=call.route.alias, region=call.route.region, batch=call.batch,
-            own_batch_prices=served.spec.batch_prices,
+            own_batch_prices=served.spec.batch_prices, counted=call.counted,
         )
+        call.counted = True  # a fallback's attempt after this one is the same request
         return call.ticket
 
     async def run(self, call: Call) -> Run:
