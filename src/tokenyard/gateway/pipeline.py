@@ -191,15 +191,31 @@ class Pipeline:
         ready = await self.prepare(call, served)
         if ready.messages is not None:
             require_vision(ready.messages, served.name, served.vision)
-        gateway = self.fleet.gateway
-        if gateway is not None and call.key is not None:
-            ticket = await gateway.admit(
-                call.key, model=served.name, endpoint=call.endpoint,
-                request_id=call.request_id, prompt_tokens=0, max_tokens=0,
-                timeline=call.timeline, alias=call.route.alias if call.route else None,
-                region=call.route.region if call.route else None)
-            gateway.finish(ticket, None, "completed")
+        self.release(await self.admit_request(call))
         return len(ready.prompts[0])
+
+    async def admit_request(self, call: Call) -> Ticket | None:
+        """The key admitted for routed `call` as a request, before its prompt exists:
+        its model scope, one request from its RPM, a concurrency slot and the money
+        pre-check (each refusing with its 429), no tokens held. For work a dialect does
+        before the prompt that costs the platform (an MCP loop contacts its servers):
+        the call is `counted`, so its first attempt takes no second request; `release`
+        the ticket before that attempt is admitted. None without a gateway."""
+        gateway = self.fleet.gateway
+        if gateway is None or call.key is None:
+            return None
+        assert call.served is not None
+        ticket = await gateway.admit(
+            call.key, model=call.served.name, endpoint=call.endpoint,
+            request_id=call.request_id, prompt_tokens=0, max_tokens=0,
+            timeline=call.timeline, alias=call.route.alias if call.route else None,
+            region=call.route.region if call.route else None, batch=call.batch)
+        call.counted = True
+        return ticket
+
+    def release(self, ticket: Ticket | None) -> None:
+        """Give back a ticket nothing ran under (its slot; no ledger row). Idempotent."""
+        self._settle(ticket, [])
 
     async def _expensive(self, call: Call, served: Served, ready: Prepared) -> ModerationPolicy:
         """What an admitted request may cost: its images loaded, its input moderated;
