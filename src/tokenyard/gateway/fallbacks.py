@@ -100,7 +100,8 @@ class Stages(Protocol[_Run]):
 
     async def serve(self, call: Any, served: Served, *,
                     first_byte_timeout_s: float | None = None,
-                    moves_on: Callable[[BaseException], bool] | None = None) -> _Run: ...
+                    moves_on: Callable[[BaseException], bool] | None = None,
+                    queues: bool = True) -> _Run: ...
 
 
 def condition(err: BaseException) -> str | None:
@@ -152,7 +153,9 @@ async def run_with_fallbacks(pipeline: Stages[_Run], call: Call) -> _Run:
             started = await pipeline.serve(
                 call, served, moves_on=moves_on, first_byte_timeout_s=(
                     policy.first_byte_timeout_s if ahead and "timeout" in policy.on
-                    else None))
+                    else None),
+                # A rate limit that sends the request on does so at once: no queueing.
+                queues=not (ahead and "rate_limit" in policy.on))
         except (APIError, TimeoutError) as exc:
             if chain is None:  # routing failed for the name the client asked for
                 chain = _chain(pipeline, call, None)

@@ -160,11 +160,14 @@ class Pipeline:
 
     async def serve(self, call: Call, served: Served, *,
                     first_byte_timeout_s: float | None = None,
-                    moves_on: Callable[[BaseException], bool] | None = None) -> Run:
+                    moves_on: Callable[[BaseException], bool] | None = None,
+                    queues: bool = True) -> Run:
         """`run` past routing, on `served`: prepare, admit, the expensive work, then
         start the generations — within `first_byte_timeout_s` (None: unbounded; past it,
         TimeoutError). A start that fails so that the request `moves_on` to a fallback
-        is given up: closed unbilled and uncaptured (the next attempt captures it)."""
+        is given up: closed unbilled and uncaptured (the next attempt captures it).
+        `queues=False`: an upstream's 429 ends the attempt at once (its fallback takes
+        rate limits) instead of waiting in the pool's queue."""
         ready = await self.prepare(call, served)
         if ready.messages is not None:  # cheap: a 400 before admission, not after it
             require_vision(ready.messages, served.name, served.vision)
@@ -174,7 +177,7 @@ class Pipeline:
         except BaseException:
             self._settle(ticket, [])
             raise
-        run = Run(self, call, served, ready, ticket, policy)
+        run = Run(self, call, served, ready, ticket, policy, queues=queues)
         try:
             # Sent together: the replica batches them; a refusal of any refuses the request.
             async with asyncio.timeout(first_byte_timeout_s):
@@ -245,7 +248,8 @@ class Run:
     place it is settled."""
 
     def __init__(self, pipeline: Pipeline, call: Call, served: Served, ready: Prepared,
-                 ticket: Ticket | None, policy: ModerationPolicy) -> None:
+                 ticket: Ticket | None, policy: ModerationPolicy, *,
+                 queues: bool = True) -> None:
         self.pipeline, self.call, self.served, self.ready = pipeline, call, served, ready
         self.ticket = ticket
         gateway, key = pipeline.fleet.gateway, call.key
@@ -260,7 +264,7 @@ class Run:
                     text=ready.texts[i] if ready.texts else None, pins=ready.pins,
                     tools=ready.passed_on, cache_salt=ticket_salt,
                     priority=ticket.priority if ticket is not None else 0,
-                    timeline=call.timeline, metrics=pipeline.fleet.metrics)
+                    timeline=call.timeline, metrics=pipeline.fleet.metrics, queues=queues)
             for i, (prompt, params) in enumerate(zip(ready.prompts, ready.params,
                                                      strict=True))])
         #: Spells the ids of the outputs' logprobs (what the dialect's format is given).
