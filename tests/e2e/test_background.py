@@ -136,6 +136,10 @@ def test_cancel_stops_a_background_response(
     assert client.responses.cancel(long.id).status == "cancelled"  # again: the same
     # Its stream ends (no cancelled event exists): nothing after the cancel hangs.
     list(client.responses.retrieve(long.id, stream=True, starting_after=1))
+    # Its record says its client cancelled it, with what it had used.
+    record = _record(server, long.id)
+    assert (record["status"], record["error_code"]) == (499, "response_cancelled")
+    assert record["tokens"]["prompt"] > 0
 
     done = client.responses.create(model=server.model, input="Hi", background=True,
                                    max_output_tokens=2)
