@@ -136,6 +136,10 @@ def test_cancel_stops_a_background_response(
     assert client.responses.cancel(long.id).status == "cancelled"  # again: the same
     # Its stream ends (no cancelled event exists): nothing after the cancel hangs.
     list(client.responses.retrieve(long.id, stream=True, starting_after=1))
+    # Its record says its client cancelled it, with what it had used.
+    record = _record(server, long.id)
+    assert (record["status"], record["error_code"]) == (499, "response_cancelled")
+    assert record["tokens"]["prompt"] > 0
 
     done = client.responses.create(model=server.model, input="Hi", background=True,
                                    max_output_tokens=2)
@@ -187,3 +191,58 @@ def test_a_background_turn_is_admitted_under_the_key_an_empty_balance_fails_it(
     failed = ended(broke, made.id)
     assert failed.status == "failed" and failed.error is not None
     assert "balance" in failed.error.message
+
+
+def _request_id(line: str) -> str | None:
+    """The request id of a JSON log line (None: another kind of line)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("request_id") if isinstance(record, dict) else None
+
+
+def _record(server: Server, request_id: str, key: str | None = None) -> dict[str, Any]:
+    """`GET /v1/requests/{id}` once the request's record is there."""
+    headers = {"Authorization": f"Bearer {key or server.api_key}"}
+    r = poll(lambda: httpx.get(f"{server.base_url}/v1/requests/{request_id}",
+                               headers=headers, timeout=10),
+             lambda r: r.status_code == 200, 30, "its request record")
+    return dict(r.json())
+
+
+def test_a_background_response_ends_as_a_live_request_with_its_request_record(
+        client: openai.OpenAI, server: Server) -> None:  # noqa: F811
+    made = client.responses.create(model=server.model, input="Name a fruit.",
+                                   background=True, max_output_tokens=6)
+    done = ended(client, made.id)
+    assert done.status in ("completed", "incomplete") and done.usage is not None
+    record = _record(server, made.id)
+    assert (record["endpoint"], record["status"], record["error_code"]) == (
+        "/v1/responses", 200, None)
+    assert record["model"] == server.model and record["deployment"] is not None
+    assert record["lane"] == "background"
+    assert record["tokens"] == {"prompt": done.usage.input_tokens,
+                                "cached": done.usage.input_tokens_details.cached_tokens,
+                                "output": done.usage.output_tokens}
+    assert record["cost"] is not None  # the ledger row's charge
+    assert poll(lambda: [line for line in server.output if _request_id(line) == made.id],
+                bool, 10, "its log line")
+
+    # One refused (its org has no money) ends with its record too: the refusal's code.
+    async def broke_key() -> str:
+        status, org = await _call(server, "POST", "/admin/v1/orgs",
+                                  body={"name": "broke-record", "balance": "0"})
+        assert status == 201, org
+        status, key = await _call(server, "POST", "/admin/v1/keys",
+                                  body={"org_id": org["id"]})
+        assert status == 201, key
+        return str(key["secret"])
+
+    secret = asyncio.run(broke_key())
+    broke = openai.OpenAI(base_url=server.base_url + "/v1", api_key=secret, max_retries=0)
+    failed = broke.responses.create(model=server.model, input="Hi", background=True,
+                                    max_output_tokens=2)
+    assert ended(broke, failed.id).status == "failed"
+    refused = _record(server, failed.id, secret)
+    assert (refused["status"], refused["error_code"]) == (429, "insufficient_quota")

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Server
-from tests.e2e.mcp_server import running_mcp_server
+from tests.e2e.mcp_server import requests_seen, running_mcp_server
 from tests.e2e.test_admin_http import call
 
 pytestmark = pytest.mark.slow
@@ -333,3 +333,41 @@ def test_anthropic_mcp_bodies_and_events_validate(server: Server,
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert starts[:2] == ["mcp_tool_use", "mcp_tool_result"], starts
     assert [e["type"] for e in events].count("message_stop") == 1
+
+
+def test_a_key_refused_by_its_limits_or_its_balance_contacts_no_mcp_server(
+        server: Server) -> None:
+    def org_with_key(name: str, url: str, **limits: Any) -> tuple[str, str]:
+        """A new org (`limits`: its own fields) with a key and `url` registered for it as
+        "counted": the key's secret and the label."""
+        status, org = call(server, "POST", "/admin/v1/orgs", body={"name": name} | limits)
+        assert status == 201, org
+        status, key = call(server, "POST", "/admin/v1/keys", body={
+            "org_id": org["id"], "rpm": 1})
+        assert status == 201, key
+        status, made = call(server, "POST", f"/admin/v1/orgs/{org['id']}/mcp_servers",
+                            body={"label": "counted", "url": url})
+        assert status == 201, made
+        return key["secret"], "counted"
+
+    def ask(key: str) -> Any:
+        return client(server, key).responses.create(
+            model=server.model, input="Hi", max_output_tokens=2,
+            tools=[{"type": "mcp", "server_label": "counted", "require_approval": "never"}])
+
+    with running_mcp_server() as url:
+        key, _ = org_with_key(f"rpm-one-{uuid.uuid4().hex[:6]}", url)
+        before = requests_seen(url)
+        assert ask(key).output[0].type == "mcp_list_tools"  # admitted: listed
+        seen = requests_seen(url)
+        assert seen > before
+        with pytest.raises(openai.RateLimitError) as over:  # its one request a minute
+            ask(key)
+        assert over.value.code == "rate_limit_exceeded"
+        assert over.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
+        broke, _ = org_with_key(f"broke-{uuid.uuid4().hex[:6]}", url, balance="0")
+        with pytest.raises(openai.RateLimitError) as poor:
+            ask(broke)
+        assert poor.value.code == "insufficient_quota"
+        assert requests_seen(url) == seen  # neither refusal reached the server

@@ -36,6 +36,8 @@ from tests.integration.test_canary_shadow import Mocks
 pytestmark = pytest.mark.slow
 
 EMBEDDED = "embedded-2026"
+#: How long the fleet's balancer queues a request every replica of its deployment refused.
+QUEUE_TIMEOUT_S = 30
 HELLO: Any = [{"role": "user", "content": "Say hello."}]
 
 
@@ -101,8 +103,9 @@ def _fleet_toml(replica_url: str, urls: dict[str, str]) -> str:
 
     to_embedded = f'fallbacks = ["{EMBEDDED}"]\n'
     return (
-        # No waiting for a full upstream, no ejection: each failure is seen as it happens.
-        "[balancer]\nqueue_timeout_s = 0\neject_after = 1000\n\n"
+        # A full upstream is waited on for up to QUEUE_TIMEOUT_S, unless the request has a
+        # fallback that takes rate limits; no ejection: each failure is seen as it happens.
+        f"[balancer]\nqueue_timeout_s = {QUEUE_TIMEOUT_S}\neject_after = 1000\n\n"
         f'[[deployments]]\nname = "{EMBEDDED}"\nurls = ["{replica_url}"]\n'
         'prices = { input = "1.00", output = "2.00" }\n\n'
         + upstream("short-2026", "ok", "max_context = 80\n" + to_embedded)
@@ -294,3 +297,38 @@ def test_a_stream_never_switches_after_its_first_byte(fleet: Fleet) -> None:
     assert record["attempts"] == _attempts(("cut-2026", "cut-2026", "served", None))
     assert record["deployment"] == "cut-2026" and record["error_code"] is not None
     assert all(r["model"] == "cut-2026" for r in fleet.ledger(request_id))
+
+
+def test_an_upstream_429_goes_to_the_fallback_without_queueing(fleet: Fleet) -> None:
+    began = time.monotonic()
+    raw = fleet.openai().chat.completions.with_raw_response.create(
+        model="limited-2026", messages=HELLO, max_tokens=3)
+    assert raw.parse().model == EMBEDDED
+    # Not after the balancer's queue timeout: the 429 sent the request on at once.
+    assert time.monotonic() - began < QUEUE_TIMEOUT_S / 6
+    assert fleet.record(raw.headers["x-request-id"])["attempts"] == _attempts(
+        ("limited-2026", "limited-2026", "failed", "server_is_overloaded"),
+        (EMBEDDED, EMBEDDED, "served", None))
+
+
+def test_a_request_that_falls_back_counts_once_against_the_keys_rpm(fleet: Fleet) -> None:
+    status, org = call(fleet.server, "POST", "/admin/v1/orgs", body={"name": "rpm-two"})
+    assert status == 201, org
+    status, key = call(fleet.server, "POST", "/admin/v1/keys", body={
+        "org_id": org["id"], "rpm": 2, "tpm": 10_000})
+    assert status == 201, key
+    client = fleet.openai(key["secret"])
+    raw = client.chat.completions.with_raw_response.create(
+        model="limited-2026", messages=HELLO, max_tokens=3)
+    reply = raw.parse()
+    assert reply.model == EMBEDDED and reply.usage is not None
+    assert len(fleet.record(raw.headers["x-request-id"], key["secret"])["attempts"]) == 2
+    # Two attempts, one request; the tokens held are the attempt's that served.
+    assert raw.headers["x-ratelimit-limit-requests"] == "2"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+    assert int(raw.headers["x-ratelimit-remaining-tokens"]) == (
+        10_000 - reply.usage.prompt_tokens - 3)
+    again = client.chat.completions.with_raw_response.create(
+        model="limited-2026", messages=HELLO, max_tokens=3)
+    assert again.parse().model == EMBEDDED
+    assert again.headers["x-ratelimit-remaining-requests"] == "0"

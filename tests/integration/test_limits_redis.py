@@ -71,6 +71,18 @@ def test_rpm_bucket_admits_exactly_the_limit_then_refuses(prefix: str) -> None:
     run(prefix, scenario)
 
 
+def test_a_later_attempt_of_a_counted_request_takes_no_request(prefix: str) -> None:
+    async def scenario(limiter: RedisLimiter) -> None:
+        subjects = [Subject("key", "key_x", Limits(rpm=1, tpm=100, max_concurrency=2))]
+        first = await limiter.admit(subjects, 10)
+        assert first.state.remaining_requests == 0
+        again = await limiter.admit(subjects, 10, requests=0)  # a fallback's attempt
+        assert (again.state.remaining_requests, again.state.remaining_tokens) == (0, 80)
+        assert (await refusal(limiter, subjects)).kind == "requests"
+
+    run(prefix, scenario)
+
+
 def test_tpm_settle_refunds_the_unused_reservation_and_is_idempotent(prefix: str) -> None:
     async def scenario(limiter: RedisLimiter) -> None:
         first = await limiter.admit([KEY], 30)

@@ -81,6 +81,17 @@ def test_two_clients_share_one_rpm_bucket_exactly(tmp_path: Path) -> None:
     run(tmp_path, scenario)
 
 
+def test_a_later_attempt_of_a_counted_request_takes_no_request(tmp_path: Path) -> None:
+    async def scenario(server: LimitServer, a: SocketLimiter, b: SocketLimiter) -> None:
+        assert (await a.admit([key(rpm=1)], 0)).state.remaining_requests == 0
+        again = await b.admit([key(rpm=1)], 0, requests=0)
+        assert again.state.remaining_requests == 0
+        with pytest.raises(RateLimited):
+            await a.admit([key(rpm=1)], 0)
+
+    run(tmp_path, scenario)
+
+
 def test_slots_and_token_refunds_follow_settle_across_clients(tmp_path: Path) -> None:
     async def scenario(server: LimitServer, a: SocketLimiter, b: SocketLimiter) -> None:
         subjects = [key(tpm=100, conc=1), org(rpm=50)]

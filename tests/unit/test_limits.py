@@ -64,6 +64,17 @@ def test_rpm_bucket_admits_exactly_the_limit_then_refuses_with_retry_after(
     assert refused.retry_after == pytest.approx(60 / 50)  # one request refills in 1.2 s
 
 
+def test_a_later_attempt_of_a_counted_request_takes_no_request(
+    limiter: InProcessLimiter,
+) -> None:
+    assert admit(limiter, [key(rpm=1, tpm=100)], 10).state.remaining_requests == 0
+    again = asyncio.run(limiter.admit([key(rpm=1, tpm=100)], 10, requests=0))
+    assert (again.state.remaining_requests, again.state.remaining_tokens) == (0, 80)
+    assert refusal(limiter, [key(rpm=1)]).kind == "requests"
+    with pytest.raises(ValueError):
+        asyncio.run(limiter.admit([key(rpm=1)], 0, requests=2))
+
+
 def test_rpm_bucket_refills_at_limit_per_60_seconds_up_to_the_limit(clock: FakeClock) -> None:
     limiter = InProcessLimiter(clock=clock, sweep_interval=math.inf)  # the bucket itself caps
     for _ in range(60):

@@ -75,18 +75,27 @@ async def answer_with_tools(
     servers = await resolve(gateway.store if gateway is not None else None,
                             request.get(KEY), wanted)
     params = {w.label: w.param for w in wanted}
-    toolbox = await Toolbox.open(CLIENT, servers, params, known or {}, request[TIMELINE],
-                                 taken)
+    # Admitted (RPM, concurrency, money) before any server is contacted: a key over its
+    # limits or out of credit makes the platform open no outbound connection.
+    held = await pipeline.admit_request(probe)
+    try:
+        toolbox = await Toolbox.open(CLIENT, servers, params, known or {},
+                                     request[TIMELINE], taken)
+    except BaseException:
+        pipeline.release(held)
+        raise
     try:
         plan = await make_plan(toolbox)
         call = await new_call(request, plan.model, plan.build, **plan.options)
-        call.raw = scrubbed(call.raw)
+        call.raw, call.counted = scrubbed(call.raw), probe.counted
         run = LoopRun(pipeline, call, toolbox, max_calls=max_calls, output_cap=output_cap)
+        pipeline.release(held)  # its slot: hop 1 is admitted for its own prompt
         try:
             await run.start()
         finally:
             note(request, call)
     except BaseException:
+        pipeline.release(held)
         await toolbox.close()
         raise
     fmt = plan.format(run)

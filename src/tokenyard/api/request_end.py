@@ -7,7 +7,8 @@ request ends here once — answered, refused, failed, or cancelled because the c
 (status 499, the code nginx uses for it) — after its last byte went to the socket: the
 summary, the log line and the spans cost the response no latency. Nothing is built when
 no one observes and nothing is traced. A call that ran without HTTP (a batch line) ends
-through `call_ended`: the same summary, so the same record and log line.
+through `call_ended` (a `CallEnd` says how it ended): the same summary, so the same
+record and log line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal
+from types import TracebackType
 from typing import Any
 
 from aiohttp import web
@@ -33,6 +36,7 @@ from tokenyard.api.context import (
     TRACE,
 )
 from tokenyard.api.request_trace import trace_request
+from tokenyard.errors import APIError
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.billing import Usage
 from tokenyard.gateway.call import Call, outcome
@@ -106,6 +110,39 @@ def call_ended(call: Call, *, status: int, error_code: str | None,
         logger.exception("summarizing request %s failed", call.request_id)
         return
     request_log.publish(summary)
+
+
+@dataclass
+class CallEnd:
+    """How a call that ran without HTTP (a batch line, a background response) ended,
+    published once (`call_ended`) as its `with` block exits, however it exits: until
+    the run says otherwise, as cut (499, `error_code`); `publish=False` when it was not
+    the call's end (it runs again, or its end is someone else's to publish)."""
+
+    call: Call
+    error_code: str | None
+    status: int = CLIENT_CLOSED
+    publish: bool = True
+    started_at: float = field(default_factory=time.time)
+    #: The lane its record names (None: its timeline's, `live` or `batch`).
+    lane: str | None = None
+
+    def answered(self) -> None:
+        self.status, self.error_code = 200, None
+
+    def failed(self, err: APIError, status: int | None = None) -> None:
+        """Ended by `err`, answered with `status` (default: the error's own)."""
+        self.status = err.status if status is None else status
+        self.error_code = err.code or err.type
+
+    def __enter__(self) -> CallEnd:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.publish:
+            call_ended(self.call, status=self.status, error_code=self.error_code,
+                       started_at=self.started_at, lane=self.lane)
 
 
 def _summary(

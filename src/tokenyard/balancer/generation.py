@@ -21,6 +21,7 @@ from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
     ReplicaError,
     ReplicaOverloaded,
+    ReplicaRateLimited,
     ReplicaRequestError,
     ReplicaStreamError,
 )
@@ -47,7 +48,7 @@ def replica_error(exc: ReplicaError) -> APIError:
     if isinstance(exc, ReplicaRequestError) and 400 <= exc.status < 500:
         # The replica's own refusal of the request (its context, its parameters).
         return APIError(exc.status, exc.message, param=exc.param, code=exc.code)
-    if isinstance(exc, ReplicaOverloaded):
+    if isinstance(exc, ReplicaOverloaded | ReplicaRateLimited):
         err = overloaded(exc.retry_after if exc.retry_after is not None else 1.0,
                          exc.message or None)
         err.cause = "rate_limit"

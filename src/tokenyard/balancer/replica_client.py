@@ -25,6 +25,7 @@ from tokenyard.balancer.replica_errors import (
     ReplicaConnectionError,
     ReplicaError,
     ReplicaOverloaded,
+    ReplicaRateLimited,
     ReplicaRequestError,
     ReplicaStreamError,
     ReplicaUnauthorized,
@@ -51,7 +52,7 @@ from tokenyard.wire.sampling_params import SamplingParams
 
 # The errors live in `replica_errors`; callers import them from here too.
 __all__ = ["STREAM_FAILED_MESSAGE", "ReplicaClient", "ReplicaConnectionError", "ReplicaError",
-           "ReplicaOverloaded", "ReplicaRequestError", "ReplicaStreamError",
+           "ReplicaOverloaded", "ReplicaRateLimited", "ReplicaRequestError", "ReplicaStreamError",
            "ReplicaUnauthorized"]
 
 _JSON_HEADERS = {"Content-Type": "application/json"}

@@ -36,6 +36,19 @@ class ReplicaOverloaded(ReplicaError):
         self.code = code
 
 
+class ReplicaRateLimited(ReplicaError):
+    """429 from an upstream, for a request that does not queue for it (it has a fallback
+    that takes rate limits). Not a `ReplicaOverloaded`, which the pool waits on and
+    tries on its other members: this passes through them as the attempt's answer, so
+    the fallback is tried at once. `retry_after`: the upstream's, in seconds."""
+
+    def __init__(self, retry_after: float | None, message: str = "", code: str | None = None):
+        super().__init__(f"upstream rate limited ({code}): {message}")
+        self.retry_after = retry_after
+        self.message = message
+        self.code = code
+
+
 class ReplicaStreamError(ReplicaError):
     """The request failed after its stream began (the replica's last line was an error)."""
 

@@ -4,7 +4,8 @@ tokenyard. Text in, text out.
 `UpstreamClient` speaks the upstream's streamed ``/chat/completions`` and ``/completions``
 over one pooled aiohttp session and maps its refusals to the replica errors of
 `replica_client` (429/503 → overloaded, 401/403 → unauthorized, other 4xx → the request's
-fault, 5xx and connection failures → unreachable, so a balancer may fail over).
+fault, 5xx and connection failures → unreachable, so a balancer may fail over; a 429
+for a request with a fallback to go to → rate limited, which the balancer does not queue).
 `upstream_generation.UpstreamGeneration` runs one API request on it.
 
 An upstream is someone else's server: nothing it says that could name our network or
@@ -33,6 +34,7 @@ from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
     ReplicaError,
     ReplicaOverloaded,
+    ReplicaRateLimited,
     ReplicaRequestError,
     ReplicaStreamError,
     ReplicaUnauthorized,
@@ -49,6 +51,9 @@ STREAM_BROKEN = "upstream_stream_broken"
 STREAM_FAILED = "upstream_error"
 #: The body field of the tenant's prefix-cache salt (vLLM's and SGLang's name).
 CACHE_SALT = "cache_salt"
+#: A body field of ours, never sent: False when the request does not queue for an
+#: upstream's 429 (it has a fallback to go to: `ReplicaRateLimited`).
+QUEUES = "tokenyard_queues"
 
 Chunk = dict[str, Any]
 
@@ -114,6 +119,7 @@ class UpstreamClient(PooledClient):
         options = {**(body.get("stream_options") or {}), "include_usage": True}
         payload = {**body, "model": self.model, "stream": True, "stream_options": options}
         salt = payload.pop(CACHE_SALT, None)
+        queues = payload.pop(QUEUES, True)
         if salt is not None and self.salts_cache:
             payload[CACHE_SALT] = upstream_salt(salt)
         # One cache shared by every tenant: its hits are some other tenant's prompt.
@@ -132,7 +138,7 @@ class UpstreamClient(PooledClient):
                 message, param, code, structured = _error_of(
                     await response.text(errors="replace"))
                 raise _refusal(response.status, (message, param, code), response.headers,
-                               url, self._name, structured=structured)
+                               url, self._name, structured=structured, queues=queues)
             async for data in _sse_data(response.content):
                 if data == "[DONE]":
                     done = True
@@ -145,7 +151,7 @@ class UpstreamClient(PooledClient):
                     message, param, code = _error_fields(error)
                     if not started:
                         raise _refusal(_status_of(error), (message, param, code), {}, url,
-                                       self._name)
+                                       self._name, queues=queues)
                     logger.warning("upstream %s failed a stream: %s (%s)", url, message,
                                    code, extra={"event": "upstream_stream_error",
                                                 "deployment": self.deployment})
@@ -254,19 +260,21 @@ def _status_of(error: Any) -> int:
 
 def _refusal(
     status: int, fields: tuple[str, str | None, str | None], headers: Mapping[str, str],
-    url: str, name: str, *, structured: bool = True,
+    url: str, name: str, *, structured: bool = True, queues: bool = True,
 ) -> ReplicaError:
     """The replica error an upstream's refusal maps to. Only an API error (`structured`)
     about the request itself keeps the upstream's message, which says what to fix; an
     overloaded upstream's text (it may name its account or its limits) and a 4xx page
     that is not an API error (a proxy's) are logged and replaced by `name`'s; a 404 is
     the deployment's fault (its URL or model), never the request's; the others never
-    reach a tenant as they are (`generation.replica_error`)."""
+    reach a tenant as they are (`generation.replica_error`). A 429 for a request that
+    does not `queues` (it has a fallback) is `ReplicaRateLimited`: not waited on."""
     message, param, code = fields
     if status in (429, 503):
         logger.info("upstream %s is overloaded (%d): %s", url, status, message)
-        return ReplicaOverloaded(_retry_after(headers),
-                                 f"{name} is overloaded; retry after a short wait.", code)
+        kind = ReplicaRateLimited if status == 429 and not queues else ReplicaOverloaded
+        return kind(_retry_after(headers),
+                    f"{name} is overloaded; retry after a short wait.", code)
     if status in (401, 403):
         refused = ReplicaUnauthorized(f"{url}: the upstream refused this deployment's key "
                                       f"({status}: {message})")

@@ -26,7 +26,7 @@ from tokenyard.balancer.replica_client import (
     ReplicaError,
     ReplicaStreamError,
 )
-from tokenyard.balancer.upstream import CACHE_SALT, STREAM_BROKEN, Chunk
+from tokenyard.balancer.upstream import CACHE_SALT, QUEUES, STREAM_BROKEN, Chunk
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage, openai_content
@@ -56,11 +56,13 @@ def request_body(
     user: str | None = None,
     tools: ToolUse | None = None,
     cache_salt: str | None = None,
+    queues: bool = True,
 ) -> dict[str, Any]:
     """The OpenAI body (without `stream`) of a chat (`messages`) or a completion
     (`prompt`); a message with images sends them as our re-encodings (`openai_content`);
     active `tools` are passed on as they are (`openai_tools`); `cache_salt`, the
-    tenant's, for the client to send on or withhold (`UpstreamClient`).
+    tenant's, for the client to send on or withhold (`UpstreamClient`); `queues=False`
+    as our `QUEUES` field, which the client pops.
     Temperature and top_p are always sent (vLLM otherwise applies the model's
     own defaults); vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens,
     ignore_eos, ...) only when set, so a plain OpenAI-compatible server is not sent
@@ -92,6 +94,7 @@ def request_body(
         "skip_special_tokens": False if not p.skip_special_tokens else None,
         "include_stop_str_in_output": p.include_stop_str_in_output or None,
         CACHE_SALT: cache_salt,
+        QUEUES: None if queues else False,
     }
     if p.logprobs is not None:
         if messages is not None:
@@ -224,6 +227,7 @@ class UpstreamGeneration:
         tokens: TokenTable | None = None,
         tools: ToolUse | None = None,
         cache_salt: str | None = None,
+        queues: bool = True,
     ) -> None:
         """A chat (`messages`, the templates' messages) or a completion (`prompt`, text),
         exactly one. `model`: the upstream's name of the model. `prompt_tokens_estimate`:
@@ -231,7 +235,8 @@ class UpstreamGeneration:
         table logprob tokens are interned in (default: one of its own, `token_bytes`).
         `tools`: passed on to the upstream, whose calls come back as tagged text.
         `cache_salt`: the tenant's prefix-cache salt (None: one tenant, no gateway); an
-        upstream that cannot keep tenants' caches apart then reports no cached tokens."""
+        upstream that cannot keep tenants' caches apart then reports no cached tokens.
+        `queues=False`: a 429 is the answer at once, not queued for (it has a fallback)."""
         if (messages is None) == (prompt is None):
             raise ValueError("an upstream generation needs messages or a prompt, not both")
         self.target = target
@@ -246,6 +251,7 @@ class UpstreamGeneration:
         self.prompt_tokens_estimate = prompt_tokens_estimate
         self.tools = tools
         self.cache_salt = cache_salt
+        self.queues = queues
         self._calls = [CallsAsText() for _ in range(params.n)]
         #: Spells the ids of the deltas' logprobs (the formats' `token_bytes`).
         self.token_bytes = tokens if tokens is not None else TokenTable()
@@ -269,7 +275,7 @@ class UpstreamGeneration:
         """The OpenAI body sent upstream."""
         return request_body(self.params, self.model, messages=self.messages,
                             prompt=self.prompt_text, user=self.user, tools=self.tools,
-                            cache_salt=self.cache_salt)
+                            cache_salt=self.cache_salt, queues=self.queues)
 
     async def start(self) -> None:
         target = self.target

@@ -61,8 +61,11 @@ class WaitQueue:
                     await asyncio.wait_for(asyncio.shield(future), min(left, LOOK_AGAIN_S))
                     return
                 except TimeoutError:
-                    if left <= LOOK_AGAIN_S or self._waiters[0] is entry:
-                        return  # the deadline, or the first in line looks again
+                    # Woken as the timer fired (`wake` took it off the heap, which may be
+                    # empty now), the deadline, or the first in line: it looks again.
+                    if (left <= LOOK_AGAIN_S or entry not in self._waiters
+                            or self._waiters[0] is entry):
+                        return
         finally:
             if not future.done():
                 future.cancel()

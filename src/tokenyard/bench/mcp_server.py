@@ -7,7 +7,8 @@ process of its own: what `tokenyard bench agent` and the tests of the platform's
 serves a calculator (`add`, `multiply`: read-only; `record`: not) over streamable HTTP
 at http://127.0.0.1:PORT/mcp. With `--secret`, every request must carry
 ``X-Api-Secret: S`` (else 401): a registered server's headers reach it. Every call is
-appended to `calls`, which the `last_calls` tool returns.
+appended to `calls`, which the `last_calls` tool returns; ``GET /seen`` answers how many
+HTTP requests reached it (`requests_seen`: whether anyone contacted it at all).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ import httpx
 from tokenyard.bench.children import free_port
 
 ENDPOINT = "/mcp"
+#: The path that answers how many requests the server received (itself not counted).
+SEEN = "/seen"
+
+
+def requests_seen(url: str) -> int:
+    """How many HTTP requests the MCP server at `url` (its `ENDPOINT`) has received."""
+    return int(httpx.get(url.removesuffix(ENDPOINT) + SEEN, timeout=10).json()["seen"])
 
 
 @contextlib.contextmanager
@@ -95,9 +103,27 @@ def main() -> None:
     app = server.streamable_http_app(stateless_http=False)
     if args.secret is not None:
         app = _guarded(app, args.secret)
+    app = _counted(app)
     import uvicorn
 
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def _counted(app: Any) -> Any:
+    """`app`, counting the HTTP requests it receives; ``GET /seen`` answers the count."""
+    seen = [0]
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == SEEN:
+            body = f'{{"seen": {seen[0]}}}'.encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if scope["type"] == "http":
+            seen[0] += 1
+        await app(scope, receive, send)
+    return counted
 
 
 def _guarded(app: Any, secret: str) -> Any:

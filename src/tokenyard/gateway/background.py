@@ -42,6 +42,9 @@ logger = logging.getLogger("tokenyard.gateway.background")
 
 #: Between two purges of expired background responses.
 PURGE_EVERY_S = 300.0
+#: The message of the cancellation of a run its client cancelled (`Background.cancel`),
+#: which its runner records as the request's end (a stop of the process is not one).
+CANCELLED = "cancelled by its client"
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class Background:
                                          org_id=self._scope(key), response=cancelled)
         task = self.running.get(job.id)
         if done and task is not None:
-            task.cancel()
+            task.cancel(CANCELLED)
         self.changed(job.id)
         return done
 
@@ -311,5 +314,5 @@ class BackgroundLane:
                 logger.info("purged %d expired background responses", purged)
 
 
-__all__ = ["AT_WORK", "QUEUED_EVENTS", "Background", "BackgroundJob", "BackgroundLane",
+__all__ = ["AT_WORK", "CANCELLED", "QUEUED_EVENTS", "Background", "BackgroundJob", "BackgroundLane",
            "BackgroundSettings", "Busy", "Held", "Lost", "Runner"]

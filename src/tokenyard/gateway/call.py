@@ -295,6 +295,10 @@ class Call:
     gens: list[Generating] = field(default_factory=list)
     #: Every candidate tried, when the request had fallbacks (None: it had none).
     attempts: list[Attempt] | None = None
+    #: Whether the request took its one request from the key's RPM already (an attempt
+    #: admitted before a fallback's, or its admission before its MCP servers were
+    #: contacted): a later admission takes none. Kept by `retarget`.
+    counted: bool = False
 
     def retarget(self, model: str, build: Build) -> None:
         """Aim the call at another candidate (a fallback), clearing what the last

@@ -9,8 +9,10 @@ followed.
 
 Each candidate is a whole attempt through the pipeline (`Pipeline.route`, then
 `Pipeline.serve`): routed, with the key's model scope and regions checked; prepared for
-that deployment (its window, its template); admitted with its own hold at its own price;
-moderated; started. An attempt ends the chain unless it failed on a condition of the
+that deployment (its window, its template); admitted with its own hold at its own price
+(the key's RPM counts the request once, at its first admitted attempt: `Call.counted`;
+its TPM keeps only what served, a failed attempt's reservation given back); moderated;
+started. An attempt ends the chain unless it failed on a condition of the
 failed candidate's `fallback_on` (rate_limit, server_error, timeout, context_length,
 content_policy): then its hold is released unbilled and the next candidate is tried. A
 candidate the key may not use (its scope, its regions, its context cap), or one that
@@ -98,7 +100,8 @@ class Stages(Protocol[_Run]):
 
     async def serve(self, call: Any, served: Served, *,
                     first_byte_timeout_s: float | None = None,
-                    moves_on: Callable[[BaseException], bool] | None = None) -> _Run: ...
+                    moves_on: Callable[[BaseException], bool] | None = None,
+                    queues: bool = True) -> _Run: ...
 
 
 def condition(err: BaseException) -> str | None:
@@ -150,7 +153,9 @@ async def run_with_fallbacks(pipeline: Stages[_Run], call: Call) -> _Run:
             started = await pipeline.serve(
                 call, served, moves_on=moves_on, first_byte_timeout_s=(
                     policy.first_byte_timeout_s if ahead and "timeout" in policy.on
-                    else None))
+                    else None),
+                # A rate limit that sends the request on does so at once: no queueing.
+                queues=not (ahead and "rate_limit" in policy.on))
         except (APIError, TimeoutError) as exc:
             if chain is None:  # routing failed for the name the client asked for
                 chain = _chain(pipeline, call, None)

@@ -219,6 +219,7 @@ class Gateway:
         region: str | None = None,
         batch: str | None = None,
         own_batch_prices: PriceSpec | None = None,
+        counted: bool = False,
     ) -> Ticket:
         """Stages 4–6 for a request of `prompt_tokens` that may generate `max_tokens`
         (all completions together): its scopes, its limits (reserving prompt + max_tokens
@@ -229,12 +230,15 @@ class Gateway:
         client asked for, which a key's model scope may name instead; `region`, the
         deployment's, which its ledger row records; `batch`, the batch the request is a
         line of, priced at the deployment's `own_batch_prices` (its fleet entry's), else
-        at half its live prices."""
+        at half its live prices. `counted`: the request already took its one request
+        from the RPM buckets (an earlier attempt of it, a fallback's), so this takes none.
+        """
         authorize(key, model, prompt_tokens + max_tokens if context_tokens is None
                   else context_tokens, alias=alias)
         timeline.mark("authorized")
         try:
-            admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens)
+            admission = await self.limiter.admit(_subjects(key), prompt_tokens + max_tokens,
+                                                 requests=0 if counted else 1)
         except RateLimited as refusal:
             raise RateLimitExceeded(refusal) from None
         except Exception as exc:  # Redis is down
@@ -275,6 +279,7 @@ class Gateway:
         region: str | None = None,
         batch: str | None = None,
         own_batch_prices: PriceSpec | None = None,
+        counted: bool = False,
     ) -> Ticket:
         """`admit` for a request of `prompts`, each with its fitted `params`: it reserves
         every prompt token and every token the n completions of each may generate, and
@@ -286,7 +291,7 @@ class Gateway:
             context_tokens=max(len(p) + (fp.max_tokens or 0)
                                for p, fp in zip(prompts, params, strict=True)),
             timeline=timeline, alias=alias, region=region, batch=batch,
-            own_batch_prices=own_batch_prices,
+            own_batch_prices=own_batch_prices, counted=counted,
         )
 
     def finish(self, ticket: Ticket, usage: Usage | None, status: str) -> None:

@@ -55,6 +55,9 @@ class Opening:
     priority: int = 0
     timeline: Timeline | None = None
     metrics: TokenyardMetrics | None = None
+    #: False: an upstream's 429 ends the attempt at once (it has a fallback to go to)
+    #: rather than waiting in the pool's queue.
+    queues: bool = True
 
 
 @dataclass
@@ -144,7 +147,7 @@ class Upstream(Kind):
             prompt=None if o.messages is not None else o.text, params=o.params,
             model=served.spec.model or served.name, timeline=o.timeline, metrics=o.metrics,
             prompt_tokens_estimate=len(o.prompt), tokens=table, tools=o.tools,
-            cache_salt=o.cache_salt,
+            cache_salt=o.cache_salt, queues=o.queues,
         ) for o in openings], table)
 
     def takes_copy(self, shadow: Served, primary: Served, messages: object,

@@ -9,7 +9,8 @@ loop, so the buckets are exactly those of one process, whatever worker a request
 Framing: one JSON object per line, each way. A worker keeps one connection and may have
 many calls in flight on it; a reply carries its call's `id`.
 
-    → {"id": 7, "op": "admit", "tokens": 42, "subjects": [[scope, id, rpm, tpm, conc], …]}
+    → {"id": 7, "op": "admit", "tokens": 42, "requests": 1,
+       "subjects": [[scope, id, rpm, tpm, conc], …]}
     ← {"id": 7, "lease": "1f", "state": [6 header fields]}
     ← {"id": 7, "refused": [scope, id, kind, limit, used, requested, retry_after],
        "state": [6 header fields]}
@@ -43,6 +44,7 @@ from tokenyard.gateway.limits import (
     RateLimited,
     RateLimitState,
     Subject,
+    check_amounts,
 )
 from tokenyard.gateway.money_server import MemoryMoney
 from tokenyard.store.records import Limits
@@ -146,7 +148,8 @@ class LimitServer:
             if call["op"] == "admit":
                 subjects = [_subject(row) for row in call["subjects"]]
                 try:
-                    admission = self.limiter.admit_now(subjects, int(call["tokens"]))
+                    admission = self.limiter.admit_now(subjects, int(call["tokens"]),
+                                                       int(call.get("requests", 1)))
                 except RateLimited as refusal:
                     return {"id": call_id, "state": list(refusal.state), "refused": [
                         refusal.scope, refusal.subject_id, refusal.kind, refusal.limit,
@@ -213,13 +216,13 @@ class SocketLimiter:
         self._connecting = asyncio.Lock()
         self._next_id = 0
 
-    async def admit(self, subjects: Sequence[Subject], tokens: int) -> Admission:
-        """Take one request, `tokens` and one slot from every subject in the parent's
+    async def admit(self, subjects: Sequence[Subject], tokens: int,
+                    requests: int = 1) -> Admission:
+        """Take `requests`, `tokens` and one slot from every subject in the parent's
         limiter, or raise `RateLimited` (or `LimiterUnavailable`) and take nothing."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, not {tokens}")
+        check_amounts(tokens, requests)
         subjects = tuple(subjects)
-        reply = await self.call({"op": "admit", "tokens": tokens,
+        reply = await self.call({"op": "admit", "tokens": tokens, "requests": requests,
                                   "subjects": [_subject_row(s) for s in subjects]})
         state = RateLimitState(*reply["state"])
         refused = reply.get("refused")

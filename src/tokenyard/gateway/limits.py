@@ -121,9 +121,11 @@ class RateLimited(Exception):
 class Limiter(Protocol):
     """What the gateway calls per request (stage 5 before routing, stage 19 after the reply)."""
 
-    async def admit(self, subjects: Sequence[Subject], tokens: int) -> Admission:
-        """Take one request, `tokens` (prompt + max_tokens) and one slot from every subject,
-        or raise `RateLimited` and take nothing."""
+    async def admit(self, subjects: Sequence[Subject], tokens: int,
+                    requests: int = 1) -> Admission:
+        """Take `requests` (1; 0 for a later attempt of a request already counted),
+        `tokens` (prompt + max_tokens) and one slot from every subject, or raise
+        `RateLimited` and take nothing."""
         ...
 
     async def settle(self, admission: Admission, actual_tokens: int) -> None:
@@ -177,8 +179,9 @@ class InProcessLimiter:
         self._sweep_interval = sweep_interval
         self._swept = clock()
 
-    async def admit(self, subjects: Sequence[Subject], tokens: int) -> Admission:
-        return self.admit_now(subjects, tokens)
+    async def admit(self, subjects: Sequence[Subject], tokens: int,
+                    requests: int = 1) -> Admission:
+        return self.admit_now(subjects, tokens, requests)
 
     async def settle(self, admission: Admission, actual_tokens: int) -> None:
         self.settle_now(admission, actual_tokens)
@@ -186,10 +189,10 @@ class InProcessLimiter:
     async def close(self) -> None:
         self._counters.clear()
 
-    def admit_now(self, subjects: Sequence[Subject], tokens: int) -> Admission:
+    def admit_now(self, subjects: Sequence[Subject], tokens: int,
+                  requests: int = 1) -> Admission:
         """`admit` without the coroutine."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, not {tokens}")
+        check_amounts(tokens, requests)
         now = self._clock()
         if now - self._swept >= self._sweep_interval:
             self._sweep(now)
@@ -199,7 +202,7 @@ class InProcessLimiter:
         refusal: tuple[int, int, float] | None = None  # (subject index, kind index, retry)
         for i, subject in enumerate(subjects):
             limits, counters = subject.limits, found[i]
-            for k, limit, amount in ((0, limits.rpm, 1), (1, limits.tpm, tokens)):
+            for k, limit, amount in ((0, limits.rpm, requests), (1, limits.tpm, tokens)):
                 if limit is None:
                     levels.append(None)
                     continue
@@ -225,7 +228,7 @@ class InProcessLimiter:
             if counters is None:
                 counters = self._counters[(subject.scope, subject.id)] = _Counters(subject.limits)
             counters.limits = subject.limits
-            for k, amount in ((0, 1), (1, tokens)):
+            for k, amount in ((0, requests), (1, tokens)):
                 before = levels[3 * i + k]
                 if before is not None:
                     levels[3 * i + k] = counters.levels[k] = before - amount
@@ -266,6 +269,14 @@ class InProcessLimiter:
     def __len__(self) -> int:
         """Subjects held in memory (for tests and metrics)."""
         return len(self._counters)
+
+
+def check_amounts(tokens: int, requests: int) -> None:
+    """ValueError for amounts an admission cannot take (negative; more than one request)."""
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, not {tokens}")
+    if requests not in (0, 1):
+        raise ValueError(f"requests must be 0 or 1, not {requests}")
 
 
 def rate_limit_state(subjects: Sequence[Subject], levels: Sequence[float | None]) -> RateLimitState:

@@ -136,8 +136,9 @@ class Pipeline:
 
     async def admit(self, call: Call, served: Served, ready: Prepared) -> Ticket | None:
         """Stages 4–6: the key's context scope, its limits (reserving every prompt token
-        and every token the completions may generate) and its billing hold. None without
-        a gateway."""
+        and every token the completions may generate) and its billing hold; one request
+        from the RPM buckets unless the call took it already (`Call.counted`). None
+        without a gateway."""
         gateway = self.fleet.gateway
         if gateway is None or call.key is None:
             return None
@@ -146,8 +147,9 @@ class Pipeline:
             call.key, model=served.name, endpoint=call.endpoint, request_id=call.request_id,
             prompts=ready.prompts, params=ready.params, timeline=call.timeline,
             alias=call.route.alias, region=call.route.region, batch=call.batch,
-            own_batch_prices=served.spec.batch_prices,
+            own_batch_prices=served.spec.batch_prices, counted=call.counted,
         )
+        call.counted = True  # a fallback's attempt after this one is the same request
         return call.ticket
 
     async def run(self, call: Call) -> Run:
@@ -158,11 +160,14 @@ class Pipeline:
 
     async def serve(self, call: Call, served: Served, *,
                     first_byte_timeout_s: float | None = None,
-                    moves_on: Callable[[BaseException], bool] | None = None) -> Run:
+                    moves_on: Callable[[BaseException], bool] | None = None,
+                    queues: bool = True) -> Run:
         """`run` past routing, on `served`: prepare, admit, the expensive work, then
         start the generations — within `first_byte_timeout_s` (None: unbounded; past it,
         TimeoutError). A start that fails so that the request `moves_on` to a fallback
-        is given up: closed unbilled and uncaptured (the next attempt captures it)."""
+        is given up: closed unbilled and uncaptured (the next attempt captures it).
+        `queues=False`: an upstream's 429 ends the attempt at once (its fallback takes
+        rate limits) instead of waiting in the pool's queue."""
         ready = await self.prepare(call, served)
         if ready.messages is not None:  # cheap: a 400 before admission, not after it
             require_vision(ready.messages, served.name, served.vision)
@@ -172,7 +177,7 @@ class Pipeline:
         except BaseException:
             self._settle(ticket, [])
             raise
-        run = Run(self, call, served, ready, ticket, policy)
+        run = Run(self, call, served, ready, ticket, policy, queues=queues)
         try:
             # Sent together: the replica batches them; a refusal of any refuses the request.
             async with asyncio.timeout(first_byte_timeout_s):
@@ -189,15 +194,31 @@ class Pipeline:
         ready = await self.prepare(call, served)
         if ready.messages is not None:
             require_vision(ready.messages, served.name, served.vision)
-        gateway = self.fleet.gateway
-        if gateway is not None and call.key is not None:
-            ticket = await gateway.admit(
-                call.key, model=served.name, endpoint=call.endpoint,
-                request_id=call.request_id, prompt_tokens=0, max_tokens=0,
-                timeline=call.timeline, alias=call.route.alias if call.route else None,
-                region=call.route.region if call.route else None)
-            gateway.finish(ticket, None, "completed")
+        self.release(await self.admit_request(call))
         return len(ready.prompts[0])
+
+    async def admit_request(self, call: Call) -> Ticket | None:
+        """The key admitted for routed `call` as a request, before its prompt exists:
+        its model scope, one request from its RPM, a concurrency slot and the money
+        pre-check (each refusing with its 429), no tokens held. For work a dialect does
+        before the prompt that costs the platform (an MCP loop contacts its servers):
+        the call is `counted`, so its first attempt takes no second request; `release`
+        the ticket before that attempt is admitted. None without a gateway."""
+        gateway = self.fleet.gateway
+        if gateway is None or call.key is None:
+            return None
+        assert call.served is not None
+        ticket = await gateway.admit(
+            call.key, model=call.served.name, endpoint=call.endpoint,
+            request_id=call.request_id, prompt_tokens=0, max_tokens=0,
+            timeline=call.timeline, alias=call.route.alias if call.route else None,
+            region=call.route.region if call.route else None, batch=call.batch)
+        call.counted = True
+        return ticket
+
+    def release(self, ticket: Ticket | None) -> None:
+        """Give back a ticket nothing ran under (its slot; no ledger row). Idempotent."""
+        self._settle(ticket, [])
 
     async def _expensive(self, call: Call, served: Served, ready: Prepared) -> ModerationPolicy:
         """What an admitted request may cost: its images loaded, its input moderated;
@@ -227,7 +248,8 @@ class Run:
     place it is settled."""
 
     def __init__(self, pipeline: Pipeline, call: Call, served: Served, ready: Prepared,
-                 ticket: Ticket | None, policy: ModerationPolicy) -> None:
+                 ticket: Ticket | None, policy: ModerationPolicy, *,
+                 queues: bool = True) -> None:
         self.pipeline, self.call, self.served, self.ready = pipeline, call, served, ready
         self.ticket = ticket
         gateway, key = pipeline.fleet.gateway, call.key
@@ -242,7 +264,7 @@ class Run:
                     text=ready.texts[i] if ready.texts else None, pins=ready.pins,
                     tools=ready.passed_on, cache_salt=ticket_salt,
                     priority=ticket.priority if ticket is not None else 0,
-                    timeline=call.timeline, metrics=pipeline.fleet.metrics)
+                    timeline=call.timeline, metrics=pipeline.fleet.metrics, queues=queues)
             for i, (prompt, params) in enumerate(zip(ready.prompts, ready.params,
                                                      strict=True))])
         #: Spells the ids of the outputs' logprobs (what the dialect's format is given).

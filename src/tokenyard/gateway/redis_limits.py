@@ -34,6 +34,7 @@ from tokenyard.gateway.limits import (
     EPSILON,
     Admission,
     Subject,
+    check_amounts,
     rate_limit_state,
     rate_limited,
 )
@@ -66,13 +67,14 @@ end
 
 # KEYS per subject i: [3i-2] request bucket, [3i-1] token bucket, [3i] lease set.
 # ARGV: [1] tokens, [2] lease id, [3] lease ttl (ms); per subject i: [3i+1] rpm, [3i+2] tpm,
-# [3i+3] max concurrency ('' = unlimited).
+# [3i+3] max concurrency ('' = unlimited); last ([3n+4]): requests to take (1, or 0 for a
+# later attempt of a request already counted).
 # Returns {refused subject (0: admitted), refused kind (1 requests, 2 tokens, 3 concurrency),
 # retry seconds ('inf': never fits), then per subject: requests level, tokens level, leases in
 # flight ('' = unlimited)} — after the take when admitted, before it when refused.
 _ADMIT = _PRELUDE + f"""
 local n = #KEYS / 3
-local amounts = {{1, tonumber(ARGV[1])}}
+local amounts = {{tonumber(ARGV[3 * n + 4]), tonumber(ARGV[1])}}
 local levels = {{}}
 local refused, refused_kind, retry = 0, 0, -1
 for i = 1, n do
@@ -165,11 +167,11 @@ class RedisLimiter:
     def _key(self, subject: Subject, name: str) -> str:
         return f"{self.key_prefix}{subject.scope}:{subject.id}:{name}"
 
-    async def admit(self, subjects: Sequence[Subject], tokens: int) -> Admission:
-        """Take one request, `tokens` and one slot from every subject, or raise
+    async def admit(self, subjects: Sequence[Subject], tokens: int,
+                    requests: int = 1) -> Admission:
+        """Take `requests`, `tokens` and one slot from every subject, or raise
         `RateLimited` and take nothing — one atomic script, one round trip."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, not {tokens}")
+        check_amounts(tokens, requests)
         subjects = tuple(subjects)
         lease_id = os.urandom(8).hex()
         keys: list[str] = []
@@ -179,6 +181,7 @@ class RedisLimiter:
                      self._key(subject, "leases"))
             limits = subject.limits
             args += (_arg(limits.rpm), _arg(limits.tpm), _arg(limits.max_concurrency))
+        args.append(requests)
         reply = await self._admit(keys=keys, args=args)
         levels = [None if value == "" else float(value) for value in reply[3:]]
         refused = int(reply[0])

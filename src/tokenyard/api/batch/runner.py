@@ -19,7 +19,6 @@ and its log line). Only the dialect's shape of a result line differs: a `Shape`.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -34,7 +33,7 @@ from tokenyard.api.openai.embeddings import (
     embedding_options,
     no_prompt,
 )
-from tokenyard.api.request_end import CLIENT_CLOSED, call_ended
+from tokenyard.api.request_end import CallEnd
 from tokenyard.api.respond import Plan
 from tokenyard.api.responses.routes import response_plan
 from tokenyard.api.responses.schemas import ResponsesRequest
@@ -93,33 +92,28 @@ class Runner:
         call = Call(endpoint=line.endpoint, request_id=request_id,
                     timeline=Timeline(lane="batch"), model="", build=no_prompt, key=key,
                     raw=line.body.encode(), batch=line.batch_id)
-        started = time.time()
         # Unless the run gets further: cut by the batch's cancel.
-        status, publish = CLIENT_CLOSED, True
-        code: str | None = "batch_cancelled"
-        try:
+        with CallEnd(call, "batch_cancelled") as end:
             try:
                 body = await self._answer(call, line, key)
-                status, code = 200, None
+                end.answered()
                 result = shape.succeeded(line, request_id, body)
             except APIError as err:
                 wait = busy_wait(err)
                 if wait is not None:
-                    publish = False  # not its end: it runs again
+                    end.publish = False  # not its end: it runs again
                     raise Busy(wait) from None
                 status, result = shape.errored(line, request_id, err)
-                code = err.code or err.type
+                end.failed(err, status)
             except Exception:
                 logger.exception("batch %s line %d failed", line.batch_id, line.line)
                 failure = internal_error()
                 status, result = shape.errored(line, request_id, failure)
-                code = failure.code or failure.type
-        finally:
-            ticket = call.ticket
-            spent.usage = ticket.usage if ticket is not None else None
-            if publish:
-                call_ended(call, status=status, error_code=code, started_at=started)
-        return spent.end(line, status, result)
+                end.failed(failure, status)
+            finally:
+                ticket = call.ticket
+                spent.usage = ticket.usage if ticket is not None else None
+        return spent.end(line, end.status, result)
 
     async def _answer(self, call: Call, line: Claimed,
                       key: KeyContext | None) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from aiohttp import web
 from tokenyard.api.context import PIPELINE, STATE
 from tokenyard.api.errors import parse_body
 from tokenyard.api.lanes import install_lane
+from tokenyard.api.request_end import CallEnd
+from tokenyard.api.respond import Plan
 from tokenyard.api.responses import background as http
 from tokenyard.api.responses.conversations import conversation_id
 from tokenyard.api.responses.objects import ResponseObject
@@ -32,6 +34,7 @@ from tokenyard.api.responses.stream import ResponsesFormat
 from tokenyard.errors import APIError, authentication_failed, internal_error
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.background import (
+    CANCELLED,
     QUEUED_EVENTS,
     Background,
     BackgroundLane,
@@ -60,13 +63,6 @@ def runner(pipeline: Pipeline, conversations: Conversations) -> Runner:
 
     async def run(held: Held, key: KeyContext | None) -> None:
         job = held.job
-        queued = ResponseObject.model_validate(job.response)
-        if key is None:
-            return await _fail(held, queued, authentication_failed(
-                "The API key that created this response was revoked or has expired."))
-        if held.exhausted:
-            return await _fail(held, queued, internal_error(
-                f"The response was started {job.attempts - 1} times and never finished."))
         req = parse_body(ResponsesRequest, job.body.encode())
         kept: list[list[dict[str, Any]]] = []
 
@@ -78,13 +74,37 @@ def runner(pipeline: Pipeline, conversations: Conversations) -> Runner:
                     model=plan.model, build=plan.build, key=key, raw=job.body.encode())
         for name, value in plan.options.items():
             setattr(call, name, value)
+        # Its end is a live request's: a request record and a log line (its ledger row
+        # is its run's settlement); 499 when its client cancelled it here.
+        with CallEnd(call, "response_cancelled", lane="background") as end:
+            try:
+                await _run(held, key, req, call, plan, kept, end)
+            except asyncio.CancelledError as exc:
+                end.publish = CANCELLED in exc.args  # else this process stops: it reruns
+                raise
+            except Lost:
+                end.publish = False  # its end is another worker's, or a cancel's there
+                raise
+
+    async def _run(held: Held, key: KeyContext | None, req: ResponsesRequest, call: Call,
+                   plan: Plan, kept: list[list[dict[str, Any]]], end: CallEnd) -> None:
+        """The run itself: `end` learns how it ended."""
+        job = held.job
+        queued = ResponseObject.model_validate(job.response)
+        if key is None:
+            return await _fail(held, queued, end, authentication_failed(
+                "The API key that created this response was revoked or has expired."))
+        if held.exhausted:
+            return await _fail(held, queued, end, internal_error(
+                f"The response was started {job.attempts - 1} times and never finished."))
         try:
             started = await pipeline.run(call)
         except APIError as err:
             wait = busy_wait(err)
             if wait is not None and held.patient:
+                end.publish = False  # not its end: it runs again
                 raise Busy(wait) from None
-            return await _fail(held, queued, err)
+            return await _fail(held, queued, end, err)
         fmt = plan.format(started)
         assert isinstance(fmt, ResponsesFormat)
         fmt.after_queue(queued, QUEUED_EVENTS)
@@ -92,6 +112,7 @@ def runner(pipeline: Pipeline, conversations: Conversations) -> Runner:
             final = await _generate(held, started, fmt)
             if plan.finish is not None:
                 await plan.finish(fmt)  # → keep: the turn's input items
+            end.answered()
         except (Lost, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -99,6 +120,7 @@ def runner(pipeline: Pipeline, conversations: Conversations) -> Runner:
             if not isinstance(exc, APIError):
                 logger.exception("background response %s failed", job.id, exc_info=exc)
             final, kept[:] = _json([fmt.failed(failure)]), []
+            end.failed(failure)
         finally:
             await started.close()
         items = kept[0] if kept else None
@@ -134,8 +156,9 @@ async def _generate(held: Held, run: Run, fmt: ResponsesFormat) -> list[dict[str
     return pending
 
 
-async def _fail(held: Held, queued: ResponseObject, err: APIError) -> None:
+async def _fail(held: Held, queued: ResponseObject, end: CallEnd, err: APIError) -> None:
     """End a response that never started with `err` (response.failed)."""
+    end.failed(err)
     fmt = ResponsesFormat(queued, None)
     fmt.after_queue(queued, QUEUED_EVENTS)
     event = fmt.failed(err)
