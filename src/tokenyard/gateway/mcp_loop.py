@@ -277,7 +277,8 @@ class LoopRun(Run):
 
         call = Call(endpoint=self.call.endpoint,
                     request_id=f"{self.call.request_id}-h{self.hops + 1}",
-                    timeline=Timeline(), model=self.call.model, build=build,
+                    timeline=Timeline(lane=self.call.timeline.lane), model=self.call.model,
+                    build=build,
                     key=self.call.key, capability=self.call.capability, param=self.call.param,
                     bounded=False, first_user_text=self.call.first_user_text,
                     batch=self.call.batch)
