@@ -23,14 +23,9 @@ from tokenyard.wire.protocol import Pin
 from tokenyard.wire.sampling_params import SamplingParams
 
 
-class Generating(Protocol):
-    """What the pipeline, its wrappers and the dialects' renderers need of one generation,
-    whatever its deployment's kind (an engine's `Generation`, an upstream's
-    `UpstreamGeneration`, and the moderation and shadow wrappers around either).
-
-    `start` sends it and waits for its first output (a refusal raises before any byte is
-    written); iterating yields its `RequestOutput`s; `close` ends it (the replica aborts
-    what is unfinished) and is safe to call twice."""
+class Generated(Protocol):
+    """What an answer's rendering reads of one generation once it ran (its usage and
+    finish): a `Generating`, or the sums of an MCP loop's hops (`mcp_loop.Totals`)."""
 
     @property
     def params(self) -> SamplingParams: ...
@@ -55,6 +50,16 @@ class Generating(Protocol):
     def finish_reasons(self) -> list[str | None]:
         """Each completion's finish reason once it has one ("abort" once closed)."""
         ...
+
+
+class Generating(Generated, Protocol):
+    """What the pipeline, its wrappers and the dialects' renderers need of one generation,
+    whatever its deployment's kind (an engine's `Generation`, an upstream's
+    `UpstreamGeneration`, and the moderation and shadow wrappers around either).
+
+    `start` sends it and waits for its first output (a refusal raises before any byte is
+    written); iterating yields its `RequestOutput`s; `close` ends it (the replica aborts
+    what is unfinished) and is safe to call twice."""
 
     @property
     def stop_reasons(self) -> list[int | str | None]:
@@ -151,7 +156,7 @@ class Render(Protocol):
     """One answer in one dialect's shape: what `Run.complete` and `Run.stream` ask of the
     dialect's format."""
 
-    def body(self, gens: Sequence[Generating],
+    def body(self, gens: Sequence[Generated],
              completions: Sequence[list[Completion]]) -> Event:
         """The non-streamed body; `completions[i]` are prompt i's finished choices."""
         ...
@@ -164,7 +169,7 @@ class Render(Protocol):
         """The events of one step's output of prompt `index`."""
         ...
 
-    def tail(self, gens: Sequence[Generating]) -> Sequence[Event]:
+    def tail(self, gens: Sequence[Generated]) -> Sequence[Event]:
         """Events after every generation finished (a usage event)."""
         ...
 

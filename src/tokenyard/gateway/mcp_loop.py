@@ -30,13 +30,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, cast
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tokenyard.errors import APIError
 from tokenyard.gateway.billing import Cost, Usage
 from tokenyard.gateway.build_hooks import preparer
-from tokenyard.gateway.call import Call, Generating, Prepared
+from tokenyard.gateway.call import Call, Generated, Prepared
 from tokenyard.gateway.kinds import kind_of
 from tokenyard.gateway.mcp_toolbox import Toolbox
 from tokenyard.gateway.mcp_tools import ToolOutcome
@@ -88,7 +88,7 @@ class Totals:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     cache_writes: tuple[int, int] = (0, 0)
-    finish_reasons: list[str | None] | None = None
+    finish_reasons: list[str | None] = field(default_factory=list)
     last: RequestOutput | None = None
 
 
@@ -296,15 +296,15 @@ class LoopRun(Run):
     # ------------------------------------------------------------------ as a Run
 
     @property
-    def generated(self) -> Sequence[Generating]:
+    def generated(self) -> Sequence[Generated]:
         assert self.hop is not None
         gen = self.hop.gens[0]
         turns = self.turn_usage()
         p, c, o = (sum(t[i] for t in turns) for i in range(3))
         last = replace(gen.last, num_prompt_tokens=p, num_cached_tokens=c,
                        num_output_tokens=o) if gen.last is not None else None
-        return [cast(Generating, Totals(gen.params, p, c, o, gen.cache_writes,
-                                       list(gen.finish_reasons), last))]
+        return [Totals(gen.params, p, c, o, gen.cache_writes, list(gen.finish_reasons),
+                       last)]
 
     async def completions(self) -> list[list[Completion]]:
         """Every hop run to its end; the last hop's finished completion."""

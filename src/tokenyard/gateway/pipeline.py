@@ -43,6 +43,7 @@ from tokenyard.gateway.call import (
     Event,
     Failed,
     Finish,
+    Generated,
     Generating,
     Mark,
     Prepared,
@@ -299,7 +300,7 @@ class Run:
             yield i, out
 
     @property
-    def generated(self) -> Sequence[Generating]:
+    def generated(self) -> Sequence[Generated]:
         """What the answer renders: the generations (an MCP loop's: every hop's sums)."""
         return self.gens
 

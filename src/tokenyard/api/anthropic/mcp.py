@@ -44,7 +44,7 @@ from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.mcp_answer import answer_with_tools
 from tokenyard.api.respond import Plan
 from tokenyard.errors import invalid_request
-from tokenyard.gateway.call import Generating
+from tokenyard.gateway.call import Generated
 from tokenyard.gateway.mcp_loop import CallDone, HopEnd, LoopRun
 from tokenyard.gateway.mcp_registry import RequestedServer
 from tokenyard.gateway.mcp_toolbox import Toolbox
@@ -163,7 +163,7 @@ class McpMessagesFormat(MessagesFormat):
         self.run = run
         self._body: AnthropicMessage | None = None
 
-    def body(self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
+    def body(self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
              ) -> BaseModel:
         if self._body is None:
             self._body = assembled([e for i, out in self.run.record

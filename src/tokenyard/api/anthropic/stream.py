@@ -41,7 +41,7 @@ from tokenyard.api.anthropic.tool_schemas import ToolUseBlock
 from tokenyard.api.anthropic.tools import parser as tool_parser
 from tokenyard.api.sse import anthropic_stream_error, sse_event
 from tokenyard.errors import APIError
-from tokenyard.gateway.call import Generating
+from tokenyard.gateway.call import Generated
 from tokenyard.text.reasoning import ReasoningStream
 from tokenyard.text.tool_calls import (
     CallArguments,
@@ -260,7 +260,7 @@ class MessagesFormat:
         self._started = False
 
     def body(
-        self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         gen, stream = gens[0], self.stream
         return build_anthropic_message(
@@ -285,7 +285,7 @@ class MessagesFormat:
         events.extend(self.stream.output_events(out))
         return events
 
-    def tail(self, gens: Sequence[Generating]) -> list[BaseModel]:
+    def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         return []
 
     def encode(self, event: Any) -> bytes:

@@ -40,7 +40,7 @@ from tokenyard.api.openai.tools import delta_parts
 from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.sse import SSE_DONE, openai_stream_error, sse_data
 from tokenyard.errors import APIError
-from tokenyard.gateway.call import Generating
+from tokenyard.gateway.call import Generated
 from tokenyard.text.reasoning import ReasoningDelta, ReasoningStream
 from tokenyard.text.tool_calls import MarkupFilter, ToolCallParser
 from tokenyard.text.tools import ToolUse
@@ -241,7 +241,7 @@ class _OpenAIFormat:
         self.include_usage = include_usage
         self.token_bytes = token_bytes
 
-    def tail(self, gens: Sequence[Generating]) -> list[BaseModel]:
+    def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         if not self.include_usage:
             return []
         output_tokens = sum(g.last.num_output_tokens for g in gens if g.last is not None)
@@ -266,7 +266,7 @@ class ChatFormat(_OpenAIFormat):
         super().__init__(self.stream, n, include_usage, token_bytes)
 
     def body(
-        self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         gen, stream = gens[0], self.stream
         return build_chat_completion(
@@ -309,7 +309,7 @@ class CompletionFormat(_OpenAIFormat):
         self._echoed: set[int] = set()  # choices whose echo chunk went out (scored)
 
     def body(
-        self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         stream = self.stream
         if not self.scored:

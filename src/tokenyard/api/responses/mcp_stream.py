@@ -32,7 +32,7 @@ from tokenyard.api.responses.objects import (
     ResponseObject,
 )
 from tokenyard.api.responses.stream import ResponsesFormat
-from tokenyard.gateway.call import Generating
+from tokenyard.gateway.call import Generated
 from tokenyard.gateway.mcp_loop import CallDone, HopEnd, LoopRun
 from tokenyard.gateway.mcp_toolbox import Listing, Toolbox
 from tokenyard.gateway.mcp_tools import ToolOutcome
@@ -77,7 +77,7 @@ class McpResponsesFormat(ResponsesFormat):
 
     # ------------------------------------------------------------------ non-streamed
 
-    def body(self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
+    def body(self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
              ) -> BaseModel:
         if self.final is None:
             self.head()
@@ -174,5 +174,5 @@ class McpResponsesFormat(ResponsesFormat):
         self._pending = []
         return events
 
-    def tail(self, gens: Sequence[Generating]) -> list[BaseModel]:
+    def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         return [*self._unrun(), *super().tail(gens)]

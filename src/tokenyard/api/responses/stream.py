@@ -41,7 +41,7 @@ from tokenyard.api.responses.objects import (
 )
 from tokenyard.api.sse import sse_event
 from tokenyard.errors import APIError
-from tokenyard.gateway.call import Generating
+from tokenyard.gateway.call import Generated
 from tokenyard.text.tool_calls import CallArguments, CallStart, MarkupFilter, TextPiece, ToolEvent
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, Logprob, RequestOutput
@@ -76,14 +76,14 @@ class ResponsesFormat:
     # ------------------------------------------------------------------ non-streamed
 
     def body(
-        self, gens: Sequence[Generating], completions: Sequence[list[Completion]]
+        self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         completion = completions[0][0]
         self.response.output = output_items(completion.text, self.tools,
                                             self._token_logprobs(completion.logprobs))
         return self._finished(gens, completion.finish_reason)
 
-    def _finished(self, gens: Sequence[Generating], finish_reason: str | None
+    def _finished(self, gens: Sequence[Generated], finish_reason: str | None
                   ) -> ResponseObject:
         gen = gens[0]
         output_tokens = gen.last.num_output_tokens if gen.last is not None else 0
@@ -203,7 +203,7 @@ class ResponsesFormat:
                                   item=item.model_copy(deep=True)))
         return events
 
-    def tail(self, gens: Sequence[Generating]) -> list[BaseModel]:
+    def tail(self, gens: Sequence[Generated]) -> list[BaseModel]:
         response = self._finished(gens, self._finish_reason)
         return [self._lifecycle(response.status)]
 
