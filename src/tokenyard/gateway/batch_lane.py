@@ -74,6 +74,7 @@ class BatchLane:
         self.live = live
         self._running: dict[Line, asyncio.Task[None]] = {}
         self._aborting: set[Line] = set()
+        self._started: set[Line] = set()  # lines inside `run` (past their key's lookup)
         self._ended: list[LineEnd] = []
         self.loop: LeaseLoop[Claimed, Line] = LeaseLoop(
             "batch worker", self, batches.store, name=_line, running=self._running,
@@ -141,16 +142,22 @@ class BatchLane:
         """Run the line; its end is written with the next round's. A line cut by its
         batch's cancel ends aborted, billed for what it computed."""
         spent = Spent()
+        name = _line(item)
+        self._started.add(name)
+        if name in self._aborting:  # cut before it started: it ends at once
+            self._ended.append(spent.end(item, None, None))
+            return
         try:
             end = await self.runner.run(item, key, spent)
         except asyncio.CancelledError:
-            if _line(item) not in self._aborting:
+            if name not in self._aborting:
                 raise  # the lane closes: the line's lease runs out, it runs again
             end = spent.end(item, None, None)
         self._ended.append(end)
 
     def ended(self, item: Claimed) -> None:
         self._aborting.discard(_line(item))
+        self._started.discard(_line(item))
 
     def describe(self, item: Claimed) -> str:
         return f"batch {item.batch_id} line {item.line}"
@@ -176,7 +183,10 @@ class BatchLane:
             if status.get(name[0], "in_progress") != "in_progress" \
                     and name not in self._aborting:
                 self._aborting.add(name)
-                task.cancel()
+                # A task still reading its key is left to see it as it starts: cut
+                # there, the cancel would escape the lane and the line hold its lease.
+                if name in self._started:
+                    task.cancel()
 
     async def _end_due(self) -> None:
         for record, status in await rows.due(self.db, utcnow()):
