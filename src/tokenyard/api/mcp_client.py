@@ -46,9 +46,8 @@ def _anywhere(address: IPAddress) -> bool:
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
-    """The TLS settings of every session, made once: loading the CA bundle took about
-    30 ms of CPU, three quarters of an agent task's MCP work when each session made its
-    own (`tokenyard bench agent`)."""
+    """The TLS settings of every session, made once: loading the CA bundle for each
+    session's transport was most of the CPU an agent task's MCP work cost the gateway."""
     return httpx2.create_ssl_context()
 
 
