@@ -69,13 +69,20 @@ bench-peers: venv
 # The reliability suite at full scale, then its report (with the run's total time). Bounded:
 # at 19 minutes pytest gets SIGINT (its fixtures stop the servers), 30 s later SIGKILL.
 CHAOS_RESULTS ?= build/chaos-results.jsonl
+# Long scenarios (`@pytest.mark.long`) that make test leaves out: a shorter test there
+# checks the same behaviour (tests/conftest.py deselects them unless TOKENYARD_CHAOS=full).
+LONG_TESTS := tests/integration/test_ray_gateway.py \
+	tests/integration/test_engine.py::test_preemption_under_a_small_pool_gives_the_same_outputs_and_frees_all_blocks \
+	tests/integration/test_engine.py::test_async_scheduling_gives_the_step_by_step_outputs_and_overlaps_steps \
+	tests/e2e/test_gateway.py::test_kill_9_of_the_gateway_after_n_completed_requests_leaves_n_ledger_rows \
+	tests/integration/test_fleet.py::test_affinity_keeps_conversations_on_their_replica
 CHAOS_TIMEOUT_S ?= 1140
 chaos: venv
 	mkdir -p $(dir $(CHAOS_RESULTS)) && rm -f $(CHAOS_RESULTS)
 	TOKENYARD_CHAOS=full TOKENYARD_CHAOS_RESULTS=$(abspath $(CHAOS_RESULTS)) \
 		timeout -s INT -k 30 $(CHAOS_TIMEOUT_S) \
 		$(PY) -m pytest -q -p no:cacheprovider tests/chaos tests/e2e/test_output_caps.py \
-		tests/clients/test_agent_loops.py
+		tests/clients/test_agent_loops.py $(LONG_TESTS)
 	$(PY) -m tests.chaos.report $(CHAOS_RESULTS) > docs/reliability.md
 
 serve: venv

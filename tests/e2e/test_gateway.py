@@ -597,6 +597,8 @@ def _kill_9(proc: subprocess.Popen[str], replicas: list[int]) -> None:
     assert proc.wait(10) == -signal.SIGKILL
 
 
+# Shorter: tests/chaos/test_kills.py kills a gateway worker and loses no usage.
+@pytest.mark.long
 def test_kill_9_of_the_gateway_after_n_completed_requests_leaves_n_ledger_rows() -> None:
     n = 5
     state = tempfile.mkdtemp(prefix="tokenyard-e2e-crash-")

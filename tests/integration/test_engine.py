@@ -81,6 +81,8 @@ def test_shared_prefix_computes_only_the_suffix_and_matches_uncached(llm: LLM) -
     assert uncached.token_ids == cached.token_ids
 
 
+# Shorter: tests/unit/test_scheduler.py's preempted requests end with their greedy tokens.
+@pytest.mark.long
 def test_preemption_under_a_small_pool_gives_the_same_outputs_and_frees_all_blocks(
     llm: LLM,
 ) -> None:
@@ -96,6 +98,8 @@ def test_preemption_under_a_small_pool_gives_the_same_outputs_and_frees_all_bloc
     assert all(block.ref_cnt == 0 for block in small.core.kv.pool.blocks)
 
 
+# Shorter: tests/e2e/test_async_scheduling.py serves with async scheduling and compares.
+@pytest.mark.long
 def test_async_scheduling_gives_the_step_by_step_outputs_and_overlaps_steps(
     llm: LLM,
 ) -> None:

@@ -238,6 +238,8 @@ async def run_conversations(server: Server, topics: list[str], turns: int,
     return cached, placement
 
 
+# Shorter: tests/unit/test_balancer_policy.py and test_pool.py route by prefix affinity.
+@pytest.mark.long
 def test_affinity_keeps_conversations_on_their_replica(
     fleet: Fleet, engines: list[Engine], tmp_path: Path
 ) -> None:

@@ -28,7 +28,8 @@ from tests.e2e.conftest import Server, running_server
 from tests.integration.test_fleet import StreamResult, _added, _ledger, chat, stream
 from tests.integration.test_ray_placement import cluster  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.slow
+# Shorter: tests/integration/test_ray_placement.py scales 1-2-1 and loses a host.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 INTERVAL_S = 0.5
 UPSTREAM = "elsewhere"  # a deployment not placed by Ray
 
