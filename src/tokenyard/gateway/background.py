@@ -29,7 +29,7 @@ from typing import Any
 from tokenyard.config import ServeConfig
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.batches import Busy
-from tokenyard.gateway.lease_loop import LeaseLoop
+from tokenyard.gateway.lease_loop import LeaseLoop, Runs
 from tokenyard.gateway.regions import require_data_region
 from tokenyard.gateway.responses import _org_scope, _store_failures, with_ids
 from tokenyard.store import background as rows
@@ -92,7 +92,7 @@ class Background:
         self.queued: list[Callable[[], None]] = []
         self._changed: dict[str, asyncio.Event] = {}
         #: The responses this process runs, by id (what a cancel here stops at once).
-        self.running: dict[str, asyncio.Task[None]] = {}
+        self.running: Runs[str] = Runs()
 
     def _scope(self, key: KeyContext) -> str | None:
         require_data_region(self.region, key.allowed_regions, "stored responses")
@@ -139,9 +139,8 @@ class Background:
         with _store_failures():
             done = await rows.cancel_job(self.store.db, job.id, now=utcnow(),
                                          org_id=self._scope(key), response=cancelled)
-        task = self.running.get(job.id)
-        if done and task is not None:
-            task.cancel(CANCELLED)
+        if done:
+            self.running.cut(job.id, CANCELLED)
         self.changed(job.id)
         return done
 
@@ -151,9 +150,8 @@ class Background:
         with _store_failures():
             gone = await rows.delete_job(self.store.db, response_id, now=utcnow(),
                                          org_id=scope)
-        task = self.running.get(response_id)
-        if gone and task is not None:
-            task.cancel()
+        if gone:
+            self.running.cut(response_id)
         return gone
 
     # -- readers in this process wait for the events its worker writes

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from tokenyard.gateway.auth import KeyContext
 from tokenyard.gateway.batches import Batches, LineRunner, Spent
-from tokenyard.gateway.lease_loop import LeaseLoop
+from tokenyard.gateway.lease_loop import LeaseLoop, Runs
 from tokenyard.store import batches as rows
 from tokenyard.store.batches import Claimed, LineEnd
 from tokenyard.store.files import FileRecord, new_file_id
@@ -72,9 +72,8 @@ class BatchLane:
         self.settings = batches.settings
         self.runner = runner
         self.live = live
-        self._running: dict[Line, asyncio.Task[None]] = {}
+        self._running: Runs[Line] = Runs()
         self._aborting: set[Line] = set()
-        self._started: set[Line] = set()  # lines inside `run` (past their key's lookup)
         self._ended: list[LineEnd] = []
         self.loop: LeaseLoop[Claimed, Line] = LeaseLoop(
             "batch worker", self, batches.store, name=_line, running=self._running,
@@ -143,10 +142,6 @@ class BatchLane:
         batch's cancel ends aborted, billed for what it computed."""
         spent = Spent()
         name = _line(item)
-        self._started.add(name)
-        if name in self._aborting:  # cut before it started: it ends at once
-            self._ended.append(spent.end(item, None, None))
-            return
         try:
             end = await self.runner.run(item, key, spent)
         except asyncio.CancelledError:
@@ -157,7 +152,6 @@ class BatchLane:
 
     def ended(self, item: Claimed) -> None:
         self._aborting.discard(_line(item))
-        self._started.discard(_line(item))
 
     def describe(self, item: Claimed) -> str:
         return f"batch {item.batch_id} line {item.line}"
@@ -179,14 +173,11 @@ class BatchLane:
     async def _abort_cancelled(self) -> None:
         """Cut the lines in flight of batches no longer in progress (cancelled)."""
         status = await rows.statuses(self.db, sorted({b for b, _ in self._running}))
-        for name, task in list(self._running.items()):
+        for name in list(self._running):
             if status.get(name[0], "in_progress") != "in_progress" \
                     and name not in self._aborting:
                 self._aborting.add(name)
-                # A task still reading its key is left to see it as it starts: cut
-                # there, the cancel would escape the lane and the line hold its lease.
-                if name in self._started:
-                    task.cancel()
+                self._running.cut(name)
 
     async def _end_due(self) -> None:
         for record, status in await rows.due(self.db, utcnow()):

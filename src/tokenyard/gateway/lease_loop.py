@@ -80,12 +80,37 @@ class Work(Protocol[Item]):
         ...
 
 
+class Runs(dict[Name, "asyncio.Task[None]"]):
+    """A lane's runs by name (their tasks), and the one way to stop one: `cut`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Runs inside `Work.run` (past their key's lookup).
+        self.started: set[Name] = set()
+        #: Runs cut while still reading their key: cut as they enter `Work.run`.
+        self.early: dict[Name, str | None] = {}
+
+    def cut(self, name: Name, msg: str | None = None) -> bool:
+        """Cancel the run of `name` (with `msg`) where its lane handles it, inside
+        `Work.run`: a run still reading its key is cut as it gets there (cancelled
+        earlier, the cancel would escape the lane and its item keep its lease). False if
+        no run of that name is here."""
+        task = self.get(name)
+        if task is None:
+            return False
+        if name in self.started:
+            task.cancel(msg)
+        else:
+            self.early[name] = msg
+        return True
+
+
 class LeaseLoop(Generic[Item, Name]):
     """One lane's worker (see the module's docstring). `running`: the lane's runs by
     name (a dict the lane may also read, e.g. to cancel one)."""
 
     def __init__(self, what: str, work: Work[Item], store: Store, *,
-                 name: Callable[[Item], Name], running: dict[Name, asyncio.Task[None]],
+                 name: Callable[[Item], Name], running: Runs[Name],
                  lease_s: float, poll_s: float, gather_s: float = 0.0,
                  idle_poll_s: float | None = None) -> None:
         self.what, self.work, self.store, self.name = what, work, store, name
@@ -159,10 +184,16 @@ class LeaseLoop(Generic[Item, Name]):
                 await asyncio.sleep(self.gather_s)
 
     async def _run(self, item: Item) -> None:
+        name = self.name(item)
         try:
             key = await self.store.find_key_by_id(self.work.key_id(item))
             if key is not None and not key.is_active(utcnow()):
                 key = None
+            self.running.started.add(name)
+            if name in self.running.early:  # cut meanwhile: delivered inside the run
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel(self.running.early.pop(name))
             await self.work.run(item, key)
         except Busy as busy:
             self._idle_until = asyncio.get_running_loop().time() + busy.retry_after_s
@@ -172,6 +203,8 @@ class LeaseLoop(Generic[Item, Name]):
             # The store failed: the lease runs out and the item is run again.
             logger.exception("%s failed to run", self.work.describe(item))
         finally:
-            self.running.pop(self.name(item), None)
+            self.running.pop(name, None)
+            self.running.started.discard(name)
+            self.running.early.pop(name, None)
             self.work.ended(item)
             self.woken.set()
