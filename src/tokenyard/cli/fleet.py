@@ -194,11 +194,21 @@ class FleetBuilder:
         return kind_of(spec).client(spec, url, token)
 
     async def build(self) -> dict[str, Served]:
-        """Start every local child, then one Served per deployment."""
+        """Start every local child, all deployments' at once (each loads its model in its
+        own process), then one Served per deployment."""
+        specs = list(self.spec.deployments.values())
+        started = await asyncio.gather(
+            *(self.start_children(spec) for spec in specs if spec.replicas),
+            return_exceptions=True)
+        failures = [r for r in started if isinstance(r, BaseException)]
+        if failures:  # the children that did start are in self.children: stop() ends them
+            raise failures[0]
+        children = iter(started)
         out: dict[str, Served] = {}
-        for spec in self.spec.deployments.values():
-            children = await self.start_children(spec) if spec.replicas else []
-            out[spec.name] = await self.served(spec, children)
+        for spec in specs:
+            mine = next(children) if spec.replicas else []
+            assert not isinstance(mine, BaseException)
+            out[spec.name] = await self.served(spec, mine)
         return out
 
     async def stop(self, drain_timeout_s: float) -> None:
