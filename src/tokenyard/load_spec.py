@@ -73,7 +73,10 @@ def on_demand_spec(item: Mapping[str, Any], where: str) -> tuple[dict[str, Any],
             raise FleetConfigError(f"{where}: {', '.join(extra)} only with "
                                    "load = \"on_demand\"")
         return rest, None
-    if item.get("kind", "engine") == "upstream" or item.get("urls") or item.get(
+    if item.get("kind", "engine") != "engine":
+        raise FleetConfigError(f"{where}.load: \"on_demand\" is for engine deployments "
+                               "(an embeddings model's replicas run always)")
+    if item.get("urls") or item.get(
             "placement", "local") != "local":
         raise FleetConfigError(f"{where}.load: \"on_demand\" starts and stops local "
                                "replicas ('replicas' = N); it lists no urls and is not "

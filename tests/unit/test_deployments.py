@@ -175,7 +175,7 @@ def test_on_demand_deployments_and_the_resident_budget() -> None:
         "deployments": [_dep(name="always"),
                         _dep(name="od", load="on_demand", idle_unload_s=30, pinned=True,
                              load_timeout_s=90),
-                        _dep(name="od2", kind="embeddings", load="on_demand")]})
+                        _dep(name="od2", load="on_demand")]})
     assert fleet.models.max_resident_models == 2
     assert fleet.deployments["always"].on_demand is None
     od = fleet.deployments["od"].on_demand
@@ -203,6 +203,8 @@ def test_on_demand_deployments_and_the_resident_budget() -> None:
      "deployments[0].load: \"on_demand\" starts and stops local replicas"),
     ({"deployments": [_dep(kind="upstream", load="on_demand", replicas=0,
                            urls=["http://a"], model="m")]}, "deployments[0].load"),
+    ({"deployments": [_dep(kind="embeddings", load="on_demand")]},
+     "deployments[0].load: \"on_demand\" is for engine deployments"),
     ({"deployments": [_dep()], "models": {"max_resident_models": 0}},
      "models.max_resident_models: a positive integer"),
     ({"deployments": [_dep()], "models": {"max_resident": 2}},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -18,7 +18,7 @@ from tests.unit.test_pool import PROMPT, FakeReplica
 from tokenyard.balancer.member_clients import MemberClient
 from tokenyard.balancer.on_demand import ModelHost, OnDemand
 from tokenyard.balancer.pool import Pool
-from tokenyard.balancer.replica_client import ReplicaConnectionError, ReplicaOverloaded
+from tokenyard.balancer.replica_client import ReplicaOverloaded
 from tokenyard.deployments import BalancerSpec
 from tokenyard.load_spec import OnDemandSpec
 from tokenyard.wire.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ class Replicas:
             raise self.fail
         replica = FakeReplica(f"{self.name}-{self.starts}")
         self.live.append(replica)
-        return [(replica.name, replica)]
+        return [(replica.name, cast(MemberClient, replica))]
 
     async def stop(self, ids: Sequence[str]) -> None:
         self.stopped.extend(ids)
@@ -97,7 +97,8 @@ async def test_a_failed_load_fails_its_waiters_and_the_next_request_loads_again(
     replicas.fail = RuntimeError("the engine exited with code 1")
     results = await asyncio.gather(*(ask(pool, f"r{i}") for i in range(3)),
                                    return_exceptions=True)
-    assert all(isinstance(r, ReplicaConnectionError) for r in results)
+    assert all(isinstance(r, ReplicaOverloaded) and r.code == "model_load_failed"
+               for r in results)
     assert demand.state == "unloaded" and "code 1" in (demand.error or "")
     assert not demand.holds_slot and pool.inflight == 0
     replicas.fail = None
@@ -184,7 +185,7 @@ async def test_pinned_models_keep_their_slot_and_a_load_without_room_fails() -> 
     pool_a, a, _ = on_demand("a", host, pinned=True)
     pool_b, b, replicas_b = on_demand("b", host)
     await ask(pool_a)
-    with pytest.raises(ReplicaConnectionError):
+    with pytest.raises(ReplicaOverloaded):
         await ask(pool_b)
     assert a.state == "loaded" and b.state == "unloaded" and replicas_b.starts == 0
     assert "none may be unloaded" in (b.error or "")

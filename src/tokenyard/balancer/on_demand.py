@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from tokenyard.balancer.member_clients import MemberClient
 from tokenyard.balancer.members import Member
-from tokenyard.balancer.replica_client import ReplicaConnectionError, ReplicaOverloaded
+from tokenyard.balancer.replica_client import ReplicaOverloaded
 from tokenyard.balancer.wait_queue import WaitQueue
 from tokenyard.load_spec import OnDemandSpec
 
@@ -57,6 +57,8 @@ Start = Callable[[], Awaitable[Sequence[tuple[str, MemberClient]]]]
 Stop = Callable[[Sequence[str]], Awaitable[None]]
 #: How long an unload waits for the requests still running on its replicas.
 UNLOAD_DRAIN_S = 600.0
+#: The retry-after of the requests that waited for a load that failed.
+FAILED_RETRY_AFTER_S = 5.0
 #: The states of an on-demand model, as `/v1/models` shows them.
 STATES = ("unloaded", "loading", "loaded", "unloading")
 
@@ -219,14 +221,16 @@ class OnDemand:
         """A request's wait for the model (see the module's docstring), in `waiting` by
         (`priority`, `arrival`); returns its deadline for what follows (the load's own
         timeout counts, not only the queue's). 503 (ReplicaOverloaded) with retry-after
-        when the load would outlast the wait; ReplicaConnectionError when it failed."""
+        when the load would outlast the wait, or when it failed."""
         self.touch()
         self.ensure_loading()
         attempt = self._attempt
         deadline = max(deadline, self._load_began + self.spec.load_timeout_s)
         while self.state != "loaded":
             if self.state == "unloaded" and self._attempt == attempt and self.error:
-                raise ReplicaConnectionError(f"{self.name} failed to load")
+                # Its reason (other models' names, a replica's exit) is the operator's.
+                raise ReplicaOverloaded(FAILED_RETRY_AFTER_S, f"model {self.name} could "
+                                        "not be loaded now", "model_load_failed")
             if self.state in ("unloaded", "unloading"):
                 self.ensure_loading()
                 attempt = self._attempt

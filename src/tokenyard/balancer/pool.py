@@ -165,6 +165,8 @@ class Pool:
         """Whether a replica may take work now (checked now, not at the last tick)."""
         await self.check_health()
         now = time.monotonic()
+        if self.demand is not None and self.demand.state != "loaded":
+            return True  # its first request loads it
         return any(m.available(now) for m in self.members)
 
     # ------------------------------------------------------------------ admin
@@ -276,7 +278,10 @@ class Pool:
         return await engine_of(member.client).abort(request_id) if member is not None else None
 
     async def stats(self) -> ReplicaStats:
-        """The pool's engine figures, summed over the replicas that answer."""
+        """The pool's engine figures, summed over the replicas that answer (all zero for
+        an on-demand model with none loaded)."""
+        if not self.members and self.demand is not None:
+            return EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
         found = [s for s in await asyncio.gather(
             *(engine_of(m.client).stats() for m in self.members), return_exceptions=True)
             if isinstance(s, EngineStats)]
