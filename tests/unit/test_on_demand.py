@@ -192,3 +192,24 @@ async def test_pinned_models_keep_their_slot_and_a_load_without_room_fails() -> 
     a.pinned = False
     assert len(await ask(pool_b)) == 3
     assert a.state == "unloaded" and b.state == "loaded"
+
+
+@in_loop
+async def test_requests_waiting_for_a_load_go_by_priority_class_then_arrival() -> None:
+    pool, _, replicas = on_demand()
+    replicas.gate = asyncio.Event()
+
+    async def one(rid: str, priority: int) -> None:
+        params = SamplingParams(max_tokens=3)
+        assert len([d async for d in pool.generate(rid, PROMPT, params,
+                                                   priority=priority)]) == 3
+
+    tasks = []
+    for rid, priority in (("low-1", 2), ("normal-1", 1), ("low-2", 2), ("high-1", 0),
+                          ("normal-2", 1)):
+        tasks.append(asyncio.create_task(one(rid, priority)))
+        waiting = len(tasks)
+        await until(lambda: len(pool.failover.waiting) == waiting)  # noqa: B023
+    replicas.gate.set()
+    await asyncio.gather(*tasks)
+    assert replicas.live[0].calls == ["high-1", "normal-1", "normal-2", "low-1", "low-2"]
