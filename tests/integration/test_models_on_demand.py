@@ -1,6 +1,7 @@
 """Models on demand through HTTP and the official `openai` SDK: `tokenyard serve --config`
 with on-demand deployments of the null model (`TOKENYARD_NULL_MODEL=on`: the real engine
-around a forward pass that costs nothing, so a load is the replica's start alone).
+around a forward pass that costs nothing, so a load is the replica's start alone; no C++
+kernels, so no load waits for another process's kernel build).
 
 - The first request to an unloaded model succeeds, and a burst of 20 concurrent
   streaming requests during its load gets 20 answers and no error.
@@ -42,7 +43,8 @@ def on_demand(name: str, *lines: str) -> str:
 
 FLEET = "\n".join([
     "[balancer]", "queue_timeout_s = 5", "[models]", "max_resident_models = 1",
-    on_demand("od-burst", "idle_unload_s = 600"),
+    # Long enough for a slow start on a loaded machine: the burst must not time out.
+    on_demand("od-burst", "idle_unload_s = 600", "load_timeout_s = 300"),
     on_demand("od-idle", "idle_unload_s = 1"),
     on_demand("od-pinned", "pinned = true", "idle_unload_s = 0.5"),
     on_demand("od-guarded"),
@@ -55,8 +57,10 @@ FLEET = "\n".join([
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     fleet = tmp_path_factory.mktemp("on-demand") / "fleet.toml"
     fleet.write_text(FLEET)
-    with running_server("--config", str(fleet), "--log-format", "json",
-                        env={"TOKENYARD_NULL_MODEL": "on"}) as (srv, _):
+    # The null model's replicas need no C++ kernel: none waits on the kernel cache's
+    # lock while another process on the machine builds one.
+    env = {"TOKENYARD_NULL_MODEL": "on", "TOKENYARD_DISABLE_KERNELS": "1"}
+    with running_server("--config", str(fleet), "--log-format", "json", env=env) as (srv, _):
         yield srv
 
 
@@ -68,7 +72,7 @@ def call(server: Server, method: str, path: str, body: Any = None,
         headers={"Authorization": f"Bearer {key or server.api_key}",
                  "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as exc:
         return exc.code, json.load(exc)
@@ -95,7 +99,7 @@ def wait_for(check: Callable[[], bool], timeout: float = 60.0) -> None:
 
 def chat(server: Server, model: str) -> str:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key,
-                           max_retries=0, timeout=120)
+                           max_retries=0, timeout=300)
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
     return reply.choices[0].message.content or ""
@@ -103,7 +107,7 @@ def chat(server: Server, model: str) -> str:
 
 async def burst(server: Server, model: str, n: int) -> list[str | BaseException]:
     client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=server.api_key,
-                                max_retries=0, timeout=120)
+                                max_retries=0, timeout=300)
 
     async def one(i: int) -> str:
         stream = await client.chat.completions.create(

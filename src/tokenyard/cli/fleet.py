@@ -96,6 +96,7 @@ class FleetBuilder:
         self.children.extend(mine)
         if failures:
             raise failures[0]
+        self._watch = [t for t in self._watch if not t.done()]  # on-demand ones come and go
         for child in mine:
             self._watch.append(asyncio.create_task(self._supervise(child)))
         return mine
