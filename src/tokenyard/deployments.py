@@ -60,6 +60,7 @@ from tokenyard.fleet_values import (
     opt_region,
     opt_string,
 )
+from tokenyard.load_spec import ModelsSpec, OnDemandSpec, models_spec, on_demand_spec
 from tokenyard.moderation_spec import ModerationSpec, moderation_spec
 from tokenyard.placement_spec import RayPlacement, ray_placement
 from tokenyard.sampling_defaults import NONE, SamplingDefaults, fleet_defaults
@@ -151,6 +152,9 @@ class DeploymentSpec:
     reasoning_parser: str = "auto"
     #: Where its requests go when it fails before their first byte (`fallback_spec.py`).
     fallbacks: FallbackSpec | None = None
+    #: Its local replicas start on its first request and stop when idle
+    #: (`load_spec.py`); None: they run from the start.
+    on_demand: OnDemandSpec | None = None
 
     @property
     def salts_cache(self) -> bool:
@@ -203,6 +207,8 @@ class FleetSpec:
     deployments: Mapping[str, DeploymentSpec]
     aliases: Mapping[str, AliasSpec] = field(default_factory=dict)
     balancer: BalancerSpec = BalancerSpec()
+    #: The host's budget of resident on-demand models (`load_spec.py`).
+    models: ModelsSpec = field(default_factory=ModelsSpec)
     #: The file it came from (None: built from flags).
     path: Path | None = None
 
@@ -224,7 +230,7 @@ def load_fleet(path: Path) -> FleetSpec:
 
 def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
     """A FleetSpec from a decoded TOML document."""
-    only_fields(raw, {"deployments", "aliases", "balancer"}, "the file")
+    only_fields(raw, {"deployments", "aliases", "balancer", "models"}, "the file")
     items = raw.get("deployments", [])
     if not isinstance(items, list) or not items:
         raise FleetConfigError("'deployments' must be a non-empty array of tables")
@@ -237,7 +243,8 @@ def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
     aliases = {name: _alias(name, value, deployments)
                for name, value in a_table(raw.get("aliases", {}), "aliases").items()}
     check_fallbacks(deployments, aliases)
-    return FleetSpec(deployments, aliases, _balancer(raw.get("balancer", {})), path)
+    return FleetSpec(deployments, aliases, _balancer(raw.get("balancer", {})),
+                     models_spec(raw.get("models", {})), path)
 
 
 def single_fleet(
@@ -273,6 +280,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item, ray = ray_placement(item, where)
     item, tool_parser, reasoning_parser = parser_choice(item, where)
     item, fallbacks = fallback_spec(item, where)
+    item, on_demand = on_demand_spec(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "batch_prices", "moderation",
                  "server", "defaults", "region"}, where)
@@ -293,6 +301,9 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
                                "list its base URLs in 'urls'")
     if not replicas and not urls and ray is None:
         raise FleetConfigError(f"{where}: needs 'replicas' (local) or 'urls' (running)")
+    if on_demand is not None and not replicas:
+        raise FleetConfigError(f"{where}.load: \"on_demand\" needs 'replicas' >= 1 (the "
+                               "local replicas it starts)")
     if kind == "embeddings" and "defaults" in item:
         raise FleetConfigError(f"{where}.defaults: an embeddings deployment samples nothing")
     if kind == "upstream" and not item.get("model"):
@@ -331,7 +342,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
                   if "defaults" in item else NONE),
         tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
-        fallbacks=fallbacks, **limits,
+        fallbacks=fallbacks, on_demand=on_demand, **limits,
     )
 
 

@@ -133,6 +133,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.agent import main as agent_main
 
         return agent_main(args)
+    if args.bench_command == "models":
+        from tokenyard.bench.models import main as models_main
+
+        return models_main(args)
     if args.bench_command == "ray":
         from tokenyard.cli.ray_bench import main as ray_bench_main
 
@@ -299,6 +303,8 @@ _BENCHES = (
     ("spec", "tokenyard.bench.spec", "n-gram speculative decoding against none, one stream"),
     ("agent", "tokenyard.bench.agent", "an agent task of 3 MCP calls run by the platform "
      "against a client loop over HTTP: hop overhead"),
+    ("models", "tokenyard.bench.models", "an on-demand model: cold, warm and reload load "
+     "times and the first request's TTFT"),
     ("ray", "tokenyard.cli.ray_bench",
      "a replica's start under Ray: actor created -> healthy"),
     ("suite", "tokenyard.bench.suite",

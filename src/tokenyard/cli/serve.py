@@ -254,7 +254,8 @@ async def run(
         loop.add_signal_handler(signal.SIGHUP, lambda: workers.send(signal.SIGHUP) if workers
                                 else asyncio.ensure_future(_reload(fleet, state)))
         shown = f"[{host}]" if ":" in host else host
-        replica_urls = ", ".join(m.id for m in state.default.pool.members)
+        replica_urls = ", ".join(m.id for m in state.default.pool.members) or (
+            "loaded on demand" if state.default.pool.demand is not None else "")
         scheme = "https" if config.tls_cert is not None else "http"
         base_url = f"{scheme}://{shown}:{bound}"
         if logs.active_format == "json":  # a file or a collector: one JSON record
