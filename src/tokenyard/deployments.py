@@ -60,6 +60,7 @@ from tokenyard.fleet_values import (
     opt_region,
     opt_string,
 )
+from tokenyard.lora_spec import AdapterSpec, fleet_adapters, with_adapters
 from tokenyard.moderation_spec import ModerationSpec, moderation_spec
 from tokenyard.placement_spec import RayPlacement, ray_placement
 from tokenyard.sampling_defaults import NONE, SamplingDefaults, fleet_defaults
@@ -151,6 +152,11 @@ class DeploymentSpec:
     reasoning_parser: str = "auto"
     #: Where its requests go when it fails before their first byte (`fallback_spec.py`).
     fallbacks: FallbackSpec | None = None
+    #: engine: its LoRA adapters (`lora_spec.py`); an adapter's own deployment
+    #: (`base:adapter`) names its base (`parent`) and the adapter (`lora`).
+    adapters: tuple[AdapterSpec, ...] = ()
+    parent: str | None = None
+    lora: str | None = None
 
     @property
     def salts_cache(self) -> bool:
@@ -234,6 +240,7 @@ def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
         if spec.name in deployments:
             raise FleetConfigError(f"deployments[{i}].name: '{spec.name}' is defined twice")
         deployments[spec.name] = spec
+    deployments = with_adapters(deployments)
     aliases = {name: _alias(name, value, deployments)
                for name, value in a_table(raw.get("aliases", {}), "aliases").items()}
     check_fallbacks(deployments, aliases)
@@ -273,6 +280,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item, ray = ray_placement(item, where)
     item, tool_parser, reasoning_parser = parser_choice(item, where)
     item, fallbacks = fallback_spec(item, where)
+    item, adapters = fleet_adapters(item, where, _prices)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "batch_prices", "moderation",
                  "server", "defaults", "region"}, where)
@@ -331,7 +339,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
                   if "defaults" in item else NONE),
         tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
-        fallbacks=fallbacks, **limits,
+        fallbacks=fallbacks, adapters=adapters, **limits,
     )
 
 

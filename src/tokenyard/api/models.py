@@ -59,6 +59,8 @@ class Listed:
     sampling: SamplingDefaults | None = None
     #: Where it is served (an alias: its targets' region when they share one).
     region: str | None = None
+    #: A LoRA adapter's base deployment (`base:adapter`); None for any other.
+    parent: str | None = None
 
 
 class ModelInfo(BaseModel):
@@ -117,7 +119,7 @@ async def _every(request: web.Request) -> list[Listed]:
     return ([Listed(s.name, s.created, windows[name], s.spec.max_output_tokens,
                     capabilities=_capabilities([s.spec]),
                     sampling=s.sampling if s.generates else None,
-                    region=s.spec.region)
+                    region=s.spec.region, parent=s.spec.parent)
              for name, s in state.deployments.items()]
             + [Listed(name, state.created, capabilities=_capabilities(
                 fleet.deployments[target] for target, _ in alias.routes),
@@ -148,7 +150,8 @@ def _card(model: Listed) -> ModelCard:
                      sampling_defaults=None if model.sampling is None
                      else dict(model.sampling.values),
                      sampling_defaults_source=None if model.sampling is None
-                     else dict(model.sampling.sources), region=model.region)
+                     else dict(model.sampling.sources), region=model.region,
+                     parent=model.parent)
 
 
 

@@ -28,6 +28,7 @@ from tokenyard.balancer.affinity import AffinityTable, LocalAffinity
 from tokenyard.balancer.embeddings_client import EmbeddingsModel
 from tokenyard.balancer.failover import Failover
 from tokenyard.balancer.health import HealthChecks
+from tokenyard.balancer.lora_homes import LoraHomes
 from tokenyard.balancer.member_clients import (
     EmbeddingsMember,
     MemberClient,
@@ -40,6 +41,7 @@ from tokenyard.balancer.policy import Policy, RequestFacts, make_policy
 from tokenyard.balancer.replica_client import ReplicaConnectionError, ReplicaError
 from tokenyard.balancer.wait_queue import WaitQueue
 from tokenyard.deployments import BalancerSpec
+from tokenyard.lora_spec import lora_salt
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.abort import AbortReport
 from tokenyard.wire.outputs import EngineStats
@@ -89,6 +91,9 @@ class Pool:
         self._memo: tuple[int, int, str | None, list[int]] = (0, -1, None, [])
         #: What changes the members and stops with the pool (`balancer/discovery.py`).
         self.watchers: list[Watcher] = []
+        #: Where each LoRA adapter's requests went last (`balancer/lora_homes.py`).
+        self.lora_homes = LoraHomes()
+        self.failover.served_lora = self.lora_homes.served
 
     @property
     def inflight(self) -> int:
@@ -196,7 +201,8 @@ class Pool:
         avail = [m for m in self.members if m.id not in exclude and m.available(now)]
         if len(avail) <= 1:
             return avail
-        return await self.policy.order(avail, facts)
+        order = await self.policy.order(avail, facts)
+        return order if facts.lora is None else self.lora_homes.first(order, facts.lora)
 
     async def acquire(
         self, attempt: Callable[[Member], Awaitable[_T]], *, hashes: Sequence[int] = (),
@@ -218,17 +224,22 @@ class Pool:
         **extra: Any,
     ) -> AsyncIterator[CoreDelta]:
         """`Replica.generate` over the pool: the best replica for this prompt (`timeline`
-        gets the decision's time as its `balance` stage)."""
+        gets the decision's time as its `balance` stage). A request of a LoRA adapter
+        (`extra["lora"]`) hashes its prompt as the replica keys its blocks (salted by the
+        adapter), and goes where the adapter was sent last (`LoraHomes`) when that
+        replica is not much busier."""
+        lora = extra.get("lora")
+        salt = lora_salt(cache_salt, lora)
         stream = self.failover.stream(
             lambda m: engine_of(m.client).generate(
                 request_id, prompt_token_ids, params, cache_salt, priority, **extra),
-            hashes=self.hashes(prompt_token_ids, cache_salt),
+            hashes=self.hashes(prompt_token_ids, salt),
             cost=len(prompt_token_ids) + (params.max_tokens or 0),
-            priority=priority, request_id=request_id, timeline=timeline,
+            priority=priority, request_id=request_id, timeline=timeline, lora=lora,
         )
         if not self.policy.follows_output or not self.tracks_prefixes:
             return stream
-        return self._remember_output(stream, request_id, prompt_token_ids, cache_salt)
+        return self._remember_output(stream, request_id, prompt_token_ids, salt)
 
     async def _remember_output(
         self, stream: AsyncIterator[CoreDelta], request_id: str, prompt: list[int],

@@ -101,8 +101,10 @@ class ReplicaClient(PooledClient):
         priority: int = 0,
         *,
         pins: Sequence[Pin] = (),
+        lora: str | None = None,
     ) -> AsyncIterator[CoreDelta]:
-        """Yield the request's per-step deltas until one carries a finish_reason.
+        """Yield the request's per-step deltas until one carries a finish_reason
+        (`lora`: the adapter it runs with; None: the base model).
 
         Raises before the first item: ReplicaRequestError (400: invalid, code
         "context_length_exceeded", ...), ReplicaOverloaded (503), ReplicaUnauthorized (401),
@@ -115,7 +117,7 @@ class ReplicaClient(PooledClient):
         a replica without one gets it as a ``POST`` of its own, streamed back.
         """
         wire = GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority,
-                               list(pins))
+                               list(pins), lora)
         traceparent = OUTGOING.get()  # the gateway's span of this request, when traced
         try:
             inbox = await self._mux.open(request_id, generate_op(wire, traceparent))

@@ -184,7 +184,7 @@ class ReplicaServer:
             raise _BadRequest(str(exc), exc.param) from None
         request = make_request(
             wire.request_id, wire.prompt_token_ids, wire.params, self.engine.eos_token_ids,
-            cache_salt=wire.cache_salt, priority=wire.priority,
+            cache_salt=wire.cache_salt, priority=wire.priority, lora=wire.lora,
         )
         request.pins = tuple(wire.pins)
         if wire.params.guided is not None:
@@ -279,6 +279,7 @@ class ReplicaServer:
             block_size=core.kv.block_size,
             num_kv_blocks=core.kv.num_blocks,
             weights=self.engine.weights,
+            loras=sorted(core.loras.adapters),
         )
         if self.kv_events is not None:
             info.kv_events_endpoint = self.kv_events.endpoint

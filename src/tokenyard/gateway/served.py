@@ -57,6 +57,12 @@ class Served:
     def name(self) -> str:
         return self.spec.name
 
+    def adapter(self, spec: DeploymentSpec) -> Served:
+        """The deployment of one of its LoRA adapters (`spec`, named `base:adapter`):
+        this one's replicas, tokenizer and model facts (`lora_spec.py`)."""
+        return Served(spec, self.pool, self.created, self.tokenizer, self.info,
+                      self.sampling)
+
     @property
     def kind(self) -> str:
         """Its kind's name (`gateway/kinds.py` holds what each kind does)."""

@@ -186,9 +186,8 @@ class LoraBank:
         if weights is None:
             layer = self.model.layers[layer_index]
             linear = getattr(layer, fused)
-            out_features, in_features = linear.weight.shape
-            if linear.blocks is not None or linear.packed is not None:
-                out_features, in_features = linear.out_features, linear.in_features
+            # (A GGUF's block weights or a packed int8 one leave `weight` empty.)
+            out_features, in_features = linear.out_features, linear.in_features
             weights = LoraWeights(self.rows, self.max_loras, self.max_rank, in_features,
                                   out_sizes(layer, fused, out_features), self.device,
                                   self.dtype)

@@ -1,0 +1,54 @@
+"""`tokenyard serve --lora-modules a0=…,a1=…`: each adapter is the model `MODEL:NAME`
+(listed by /v1/models with its `parent`), served through the official OpenAI SDK; the
+base model and two adapters at once each answer as they do alone, the adapters
+differently from the base; an adapter the server does not serve is the API's 404."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.conftest import replica_get, running_server
+from tokenyard.bench.lora_adapters import write_adapters
+
+MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+async def _ask(client: openai.AsyncOpenAI, model: str) -> str:
+    reply = await client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=16)  # type: ignore[arg-type]
+    return reply.choices[0].message.content or ""
+
+
+def test_adapters_served_by_model_name(tmp_path: Path) -> None:
+    folders = write_adapters(tmp_path, 2)
+    modules = ",".join(f"{name}={path}" for name, path in folders.items())
+    with running_server("--lora-modules", modules, "--max-loras", "2") as (server, _):
+        names = [server.model, f"{server.model}:a0", f"{server.model}:a1"]
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1",
+                                    api_key=server.api_key or "none", max_retries=0)
+
+        async def scenario() -> tuple[list[str], list[str]]:
+            together = await asyncio.gather(*(_ask(client, name) for name in names))
+            alone = [await _ask(client, name) for name in names]
+            return list(together), alone
+
+        together, alone = asyncio.run(scenario())
+        listed = {m.id: m for m in openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key=server.api_key or "none").models.list()}
+        with pytest.raises(openai.NotFoundError) as missing:
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key or "none",
+                          max_retries=0).chat.completions.create(
+                model=f"{server.model}:nope", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+        info = replica_get(server, "/v1/engine/info")
+    assert together == alone
+    assert together[1] != together[0] and together[2] != together[0]
+    assert together[1] != together[2]
+    for name in names[1:]:
+        assert getattr(listed[name], "parent", None) == server.model
+    assert getattr(listed[server.model], "parent", None) is None
+    assert missing.value.code == "model_not_found"
+    assert info["loras"] == ["a0", "a1"]
