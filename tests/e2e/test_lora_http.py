@@ -1,17 +1,22 @@
 """`tokenyard serve --lora-modules a0=…,a1=…`: each adapter is the model `MODEL:NAME`
 (listed by /v1/models with its `parent`), served through the official OpenAI SDK; the
 base model and two adapters at once each answer as they do alone, the adapters
-differently from the base; an adapter the server does not serve is the API's 404."""
+differently from the base; an adapter the server does not serve is the API's 404; a key
+scoped to one adapter reaches only it, and its usage is priced and reported under the
+adapter's name."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e.conftest import replica_get, running_server
+from tests.e2e.conftest import Server, replica_get, running_server
+from tests.e2e.test_admin_http import call
 from tokenyard.bench.lora_adapters import write_adapters
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -44,6 +49,7 @@ def test_adapters_served_by_model_name(tmp_path: Path) -> None:
                           max_retries=0).chat.completions.create(
                 model=f"{server.model}:nope", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
         info = replica_get(server, "/v1/engine/info")
+        _scoped_and_billed(server, f"{server.model}:a0", f"{server.model}:a1")
     assert together == alone
     assert together[1] != together[0] and together[2] != together[0]
     assert together[1] != together[2]
@@ -52,3 +58,32 @@ def test_adapters_served_by_model_name(tmp_path: Path) -> None:
     assert getattr(listed[server.model], "parent", None) is None
     assert missing.value.code == "model_not_found"
     assert info["loras"] == ["a0", "a1"]
+
+
+def _scoped_and_billed(server: Server, mine: str, other: str) -> None:
+    """A key allowed only `mine` (an adapter) is refused the base and `other`; its usage
+    is reported under `mine`, at `mine`'s own price."""
+    status, org = call(server, "POST", "/admin/v1/orgs", body={"name": "tuned"})
+    assert status == 201
+    status, key = call(server, "POST", "/admin/v1/keys",
+                       body={"org_id": org["id"], "models": [mine]})
+    assert status == 201
+    status, _ = call(server, "PUT", f"/admin/v1/prices/{mine}",
+                     body={"input": "3", "output": "5"})
+    assert status == 200
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key["secret"],
+                           max_retries=0)
+    reply = client.chat.completions.create(model=mine, messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    for refused in (server.model, other):
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            client.chat.completions.create(model=refused, messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+        assert caught.value.code == "model_not_in_scope"
+    assert reply.usage is not None
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 10
+    while not rows and time.monotonic() < deadline:
+        status, body = call(server, "GET", f"/admin/v1/usage?group_by=model&org_id={org['id']}")
+        rows = body["data"]
+        time.sleep(0.2)
+    assert [(r["group"], r["requests"], r["cost_micros"]) for r in rows] == [
+        (mine, 1, 3 * reply.usage.prompt_tokens + 5 * reply.usage.completion_tokens)]

@@ -12,8 +12,10 @@ import pytest
 
 from tests.unit.test_pool import FakeReplica, assert_no_leases, make_pool, served_by
 from tokenyard.deployments import PriceSpec, parse_fleet
+from tokenyard.errors import APIError
 from tokenyard.fleet_values import FleetConfigError
 from tokenyard.gateway.kinds import kind_of
+from tokenyard.gateway.routing import Route, Router
 from tokenyard.lora_spec import lora_salt, parse_lora_modules, split_adapter
 from tokenyard.wire.protocol import GenerateRequest
 from tokenyard.wire.sampling_params import SamplingParams
@@ -103,3 +105,14 @@ def test_the_balancer_prefers_the_replica_holding_the_adapter() -> None:
         assert_no_leases(pool)
 
     asyncio.run(scenario())
+
+
+def test_an_alias_of_the_base_reaches_its_adapters() -> None:
+    fleet = _fleet([{"name": "pirate", "path": "/a/pirate"}], aliases={"smol": BASE})
+    router = Router(fleet)
+    assert router.resolve("smol:pirate", 0.5) == Route(f"{BASE}:pirate", "smol:pirate")
+    assert router.resolve(f"{BASE}:pirate", 0.5).deployment == f"{BASE}:pirate"
+    for unknown in ("smol:nope", f"{BASE}:nope", "other:pirate", "smol:"):
+        with pytest.raises(APIError) as caught:
+            router.resolve(unknown, 0.5)
+        assert (caught.value.status, caught.value.code) == (404, "model_not_found")
