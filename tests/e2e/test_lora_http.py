@@ -3,7 +3,7 @@
 base model and two adapters at once each answer as they do alone, the adapters
 differently from the base; an adapter the server does not serve is the API's 404; a key
 scoped to one adapter reaches only it, and its usage is priced and reported under the
-adapter's name."""
+adapter's name; an adapter registered through the admin API serves until it is deleted."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ async def _ask(client: openai.AsyncOpenAI, model: str) -> str:
 
 
 def test_adapters_served_by_model_name(tmp_path: Path) -> None:
-    folders = write_adapters(tmp_path, 2)
+    folders = write_adapters(tmp_path, 3)
+    late = folders.pop("a2")  # registered at run time
     modules = ",".join(f"{name}={path}" for name, path in folders.items())
     with running_server("--lora-modules", modules, "--max-loras", "2") as (server, _):
         names = [server.model, f"{server.model}:a0", f"{server.model}:a1"]
@@ -50,6 +51,7 @@ def test_adapters_served_by_model_name(tmp_path: Path) -> None:
                 model=f"{server.model}:nope", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
         info = replica_get(server, "/v1/engine/info")
         _scoped_and_billed(server, f"{server.model}:a0", f"{server.model}:a1")
+        _registered_at_run_time(server, late, base=together[0])
     assert together == alone
     assert together[1] != together[0] and together[2] != together[0]
     assert together[1] != together[2]
@@ -87,3 +89,32 @@ def _scoped_and_billed(server: Server, mine: str, other: str) -> None:
         time.sleep(0.2)
     assert [(r["group"], r["requests"], r["cost_micros"]) for r in rows] == [
         (mine, 1, 3 * reply.usage.prompt_tokens + 5 * reply.usage.completion_tokens)]
+
+
+def _registered_at_run_time(server: Server, folder: Path, base: str) -> None:
+    path = f"/admin/v1/deployments/{server.model}/adapters"
+    status, body = call(server, "POST", path, body={"name": "late", "path": str(folder),
+                                                     "prices": {"output": "7"}})
+    assert status == 201 and body["name"] == f"{server.model}:late", body
+    assert body["parent"] == server.model
+    answer = asyncio.run(_ask(openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key=server.api_key or "none", max_retries=0),
+        f"{server.model}:late"))
+    assert answer and answer != base
+    # Refused in the API's shape: a folder that is no adapter, an unknown deployment, a
+    # field the route does not take.
+    status, err = call(server, "POST", path, body={"name": "bad", "path": str(folder.parent)})
+    assert status == 400 and err["error"]["param"] == "path", err
+    status, err = call(server, "POST", "/admin/v1/deployments/nope/adapters",
+                       body={"name": "x", "path": str(folder)})
+    assert status == 404 and err["error"]["code"] == "model_not_found", err
+    status, err = call(server, "POST", path, body={"name": "x", "path": "/x", "rank": 4})
+    assert status == 400 and err["error"]["param"] == "rank", err
+    status, _ = call(server, "DELETE", f"{path}/late")
+    assert status == 200
+    status, err = call(server, "DELETE", f"{path}/late")
+    assert status == 404
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key or "none",
+                      max_retries=0).chat.completions.create(
+            model=f"{server.model}:late", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]

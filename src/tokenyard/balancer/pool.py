@@ -288,6 +288,24 @@ class Pool:
             self.info_cache = await self._first_answer(lambda m: engine_of(m.client).info())
         return self.info_cache
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Every replica serves LoRA adapter `name` from `path` (a ReplicaError from the
+        first that cannot; those before it keep it, unused until it is listed)."""
+        for member in self.members:
+            load = getattr(engine_of(member.client), "load_lora", None)
+            if load is None:
+                raise ReplicaConnectionError(f"replica {member.id} of {self.name} cannot "
+                                             "load LoRA adapters at run time")
+            await load(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """No replica serves adapter `name` any more (those that do not are skipped)."""
+        for member in self.members:
+            unload = getattr(engine_of(member.client), "unload_lora", None)
+            if unload is not None:
+                with contextlib.suppress(ReplicaError):
+                    await unload(name)
+
     async def _first_answer(self, ask: Callable[[Member], Awaitable[_T]]) -> _T:
         for member in self.members:
             with contextlib.suppress(ReplicaError):

@@ -38,6 +38,8 @@ ABORT_PATH = "/v1/engine/abort"
 STOP_PATH = "/v1/engine/stop"
 STATS_PATH = "/v1/engine/stats"
 INFO_PATH = "/v1/engine/info"
+#: POST {"name", "path"}: serve a LoRA adapter from now on; DELETE …/{name}: stop.
+LORAS_PATH = "/v1/engine/loras"
 HEALTH_PATH = "/healthz"
 NDJSON = "application/x-ndjson"
 

@@ -8,10 +8,15 @@ slot taken over by another adapter is only reserved then: its weights are writte
 runner on the kernel thread (`take_writes`, `apply`) just before the first step that reads
 it, so a step still in flight that read the slot's old adapter (for a request since
 finished) computes with the weights it was planned with.
+
+Adapters may be registered and forgotten while the engine runs (the replica's HTTP
+thread, `POST /v1/engine/loras`): the bookkeeping is under one lock, and an adapter
+forgotten while requests still wait for it stays in host memory (unlisted) for them.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,9 @@ class LoraManager:
         self.max_rank = max_rank
         self.bank = LoraBank(model, max_loras, max_rank, device, dtype)
         self.adapters: dict[str, LoraAdapter] = {}
+        self._gone: dict[str, LoraAdapter] = {}  # forgotten, for requests still waiting
         self._writes: list[tuple[int, LoraAdapter]] = []
+        self._lock = threading.Lock()
 
     @property
     def rows(self) -> Any:
@@ -53,18 +60,21 @@ class LoraManager:
                                "and '-'")
         adapter = load_adapter(path, name, self.max_rank)
         self._check_shapes(adapter)
-        slot = self.bank.slot_of(name)
-        if slot is not None:
-            self.bank.evict(name)
-        self.adapters[name] = adapter
+        with self._lock:
+            self.bank.evict(name)  # its slot (if any) holds the weights it replaces
+            self._gone.pop(name, None)
+            self.adapters[name] = adapter
         return adapter
 
     def unregister(self, name: str) -> bool:
         """Forget adapter `name`; False if unknown. Requests holding it keep its slot's
         weights until they end."""
-        if self.adapters.pop(name, None) is None:
-            return False
-        self.bank.evict(name)
+        with self._lock:
+            adapter = self.adapters.pop(name, None)
+            if adapter is None:
+                return False
+            self._gone[name] = adapter
+            self.bank.evict(name)
         return True
 
     def check(self, name: str) -> None:
@@ -73,27 +83,33 @@ class LoraManager:
 
     def ready(self, request: Request) -> bool:
         """Whether the request can hold its adapter's slot now."""
-        return (request.lora is None or request.lora_slot > 0
-                or self.bank.can_reserve(request.lora))
+        if request.lora is None or request.lora_slot > 0:
+            return True
+        with self._lock:
+            return self.bank.can_reserve(request.lora)
 
     def acquire(self, request: Request) -> None:
         """Give a starting request its adapter's slot (`ready` said there is one)."""
-        if request.lora is None or request.lora_slot:
+        name = request.lora
+        if name is None or request.lora_slot:
             return
-        slot, fresh = self.bank.reserve(request.lora)
-        if fresh:
-            self._writes.append((slot, self.adapters[request.lora]))
-        self.bank.acquire(slot)
+        with self._lock:
+            slot, fresh = self.bank.reserve(name)
+            if fresh:
+                self._writes.append((slot, self.adapters.get(name) or self._gone[name]))
+            self.bank.acquire(slot)
         request.lora_slot = slot
 
     def release(self, request: Request) -> None:
         if request.lora_slot:
-            self.bank.release(request.lora_slot)
+            with self._lock:
+                self.bank.release(request.lora_slot)
             request.lora_slot = 0
 
     def take_writes(self) -> list[tuple[int, LoraAdapter]]:
         """The slot writes reserved since the last call, for the next step to apply."""
-        writes, self._writes = self._writes, []
+        with self._lock:
+            writes, self._writes = self._writes, []
         return writes
 
     def apply(self, writes: list[tuple[int, LoraAdapter]]) -> None:
