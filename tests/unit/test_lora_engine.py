@@ -28,9 +28,10 @@ def _llm(folders: dict[str, Path], max_loras: int = 2, **extra: Any) -> LLM:
     _byte_tokenizer(folders["base"])
     modules = ",".join(f"{name}={folders[name]}" for name in ADAPTERS)
     # 4-token blocks and 8-token steps: prompts are prefilled in chunks across pages.
+    config: dict[str, Any] = {"num_kv_blocks": 64, **extra}
     return LLM(str(folders["base"]), weights="float32", device="cpu", block_size=4,
-               num_kv_blocks=64, max_num_batched_tokens=8, lora_modules=modules,
-               max_loras=max_loras, max_lora_rank=8, **extra)
+               max_num_batched_tokens=8, lora_modules=modules, max_loras=max_loras,
+               max_lora_rank=8, **config)
 
 
 def _run(llm: LLM, loras: list[str | None],
@@ -112,3 +113,16 @@ def test_an_unknown_adapter_is_refused(folders: dict[str, Path]) -> None:
     with pytest.raises(UnknownAdapter, match="nope"):
         llm.generate([PROMPT], GREEDY, loras=["nope"])
     assert not llm.core.has_work
+
+
+def test_a_preempted_request_gives_its_slot_back_and_recomputes(
+        folders: dict[str, Path]) -> None:
+    """A pool too small for both requests: one is preempted (its slot released, taken
+    again when it resumes) and both still answer as alone."""
+    llm = _llm(folders, num_kv_blocks=8)  # 32 tokens; each request needs 19
+    names: list[str | None] = ["qv", "all"]
+    together = _run(llm, names)
+    assert llm.core.scheduler.num_preemptions > 0
+    assert llm.core.runner.loras.bank.num_users == 0
+    for name, got in zip(names, together, strict=True):
+        assert _run(llm, [name])[0][0] == got[0], name

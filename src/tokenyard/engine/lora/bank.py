@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tokenyard.engine.lora.adapter import SLICES, LoraAdapter
 
@@ -83,8 +84,8 @@ class LoraWeights:
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]: each row's own adapter's update (zero for slot 0)."""
-        h = torch.mm(x, self.a.t()).mul_(self.rows.mask(self.width))
-        return torch.mm(h, self.b.t())
+        h = F.linear(x, self.a).mul_(self.rows.mask(self.width))
+        return F.linear(h, self.b)
 
 
 class SlotsFull(RuntimeError):
