@@ -126,3 +126,34 @@ def test_a_preempted_request_gives_its_slot_back_and_recomputes(
     assert llm.core.runner.loras.bank.num_users == 0
     for name, got in zip(names, together, strict=True):
         assert _run(llm, [name])[0][0] == got[0], name
+
+
+def test_an_adapter_replaced_while_running_keeps_its_weights_for_that_request(
+        folders: dict[str, Path]) -> None:
+    """Registering a name again (the admin API's run-time registration) while a request
+    runs with it: that request ends with the weights it started with, the next one gets
+    the new adapter, and forgetting the name refuses new requests."""
+    llm = _llm(folders)
+    want = {name: _run(llm, [name])[0][0] for name in ADAPTERS}
+    loras = llm.core.runner.loras
+    loras.register("x", folders["qv"])
+    frontend = llm.frontend
+    frontend.add_request("old", PROMPT, GREEDY, lora="x")
+    got: dict[str, list[int]] = {"old": [], "new": []}
+
+    def step() -> None:
+        for out in frontend.step():
+            for delta in out.deltas:
+                got[out.request_id].extend(delta.token_ids)
+
+    step()
+    step()
+    loras.register("x", folders["all"])  # replaced under the running request
+    frontend.add_request("new", PROMPT, GREEDY, lora="x")
+    while frontend.has_work:
+        step()
+    assert got == {"old": want["qv"], "new": want["all"]}
+    assert loras.bank.num_users == 0
+    assert loras.unregister("x") and not loras.unregister("x")
+    with pytest.raises(UnknownAdapter):
+        llm.generate([PROMPT], GREEDY, loras=["x"])

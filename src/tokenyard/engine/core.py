@@ -170,7 +170,8 @@ class EngineCore:
         if request.lora is not None and not request.lora_slot:
             self.loras.check(request.lora)  # UnknownAdapter, a ValueError
             # Its KV is the adapter's own: never shared with the base's or another's.
-            request.cache_salt = lora_salt(request.cache_salt, request.lora)
+            request.cache_salt = lora_salt(request.cache_salt,
+                                           self.loras.cache_name(request.lora))
         guided = request.params.guided
         if guided is not None and request.guided is None:
             if self.grammars is None:

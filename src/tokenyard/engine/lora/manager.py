@@ -40,6 +40,7 @@ class LoraManager:
         self.bank = LoraBank(model, max_loras, max_rank, device, dtype)
         self.adapters: dict[str, LoraAdapter] = {}
         self._gone: dict[str, LoraAdapter] = {}  # forgotten, for requests still waiting
+        self._versions: dict[str, int] = {}  # registrations per name
         self._writes: list[tuple[int, LoraAdapter]] = []
         self._lock = threading.Lock()
 
@@ -64,7 +65,16 @@ class LoraManager:
             self.bank.evict(name)  # its slot (if any) holds the weights it replaces
             self._gone.pop(name, None)
             self.adapters[name] = adapter
+            self._versions[name] = self._versions.get(name, 0) + 1
         return adapter
+
+    def cache_name(self, name: str) -> str:
+        """What salts the prefix cache of adapter `name`'s requests: its name, and after a
+        second registration of the name its version too, so KV computed with the weights
+        it replaced is never read with the new ones. (The gateway salts its affinity
+        hashes by the name alone: a replaced adapter's hints only miss.)"""
+        version = self._versions.get(name, 1)
+        return name if version <= 1 else f"{name}@{version}"
 
     def unregister(self, name: str) -> bool:
         """Forget adapter `name`; False if unknown. Requests holding it keep its slot's
