@@ -157,3 +157,20 @@ def test_an_adapter_replaced_while_running_keeps_its_weights_for_that_request(
     assert loras.unregister("x") and not loras.unregister("x")
     with pytest.raises(UnknownAdapter):
         llm.generate([PROMPT], GREEDY, loras=["x"])
+
+
+def test_switching_adapters_costs_no_extra_step(folders: dict[str, Path]) -> None:
+    """Three requests of the base model, and three of the base and two adapters, take the
+    same number of steps: an adapter is a row's slot, not a step of its own (no prefix
+    cache: each side computes every token)."""
+    llm = _llm(folders, enable_prefix_caching=False)
+    frontend = llm.frontend
+    steps = {}
+    for side, names in (("base", [None, None, None]), ("mixed", [None, "qv", "all"])):
+        for i, name in enumerate(names):
+            frontend.add_request(f"{side}{i}", PROMPT[i:], GREEDY, lora=name)
+        steps[side] = 0
+        while frontend.has_work:
+            frontend.step()
+            steps[side] += 1
+    assert steps["mixed"] == steps["base"]
