@@ -24,11 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tokenyard.fleet_values import FleetConfigError, a_string, a_table, an_array, only_fields
+from tokenyard.fleet_values import (
+    FleetConfigError,
+    PriceSpec,
+    a_string,
+    a_table,
+    an_array,
+    only_fields,
+    price_spec,
+)
 
 _Spec = TypeVar("_Spec")
 
@@ -78,18 +86,17 @@ def lora_salt(salt: str | None, adapter: str | None) -> str | None:
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter of a deployment: its name, its PEFT folder, its prices (None: the
-    base's; `deployments.PriceSpec` values)."""
+    base's)."""
 
     name: str
     path: str
-    prices: Any = None
-    batch_prices: Any = None
+    prices: PriceSpec | None = None
+    batch_prices: PriceSpec | None = None
 
 
-def fleet_adapters(item: dict[str, Any], where: str,
-                   prices: Callable[[Any, str], Any]) -> tuple[dict[str, Any],
-                                                               tuple[AdapterSpec, ...]]:
-    """A fleet entry without its `adapters`, and them read (`prices` reads a price table)."""
+def fleet_adapters(item: dict[str, Any],
+                   where: str) -> tuple[dict[str, Any], tuple[AdapterSpec, ...]]:
+    """A fleet entry without its `adapters`, and them read."""
     rest = {k: v for k, v in item.items() if k != "adapters"}
     if "adapters" not in item:
         return rest, ()
@@ -108,8 +115,8 @@ def fleet_adapters(item: dict[str, Any], where: str,
             raise FleetConfigError(f"{at}.name: '{name}' is defined twice")
         out[name] = AdapterSpec(
             name, a_string(table.get("path"), f"{at}.path"),
-            prices(table["prices"], f"{at}.prices") if "prices" in table else None,
-            prices(table["batch_prices"], f"{at}.batch_prices")
+            price_spec(table["prices"], f"{at}.prices") if "prices" in table else None,
+            price_spec(table["batch_prices"], f"{at}.batch_prices")
             if "batch_prices" in table else None)
     return rest, tuple(out.values())
 

@@ -134,6 +134,14 @@ def claude(server: Server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key, max_retries=0)
 
 
+def _half(count: int, odd: bool) -> range:
+    """Every other schema: the OpenAI test forces the even ones by "required" and the odd
+    ones by name, the Anthropic test the other way round, so each schema is forced in both
+    dialects and both ways (the grammar is the same whatever the dialect) at half the
+    generations."""
+    return range(1 if odd else 0, count, 2)
+
+
 def _valid(name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
     args = json.loads(arguments) if isinstance(arguments, str) else arguments
     jsonschema.validate(args, SCHEMAS[name])
@@ -191,7 +199,7 @@ def test_openai_forced_calls_always_validate(client: openai.OpenAI, server: Serv
             _valid(call.function.name, call.function.arguments)
 
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(one, range(len(TOOLS))))
+        list(pool.map(one, _half(len(TOOLS), named)))
 
 
 def test_openai_stream_reassembles_to_the_same_call(client: openai.OpenAI,
@@ -319,7 +327,7 @@ def test_anthropic_forced_calls_always_validate(claude: anthropic.Anthropic, ser
             _valid(use.name, use.input)
 
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(one, range(len(CLAUDE_TOOLS))))
+        list(pool.map(one, _half(len(CLAUDE_TOOLS), not named)))
 
 
 def test_anthropic_stream_reassembles_to_the_same_call(claude: anthropic.Anthropic,

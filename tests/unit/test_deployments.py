@@ -167,3 +167,50 @@ def test_an_unreadable_file_names_the_path(tmp_path: Path) -> None:
         load_fleet(bad)
     with pytest.raises(FleetConfigError, match=r"missing\.toml"):
         load_fleet(tmp_path / "missing.toml")
+
+
+def test_on_demand_deployments_and_the_resident_budget() -> None:
+    fleet = parse_fleet({
+        "models": {"max_resident_models": 2},
+        "deployments": [_dep(name="always"),
+                        _dep(name="od", load="on_demand", idle_unload_s=30, pinned=True,
+                             load_timeout_s=90),
+                        _dep(name="od2", load="on_demand")]})
+    assert fleet.models.max_resident_models == 2
+    assert fleet.deployments["always"].on_demand is None
+    od = fleet.deployments["od"].on_demand
+    assert od is not None and (od.idle_unload_s, od.load_timeout_s, od.pinned) == (30, 90, True)
+    od2 = fleet.deployments["od2"].on_demand
+    assert od2 is not None and od2.idle_unload_s == 300 and not od2.pinned
+    assert parse_fleet({"deployments": [_dep()]}).models.max_resident_models is None
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    ({"deployments": [_dep(load="lazy")]},
+     "deployments[0].load: one of always, on_demand, not 'lazy'"),
+    ({"deployments": [_dep(idle_unload_s=5)]},
+     "deployments[0]: idle_unload_s only with load = \"on_demand\""),
+    ({"deployments": [_dep(pinned=True)]}, "deployments[0]: pinned only with"),
+    ({"deployments": [_dep(load="on_demand", idle_unload_s=0)]},
+     "deployments[0].idle_unload_s: a positive number of seconds"),
+    ({"deployments": [_dep(load="on_demand", idle_unload_s="5m")]},
+     "deployments[0].idle_unload_s"),
+    ({"deployments": [_dep(load="on_demand", load_timeout_s=-1)]},
+     "deployments[0].load_timeout_s"),
+    ({"deployments": [_dep(load="on_demand", pinned="yes")]},
+     "deployments[0].pinned: true or false"),
+    ({"deployments": [_dep(load="on_demand", replicas=0, urls=["http://a"])]},
+     "deployments[0].load: \"on_demand\" starts and stops local replicas"),
+    ({"deployments": [_dep(kind="upstream", load="on_demand", replicas=0,
+                           urls=["http://a"], model="m")]}, "deployments[0].load"),
+    ({"deployments": [_dep(kind="embeddings", load="on_demand")]},
+     "deployments[0].load: \"on_demand\" is for engine deployments"),
+    ({"deployments": [_dep()], "models": {"max_resident_models": 0}},
+     "models.max_resident_models: a positive integer"),
+    ({"deployments": [_dep()], "models": {"max_resident": 2}},
+     "models: unknown field(s) max_resident"),
+])
+def test_each_load_error_names_its_field(raw: dict[str, Any], named: str) -> None:
+    with pytest.raises(FleetConfigError) as info:
+        parse_fleet(raw)
+    assert named in str(info.value)

@@ -155,6 +155,39 @@ def test_block_model_keeps_no_float_copy(smollm: LoadedModel, ops: object) -> No
     assert kept + model.embed_blocks.nbytes < 100e6  # 135M weights at ~5-8.5 bits
 
 
+def test_weights_served_as_gguf_blocks_are_never_read_as_floats(
+    smollm: LoadedModel, ops: object
+) -> None:
+    """A replica serving the GGUF's own blocks skips their float32 copies (frontend.py):
+    every projection and the embedding, and the model computes what the full load does."""
+    native = load_gguf_blocks(smollm)
+    skipped = quant.native_names(native, smollm.config)
+    assert "model.embed_tokens.weight" in skipped
+    for layer in range(smollm.config.num_hidden_layers):
+        for piece in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                      "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            assert f"model.layers.{layer}.{piece}.weight" in skipped
+    read: list[str] = []
+
+    class Watched(dict[str, torch.Tensor]):
+        def __getitem__(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return super().__getitem__(name)
+
+    watched = LoadedModel(smollm.config, Watched(smollm.weights), smollm.tokenizer,
+                          smollm.source, cache_path=smollm.cache_path)
+    lean = quant.convert_weights(build_model(watched, skip=skipped), watched, "q4_1", native)
+    assert read and not set(read) & skipped  # only the norms
+    full = quant.convert_weights(build_model(smollm), smollm, "q4_1")
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    with torch.no_grad():
+        assert torch.equal(lean.embed_blocks.embedding(ids), full.embed_blocks.embedding(ids))
+        for a, b in zip(lean.modules(), full.modules(), strict=True):
+            if isinstance(a, quant.Linear):
+                assert a.blocks is not None and b.blocks is not None
+                assert torch.equal(a.blocks.data, b.blocks.data)
+
+
 def test_without_the_kernel_the_model_stays_float32(
     smollm: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -131,7 +131,7 @@ def test_tool_choice_and_parallel_calls_become_the_tool_use() -> None:
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"top_k": 5}, "top_k"),  # frequency_penalty is honoured since issue 27
-    ({"input": [{"type": "reasoning", "id": "rs_1"}]}, "input.0.type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input.0.content.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},

@@ -8,6 +8,7 @@
                                      replica; running requests finish
     GET, POST /admin/v1/deployments/{name}/replicas   a Ray-placed deployment's replicas,
                                      and scaling it (`api/replica_scaling.py`)
+    /admin/v1/models/…               on-demand models: load, unload, pin (`api/model_admin.py`)
 
 Admin scope required, as every `/admin/v1` route.
 """
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from tokenyard.api.admin import admin_of, refusal, request_args
 from tokenyard.api.context import STATE
+from tokenyard.api.model_admin import add_model_admin_routes
 from tokenyard.api.replica_scaling import add_replica_routes
 from tokenyard.deployments import AliasSpec, PriceSpec
 from tokenyard.errors import invalid_request
@@ -94,3 +96,4 @@ def add_fleet_routes(app: web.Application) -> None:
     app.router.add_get("/admin/v1/deployments", deployments)
     app.router.add_post("/admin/v1/replicas/drain", drain)
     add_replica_routes(app)
+    add_model_admin_routes(app)

@@ -18,9 +18,9 @@ from aiohttp import web
 from tokenyard.api.admin import admin_of, request_args
 from tokenyard.api.context import STATE
 from tokenyard.api.fleet_admin import deployment_json
-from tokenyard.deployments import PriceSpec, _prices
+from tokenyard.deployments import PriceSpec
 from tokenyard.errors import invalid_request
-from tokenyard.fleet_values import FleetConfigError
+from tokenyard.fleet_values import FleetConfigError, price_spec
 from tokenyard.gateway.lora_admin import register_adapter, unregister_adapter
 
 PATH = "/admin/v1/deployments/{name}/adapters"
@@ -32,7 +32,7 @@ async def register(request: web.Request) -> web.Response:
     prices: PriceSpec | None = None
     if body.get("prices") is not None:
         try:
-            prices = _prices(body["prices"], "prices")
+            prices = price_spec(body["prices"], "prices")
         except FleetConfigError as exc:
             raise invalid_request(f"{exc}.", param="prices") from None
     served = await register_adapter(request.app[STATE], request.match_info["name"],

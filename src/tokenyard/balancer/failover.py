@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from tokenyard.balancer.health import record_failure, record_success
 from tokenyard.balancer.members import Lease, Member
+from tokenyard.balancer.on_demand import OnDemand
 from tokenyard.balancer.policy import RequestFacts
 from tokenyard.balancer.replica_client import (
     ReplicaConnectionError,
@@ -53,6 +54,9 @@ class Failover:
         self.decisions = 0
         #: Hears that a member took a request of a LoRA adapter (the pool's LoraHomes).
         self.served_lora: Callable[[str, Member], None] = lambda lora, member: None
+        #: An on-demand model's load state (`balancer/on_demand.py`); None: its replicas
+        #: run from the start.
+        self.demand: OnDemand | None = None
 
     def wake(self) -> None:
         """Let the first waiting request (by priority) try again."""
@@ -78,6 +82,13 @@ class Failover:
         arrival = self.waiting.arrival()  # kept through every wait: FIFO in a class
         waited = False
         while True:
+            demand = self.demand
+            if demand is not None and demand.state != "loaded":
+                # Its model is not loaded: start the load (once) and wait for it in line.
+                deadline = await demand.wait_loaded(self.waiting, priority, arrival,
+                                                    deadline, self.spec.queue_max)
+                waited = True
+                continue
             if self.waiting.ahead(priority, arrival):
                 if waited:  # woken, but an earlier or more urgent request waits: its turn
                     self.waiting.wake()
@@ -184,6 +195,8 @@ class Failover:
             if lease is not None:
                 lease.release()
             self.inflight -= 1
+            if self.demand is not None:  # its idle time starts as its last request ends
+                self.demand.touch()
 
     async def call(self, attempt: Callable[[Member], Awaitable[_T]], *, cost: int = 1,
                    priority: int = 0, timeline: Timeline | None = None) -> _T:
@@ -196,3 +209,5 @@ class Failover:
             return result
         finally:
             self.inflight -= 1
+            if self.demand is not None:
+                self.demand.touch()

@@ -37,6 +37,7 @@ from tokenyard.balancer.member_clients import (
     upstream_of,
 )
 from tokenyard.balancer.members import Lease, Member
+from tokenyard.balancer.on_demand import OnDemand
 from tokenyard.balancer.policy import Policy, RequestFacts, make_policy
 from tokenyard.balancer.replica_client import ReplicaConnectionError, ReplicaError
 from tokenyard.balancer.wait_queue import WaitQueue
@@ -106,6 +107,16 @@ class Pool:
         return self.failover.decisions
 
     @property
+    def demand(self) -> OnDemand | None:
+        """Its model's load state when it is loaded on demand (`balancer/on_demand.py`)."""
+        return self.failover.demand
+
+    def load_on_demand(self, demand: OnDemand) -> None:
+        """Its replicas start on its first request and stop when idle, as `demand` says."""
+        self.failover.demand = demand
+        demand.attach(self, self.failover.waiting)
+
+    @property
     def _owner(self) -> dict[str, Member]:
         return self.failover.owner
 
@@ -125,6 +136,8 @@ class Pool:
         await self.checks.stop()
 
     async def close(self) -> None:
+        if self.demand is not None:
+            await self.demand.close()
         for watcher in self.watchers:
             await watcher.close()
         await self.stop_health()
@@ -157,6 +170,8 @@ class Pool:
         """Whether a replica may take work now (checked now, not at the last tick)."""
         await self.check_health()
         now = time.monotonic()
+        if self.demand is not None and self.demand.state != "loaded":
+            return True  # its first request loads it
         return any(m.available(now) for m in self.members)
 
     # ------------------------------------------------------------------ admin
@@ -274,7 +289,10 @@ class Pool:
         return await engine_of(member.client).abort(request_id) if member is not None else None
 
     async def stats(self) -> ReplicaStats:
-        """The pool's engine figures, summed over the replicas that answer."""
+        """The pool's engine figures, summed over the replicas that answer (all zero for
+        an on-demand model with none loaded)."""
+        if not self.members and self.demand is not None:
+            return EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
         found = [s for s in await asyncio.gather(
             *(engine_of(m.client).stats() for m in self.members), return_exceptions=True)
             if isinstance(s, EngineStats)]

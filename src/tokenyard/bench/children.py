@@ -124,6 +124,7 @@ def start_tokenyard(
     replica_url: str | None, auth: bool = True, *, workers: int = 1, embeddings: bool = False,
     extra: Sequence[str] = (), env_extra: dict[str, str] | None = None,
     python: Sequence[str] = (), start_timeout_s: float = START_TIMEOUT_S,
+    ready: re.Pattern[str] = _TOKENYARD_READY,
 ) -> tuple[Child, str | None]:
     """``tokenyard serve --replica-url`` on a free 127.0.0.1 port (it loads no model; with
     `replica_url` None it starts its own replica of the embedded model), and the API key
@@ -131,7 +132,9 @@ def start_tokenyard(
     (``--workers``); `embeddings`: start the embeddings pool too (no benchmark calls it);
     `extra`: more serve flags (e.g. ``--config FILE``); `env_extra`: more environment
     (e.g. the OTLP endpoint); `python`: the interpreter's own flags before ``-m
-    tokenyard.cli`` (e.g. ``-m cProfile -o FILE``). Variables of OpenTelemetry's not in
+    tokenyard.cli`` (e.g. ``-m cProfile -o FILE``); `ready`: the banner line that shows it
+    ready (default: its replica's URL; a default deployment loaded on demand has none
+    yet). Variables of OpenTelemetry's not in
     `env_extra` are dropped, so tracing is on only when asked for.
 
     It gets a state directory of its own (its SQLite store, ledger journal and development
@@ -155,7 +158,7 @@ def start_tokenyard(
            *([] if auth else ["--no-auth"]), *([] if embeddings else ["--no-embeddings"]),
            *extra]
     try:
-        child = start_child(cmd, _TOKENYARD_READY, _TOKENYARD_URL, env, start_timeout_s)
+        child = start_child(cmd, ready, _TOKENYARD_URL, env, start_timeout_s)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def transformers_config(config: ModelConfig) -> Any:
     return classes[config.architecture](**kwargs)
 
 
-def transformers_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
+def transformers_model(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Any:
     """transformers' own model class for `config`, holding `weights` (HF names)."""
     import transformers
 

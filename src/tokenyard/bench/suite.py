@@ -15,6 +15,8 @@ docs/benchmarks.md rewritten from their output.
    which writes its own section).
 9. the host path with a model that costs nothing, the engine alone and served
    (`bench host`).
+10. n-gram speculative decoding on and off, one stream, an edit and a free answer
+   (`bench spec`).
 
 Each section names the machine, the versions and the exact command. The hand-written
 "## Profile" part of the page is kept.
@@ -347,6 +349,18 @@ def host_section() -> str:
                     [("Engine alone and served, a null model", cmd, _run(cmd))], intro)
 
 
+def spec_section() -> str:
+    """bench spec: n-gram speculation on and off, one stream, side by side."""
+    cmd = _cli("bench", "spec")
+    intro = ("n-gram prompt lookup (issue 39, `--speculative-config '{\"method\": "
+             "\"ngram\", ...}'`), one stream of the embedded model with and without it, "
+             "greedy (both produce the same tokens, checked every round). Goals: ≥ 1.6× on "
+             "the edit (the reply repeats the prompt), ≥ 0.97× on the free answer (little "
+             "to look up: speculation must not cost).")
+    return _section("Speculative decoding (`tokenyard bench spec`)",
+                    [("n-gram on over off, one stream", cmd, _run(cmd))], intro)
+
+
 #: The page's sections after the engine's, by name (`--only`).
 SECTIONS: dict[str, Any] = {
     "serving": lambda args: serving_section(args.img_dir),
@@ -356,6 +370,7 @@ SECTIONS: dict[str, Any] = {
     "moderation": lambda args: moderation_section(),
     "async": lambda args: async_scheduling_section(),
     "host": lambda args: host_section(),
+    "spec": lambda args: spec_section(),
     "batch": lambda args: _run(_cli("bench", "batch")) + "\n",
     "ray": lambda args: _run(_cli("bench", "ray")) + "\n",  # cli/ray_bench.py
 }

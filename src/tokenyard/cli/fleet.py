@@ -22,6 +22,7 @@ from tokenyard.api.context import AppState
 from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.discovery import Discovery, dns_source, is_dns_url, make_resolver
 from tokenyard.balancer.member_clients import MemberClient
+from tokenyard.balancer.on_demand import ModelHost, OnDemand
 from tokenyard.balancer.pool import Pool
 from tokenyard.config import ServeConfig
 from tokenyard.deployments import DeploymentSpec, FleetSpec, load_fleet
@@ -49,6 +50,8 @@ class LocalReplica:
     url: str
     forward: asyncio.Task[None]
     restarts: int = 0
+    #: Stopped for good (an on-demand model unloaded): not started again.
+    retired: bool = False
 
     @property
     def port(self) -> int:
@@ -69,10 +72,18 @@ class FleetBuilder:
     stopping: bool = False
     _watch: list[asyncio.Task[None]] = field(default_factory=list)
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    #: The resident on-demand models and their budget (`balancer/on_demand.py`).
+    host: ModelHost = field(default_factory=ModelHost)
 
     def __post_init__(self) -> None:
         # A regional endpoint (`serve --region R`) builds, serves and lists only R's.
         self.spec = regional_fleet(self.spec, self.config.region)
+        self.host.max_resident = self.spec.models.max_resident_models
+        on_demand = [s.name for s in self.spec.deployments.values() if s.on_demand]
+        if on_demand and self.config.workers > 1:
+            raise FleetConfigError(
+                f"load = \"on_demand\" ({', '.join(on_demand)}) needs serve's one HTTP "
+                "process (--workers 1): each worker would load the model for itself")
 
     async def start_children(self, spec: DeploymentSpec) -> list[LocalReplica]:
         """Start `spec.replicas` local processes of a deployment, all at once."""
@@ -86,6 +97,7 @@ class FleetBuilder:
         self.children.extend(mine)
         if failures:
             raise failures[0]
+        self._watch = [t for t in self._watch if not t.done()]  # on-demand ones come and go
         for child in mine:
             self._watch.append(asyncio.create_task(self._supervise(child)))
         return mine
@@ -95,7 +107,7 @@ class FleetBuilder:
         while True:
             code = await child.proc.wait()
             child.forward.cancel()
-            if self.stopping:
+            if self.stopping or child.retired:
                 return
             logger.error("replica %s of %s exited with code %s; restarting it", child.url,
                          child.spec.name, code, extra={
@@ -111,6 +123,35 @@ class FleetBuilder:
                 except Exception as exc:
                     logger.error("restarting replica %s failed: %s", child.url, exc)
                     await asyncio.sleep(2.0)
+
+    async def stop_children(self, ids: Sequence[str]) -> None:
+        """SIGTERM the local children at `ids` (each drains), wait for them to exit (kill
+        past the drain timeout) and forget them: an on-demand model's unload."""
+        gone = [c for c in self.children if c.url in ids]
+        for child in gone:
+            child.retired = True
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+        for child in gone:
+            try:
+                await asyncio.wait_for(child.proc.wait(), self.config.drain_timeout_s + 10.0)
+            except TimeoutError:
+                child.proc.kill()
+                await child.proc.wait()
+            child.forward.cancel()
+            with contextlib.suppress(ValueError):
+                self.children.remove(child)
+
+    def on_demand(self, spec: DeploymentSpec) -> OnDemand:
+        """The load state of an on-demand deployment, starting and stopping its local
+        children."""
+        assert spec.on_demand is not None
+
+        async def start() -> list[tuple[str, MemberClient]]:
+            return [(c.url, self._client(spec, c.url, c.token))
+                    for c in await self.start_children(spec)]
+
+        return OnDemand(spec.name, spec.on_demand, start, self.stop_children, self.host)
 
     async def served(self, spec: DeploymentSpec,
                      children: Sequence[LocalReplica] = ()) -> Served:
@@ -128,7 +169,8 @@ class FleetBuilder:
             clients.extend(await found.initial())
         served = await build_served(spec, clients, self.cache_dir,
                                     balancer=self.spec.balancer, affinity=self.affinity,
-                                    tokenizers=self.tokenizers)
+                                    tokenizers=self.tokenizers,
+                                    demand=self.on_demand(spec) if spec.on_demand else None)
         if found is not None:
             found.attach(served.pool)
             served.pool.watchers.append(found)
@@ -196,14 +238,24 @@ class FleetBuilder:
         return kind_of(spec).client(spec, url, token)
 
     async def build(self) -> dict[str, Served]:
-        """Start every local child, then one Served per deployment."""
+        """Start every local child, all deployments' at once (each loads its model in its
+        own process), then one Served per deployment. An on-demand deployment starts
+        none: its first request does."""
+        specs = list(self.spec.deployments.values())
+        starting = [spec for spec in specs if spec.replicas and not spec.on_demand]
+        started = await asyncio.gather(*(self.start_children(spec) for spec in starting),
+                                       return_exceptions=True)
+        failures = [r for r in started if isinstance(r, BaseException)]
+        if failures:  # the children that did start are in self.children: stop() ends them
+            raise failures[0]
+        children = {spec.name: mine for spec, mine in zip(starting, started, strict=True)
+                    if not isinstance(mine, BaseException)}
         out: dict[str, Served] = {}
-        for spec in self.spec.deployments.values():
+        for spec in specs:
             if spec.parent is not None:  # a LoRA adapter: its base's replicas
                 out[spec.name] = out[spec.parent].adapter(spec)
                 continue
-            children = await self.start_children(spec) if spec.replicas else []
-            out[spec.name] = await self.served(spec, children)
+            out[spec.name] = await self.served(spec, children.get(spec.name, []))
         return out
 
     async def stop(self, drain_timeout_s: float) -> None:
@@ -246,10 +298,11 @@ async def reload(fleet: FleetBuilder, state: AppState) -> str:
         if old is not None and old.spec == spec:
             deployments[name] = old
             continue
-        if spec.replicas:
-            if old is not None and old.spec.replicas == spec.replicas:
+        if spec.replicas and not spec.on_demand:
+            if old is not None and old.spec.on_demand is None and (
+                    old.spec.replicas == spec.replicas):
                 children = [c for c in fleet.children if c.spec.name == name]
-            elif old is None:
+            elif old is None or old.spec.on_demand is not None:  # (its pool unloads its own)
                 children = await fleet.start_children(spec)
             else:
                 logger.error("reload: %s changes its local replica count (%d → %d); "
@@ -262,7 +315,7 @@ async def reload(fleet: FleetBuilder, state: AppState) -> str:
         deployments[name].pool.start()
     fleet.spec = FleetSpec(deployments={n: s.spec for n, s in deployments.items()},
                            aliases=new.aliases, balancer=fleet.spec.balancer,
-                           path=fleet.spec.path)
+                           models=fleet.spec.models, path=fleet.spec.path)
     gone = state.replace_fleet(fleet.spec, deployments)
     for pool in gone:
         state.retired.append(pool)

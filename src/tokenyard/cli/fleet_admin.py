@@ -1,9 +1,12 @@
-"""`tokenyard admin deployments` and `tokenyard admin replicas drain`: the fleet's state
-lives in the running server, not the store, so these two ask it over HTTP
-(`/admin/v1/deployments`, `/admin/v1/replicas/drain`) with an admin key.
+"""`tokenyard admin deployments`, `tokenyard admin replicas drain` and `tokenyard admin
+models …`: the fleet's state lives in the running server, not the store, so these ask it
+over HTTP (`/admin/v1/deployments`, `/admin/v1/replicas/drain`, `/admin/v1/models`) with
+an admin key.
 
     tokenyard admin deployments --url http://127.0.0.1:8000
     tokenyard admin replicas drain --deployment D --replica http://10.0.0.7:8001 [--undo]
+    tokenyard admin models list                  # each model's load state
+    tokenyard admin models load|unload|pin|unpin NAME
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import sys
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -21,7 +25,9 @@ from tokenyard.cli.ray_admin import add_scale_parser, run_scale
 from tokenyard.config import default_api_key
 from tokenyard.gateway.admin import to_csv, to_table
 
-FLEET_NOUNS = frozenset({"deployments", "replicas"})
+FLEET_NOUNS = frozenset({"deployments", "replicas", "models"})
+#: `admin models` verbs that act on one model (POST /admin/v1/models/NAME/VERB).
+MODEL_VERBS = ("load", "unload", "pin", "unpin")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -43,6 +49,15 @@ def add_fleet_parsers(nouns: Any, fmt: argparse.ArgumentParser) -> None:
     drain.add_argument("--replica", required=True, help="the replica's id (its URL)")
     drain.add_argument("--undo", action="store_true", help="resume sending it work")
     add_scale_parser(replicas, fmt)  # on the Ray cluster, not the server (cli/ray_admin.py)
+    models = nouns.add_parser("models", parents=[fmt], help="models loaded on demand: "
+                              "their state; load, unload, pin, unpin").add_subparsers(
+        dest="verb", required=True)
+    models.add_parser("list", parents=[fmt, server], help="every model's load state")
+    for verb, text in (("load", "load it now (answers once it serves)"),
+                       ("unload", "unload it (its running requests end first)"),
+                       ("pin", "never unload it"), ("unpin", "unload it again when idle")):
+        models.add_parser(verb, parents=[fmt, server], help=text).add_argument(
+            "name", help="the deployment's name")
 
 
 async def _call(args: argparse.Namespace) -> tuple[int, Any]:
@@ -52,6 +67,11 @@ async def _call(args: argparse.Namespace) -> tuple[int, Any]:
     async with aiohttp.ClientSession(headers=headers) as session:
         if args.noun == "deployments":
             request = session.get(f"{base}/admin/v1/deployments")
+        elif args.noun == "models" and args.verb == "list":
+            request = session.get(f"{base}/admin/v1/models")
+        elif args.noun == "models":
+            name = quote(args.name, safe="")
+            request = session.post(f"{base}/admin/v1/models/{name}/{args.verb}")
         else:
             request = session.post(f"{base}/admin/v1/replicas/drain", json={
                 "deployment": args.deployment, "replica": args.replica,
@@ -94,7 +114,12 @@ def run_fleet_admin(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(body, indent=2))
         return 0
-    rows = _rows(body) if args.noun == "deployments" else [body]
+    if args.noun == "deployments":
+        rows = _rows(body)
+    elif args.noun == "models" and args.verb == "list":
+        rows = body.get("data", [])
+    else:
+        rows = [body]
     if args.format == "csv":
         sys.stdout.write(to_csv(rows))
     else:

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenyard.cli.admin import add_admin_parser, run_admin
 from tokenyard.cli.embed import add_embed_parser, embed_kwargs
+from tokenyard.cli.processes import end_process
 from tokenyard.config import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -20,41 +20,6 @@ from tokenyard.config import (
 )
 from tokenyard.deployments import DEFAULT_MAX_OUTPUT_TOKENS, POLICIES
 from tokenyard.engine_args import add_engine_args, engine_kwargs
-
-
-async def _generate(args: argparse.Namespace) -> int:
-    from tokenyard.engine.async_llm import AsyncLLM
-    from tokenyard.wire.sampling_params import SamplingParams, SamplingParamsError
-
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=args.stop or [],
-        )
-    except SamplingParamsError as exc:
-        print(f"error: {exc.param}: {exc}", file=sys.stderr)
-        return 2
-    engine = AsyncLLM(show_progress=True, **engine_kwargs(args))
-    prompt: object = args.prompt
-    if args.chat:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt = [*messages, {"role": "user", "content": args.prompt}]
-    finish = None
-    try:
-        async for out in engine.generate(prompt, params):  # type: ignore[arg-type]
-            for delta in out.deltas:
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-                finish = delta.finish_reason or finish
-    finally:
-        engine.shutdown()
-    sys.stdout.write("\n")
-    print(f"[finish_reason: {finish}]", file=sys.stderr)
-    return 0
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -172,6 +137,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.agent import main as agent_main
 
         return agent_main(args)
+    if args.bench_command == "models":
+        from tokenyard.bench.models import main as models_main
+
+        return models_main(args)
     if args.bench_command == "ray":
         from tokenyard.cli.ray_bench import main as ray_bench_main
 
@@ -340,6 +309,8 @@ _BENCHES = (
      "8 LoRA adapters at once against the base model alone, same concurrency"),
     ("agent", "tokenyard.bench.agent", "an agent task of 3 MCP calls run by the platform "
      "against a client loop over HTTP: hop overhead"),
+    ("models", "tokenyard.bench.models", "an on-demand model: cold, warm and reload load "
+     "times and the first request's TTFT"),
     ("ray", "tokenyard.cli.ray_bench",
      "a replica's start under Ray: actor created -> healthy"),
     ("suite", "tokenyard.bench.suite",
@@ -363,15 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_engine_args(gen)
 
-    engine = sub.add_parser("engine", help="run an engine replica: token ids over HTTP")
-    engine.add_argument("--host", default="127.0.0.1",
-                        help="address to bind; beyond loopback TOKENYARD_REPLICA_TOKEN is "
-                        "required (callers send it as a bearer token)")
-    engine.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
-    engine.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to let in-flight requests finish")
-    add_engine_args(engine)
-
+    _add_engine_parser(sub)
     _add_serve_parser(sub)
     add_embed_parser(sub)
 
@@ -396,13 +359,33 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module).add_arguments(bench_sub.add_parser(name, help=text))
 
     _add_chat_parser(sub)
-    add_admin_parser(sub)
+    _add_admin_parser(sub)
     return parser
+
+
+def _add_engine_parser(sub: Any) -> None:
+    engine = sub.add_parser("engine", help="run an engine replica: token ids over HTTP")
+    engine.add_argument("--host", default="127.0.0.1",
+                        help="address to bind; beyond loopback TOKENYARD_REPLICA_TOKEN is "
+                        "required (callers send it as a bearer token)")
+    engine.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
+    engine.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish")
+    add_engine_args(engine)
+
+
+def _add_admin_parser(sub: Any) -> None:
+    # Imported here: the admin commands import the gateway and its store (SQLAlchemy,
+    # Alembic), which an engine replica's process never needs.
+    from tokenyard.cli.admin import add_admin_parser
+
+    add_admin_parser(sub)
 
 
 #: Subcommands parsed without the full parser, which imports the benchmarks (and torch).
 _LIGHT_PARSERS = {"serve": _add_serve_parser, "chat": _add_chat_parser,
-                  "admin": add_admin_parser, "embed": add_embed_parser}
+                  "admin": _add_admin_parser, "embed": add_embed_parser,
+                  "engine": _add_engine_parser}
 
 
 def _light_parser(command: str) -> argparse.ArgumentParser:
@@ -412,13 +395,25 @@ def _light_parser(command: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    light = argv[0] if argv and argv[0] in _LIGHT_PARSERS else None
+    """Run the command `argv` (None: this program's arguments) and return its exit code.
+    Run as a program, a server command ends its process itself (cli/processes.py's
+    end_process) once it has shut down in order."""
+    args_given = list(sys.argv[1:] if argv is None else argv)
+    light = args_given[0] if args_given and args_given[0] in _LIGHT_PARSERS else None
     parser = _light_parser(light) if light else build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_given)
+    code = _run(args)
+    if argv is None and args.command in ("engine", "embed", "serve"):
+        end_process(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "generate":
-            return asyncio.run(_generate(args))
+            from tokenyard.cli.generate import generate
+
+            return asyncio.run(generate(args))
         if args.command == "engine":
             return _engine(args)
         if args.command == "embed":
@@ -430,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "chat":
             return _chat(args)
         if args.command == "admin":
+            from tokenyard.cli.admin import run_admin
+
             return run_admin(args)
     except KeyboardInterrupt:
         return 130

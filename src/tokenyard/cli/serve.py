@@ -12,6 +12,7 @@ aborts in-flight requests within its bound), lets the open responses end, and ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -211,13 +212,14 @@ async def run(
     fleet = FleetBuilder(spec, make_starter(engine_args, config), config,
                          cache_dir or default_cache_dir(),
                          affinity=make_affinity(config.redis_url))
-    if auth:
-        gateway, api_key, key_file = await open_gateway(config)
     runner: web.AppRunner | None = None
     workers: WorkerPool | None = None
+    building = asyncio.create_task(fleet.build())  # the replicas load while the store opens
     try:
+        if auth:
+            gateway, api_key, key_file = await open_gateway(config)
         try:
-            deployments = await fleet.build()
+            deployments = await building
         except ReplicaError as exc:
             raise RuntimeError(f"cannot reach a replica: {exc}") from exc
         if fleet_file is None:
@@ -253,7 +255,8 @@ async def run(
         loop.add_signal_handler(signal.SIGHUP, lambda: workers.send(signal.SIGHUP) if workers
                                 else asyncio.ensure_future(_reload(fleet, state)))
         shown = f"[{host}]" if ":" in host else host
-        replica_urls = ", ".join(m.id for m in state.default.pool.members)
+        replica_urls = ", ".join(m.id for m in state.default.pool.members) or (
+            "loaded on demand" if state.default.pool.demand is not None else "")
         scheme = "https" if config.tls_cert is not None else "http"
         base_url = f"{scheme}://{shown}:{bound}"
         if logs.active_format == "json":  # a file or a collector: one JSON record
@@ -284,6 +287,10 @@ async def run(
         logger.info("drained in %.1f s", took, extra={"event": "drained", "seconds": took})
         return 0
     finally:
+        if not building.done():  # the store failed to open: no child starts after kill()
+            building.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await building
         if workers is not None:
             await workers.drain()
         if runner is not None:

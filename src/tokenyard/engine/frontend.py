@@ -20,7 +20,7 @@ from tokenyard.config import EngineConfig
 from tokenyard.engine.core import EngineCore, kernel_thread, resolve_device
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.families import CausalLM
-from tokenyard.engine.models.loader import build_model, load_model
+from tokenyard.engine.models.loader import build_model, load_gguf_blocks, load_model
 from tokenyard.engine.request import Request
 from tokenyard.text.output_processor import OutputProcessor, child_params
 
@@ -83,15 +83,17 @@ def _build_core(config: EngineConfig, show_progress: bool,
     if config.null_model:
         return _build_null_core(config, device, dtype, kernels)
     loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
-    model = build_model(loaded)
     if config.weights not in ("auto", "float32") and device.type != "cpu":
         raise ValueError(f"{config.weights} weights are a CPU mode; on CUDA the engine "
                          "uses bf16")
-    from tokenyard.engine.models.quant import convert_weights, resolve_weights
+    from tokenyard.engine.models.quant import convert_weights, native_names, resolve_weights
 
     weights = resolve_weights(config.weights, loaded.source, device)
+    # The GGUF's own blocks, served as they are: their float32 copies are never loaded.
+    native = load_gguf_blocks(loaded) if weights == "q4_1" else {}
+    model = build_model(loaded, skip=native_names(native, loaded.config))
     if weights != "float32":
-        model = convert_weights(model, loaded, weights)
+        model = convert_weights(model, loaded, weights, native)
     else:
         model = model.to(device=device, dtype=dtype)
     loaded.weights = {}  # the float32 copy of every parameter, no longer needed

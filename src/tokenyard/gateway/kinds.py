@@ -20,13 +20,14 @@ from tokenyard.balancer.affinity import AffinityTable
 from tokenyard.balancer.embeddings_client import EmbeddingsClient
 from tokenyard.balancer.generation import Generation
 from tokenyard.balancer.member_clients import MemberClient
+from tokenyard.balancer.on_demand import OnDemand
 from tokenyard.balancer.pool import Pool
 from tokenyard.balancer.replica_client import ReplicaClient, ReplicaError
 from tokenyard.balancer.upstream import UpstreamClient
 from tokenyard.balancer.upstream_generation import TokenTable, UpstreamGeneration
 from tokenyard.deployments import BalancerSpec, DeploymentSpec
 from tokenyard.gateway.call import Generating
-from tokenyard.gateway.served import Served, now
+from tokenyard.gateway.served import Served, check_vocabulary, now
 from tokenyard.lora_spec import lora_modules_arg
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
@@ -196,6 +197,11 @@ class Engine(Kind):
     name = "engine"
     model_facts = True
 
+    async def listed_window(self, served: Served) -> int | None:
+        """Its replicas' window; None before an on-demand model's first load (unless its
+        entry declares `max_context`)."""
+        return served.window if served.info is not None or served.spec.max_context else None
+
 
 #: Kind name (a deployment's `kind`) -> its kind.
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (Engine(), Upstream(), Embeddings())}
@@ -223,17 +229,20 @@ async def build_served(
     balancer: BalancerSpec | None = None,
     affinity: AffinityTable | None = None,
     tokenizers: dict[str | None, Tokenizer] | None = None,
+    demand: OnDemand | None = None,
 ) -> Served:
     """One deployment over its replicas' `clients` (id, client), with what its kind needs:
     an engine's model facts are asked of its first replica that answers, and its
     tokenizer is loaded (in a thread: a GGUF read takes seconds); an upstream gets the
     embedded tokenizer for its admission estimates. `tokenizers` shares loaded
-    tokenizers between deployments."""
+    tokenizers between deployments. `demand`: it is loaded on demand, so its model's
+    facts are learnt at its first load (until then its declared `max_context`, if any,
+    is its window)."""
     kind = kind_of(spec)
     tokenizers = {} if tokenizers is None else tokenizers
     pool = Pool(spec.name, clients, balancer, affinity=affinity)
     info = None
-    if kind.model_facts:
+    if kind.model_facts and demand is None:
         info = await pool.info()
         pool.block_size = info.block_size
     tokenizer = None
@@ -242,17 +251,15 @@ async def build_served(
         if key not in tokenizers:
             tokenizers[key] = await asyncio.to_thread(load_tokenizer, key, cache_dir)
         tokenizer = tokenizers[key]
-    if info is not None and tokenizer is not None and tokenizer.vocab_size > info.vocab_size:
-        # A replica serving another model than `model` would get ids it cannot embed.
-        raise ValueError(
-            f"the tokenizer of {spec.model or 'the embedded model'} has "
-            f"{tokenizer.vocab_size} tokens but the replica's model {info.model} only "
-            f"{info.vocab_size}: pass the replica's --model"
-        )
+    check_vocabulary(spec, tokenizer, info)
     sampling = spec.defaults
     if kind.model_facts:
         sampling = sampling.over(await asyncio.to_thread(recommended_sampling, spec.model))
     served = Served(spec, pool, now(), tokenizer, info, sampling)
+    if demand is not None:
+        pool.load_on_demand(demand)
+        if kind.model_facts:
+            demand.after_load = served.learn_model_facts
     if tokenizer is not None:  # the byte bound's table, built now rather than per request
         await asyncio.to_thread(lambda: served.max_token_bytes)
     return served

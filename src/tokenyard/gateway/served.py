@@ -31,6 +31,18 @@ def now() -> int:
     return int(time.time())
 
 
+def check_vocabulary(spec: DeploymentSpec, tokenizer: Tokenizer | None,
+                     info: ReplicaInfo | None) -> None:
+    """ValueError when the replica's model has fewer tokens than the tokenizer the prompts
+    are prepared with: a replica serving another model than `model` would get ids it
+    cannot embed."""
+    if info is not None and tokenizer is not None and tokenizer.vocab_size > info.vocab_size:
+        raise ValueError(
+            f"the tokenizer of {spec.model or 'the embedded model'} has "
+            f"{tokenizer.vocab_size} tokens but the replica's model {info.model} only "
+            f"{info.vocab_size}: pass the replica's --model")
+
+
 @dataclass(eq=False)
 class Served:
     """One deployment as this process serves it: its spec, its pool of replicas and, for
@@ -53,6 +65,19 @@ class Served:
             self.preparer = Preparer(self.tokenizer, self.window, self.spec.max_output_tokens,
                                     self.spec.max_tool_calls)
 
+    async def learn_model_facts(self) -> None:
+        """An on-demand engine's model facts, asked of its replicas once they first load
+        (its window and vocabulary were unknown until then)."""
+        if self.info is not None:
+            return
+        info = await self.pool.info()
+        check_vocabulary(self.spec, self.tokenizer, info)
+        self.pool.block_size = info.block_size
+        self.info = info
+        if self.tokenizer is not None:
+            self.preparer = Preparer(self.tokenizer, self.window, self.spec.max_output_tokens,
+                                     self.spec.max_tool_calls)
+
     @property
     def name(self) -> str:
         return self.spec.name
@@ -62,6 +87,13 @@ class Served:
         this one's replicas, tokenizer and model facts (`lora_spec.py`)."""
         return Served(spec, self.pool, self.created, self.tokenizer, self.info,
                       self.sampling)
+
+    @property
+    def status(self) -> str:
+        """Whether its model is loaded: "loaded" (always, for one not loaded on demand),
+        "loading", "unloading" or "unloaded" (`balancer/on_demand.py`)."""
+        demand = self.pool.demand
+        return "loaded" if demand is None else demand.state
 
     @property
     def kind(self) -> str:

@@ -180,6 +180,12 @@ class ReasoningStream:
         """Reasoning tokens so far (final once the block closed or the reply ended)."""
         return self._counter.count or 0
 
+    @property
+    def settled(self) -> int | None:
+        """The reply's reasoning tokens once known (the block closed, none opened, or
+        the reply ended); None while the reply may still be reasoning."""
+        return self._counter.count
+
 
 def split_completion(text: str, token_ids: Sequence[int], token_bytes: Callable[[int], bytes],
                      reasoning: tuple[str, bool]) -> tuple[str, str, int]:

@@ -424,6 +424,10 @@ class ModelCard(BaseModel):
     region: str | None = None
     # A LoRA adapter's base model (vLLM's field): it runs on that model's replicas.
     parent: str | None = None
+    # Whether its model is in memory: "loaded", "loading", "unloading" or "unloaded" (a
+    # deployment loaded on demand, `load = "on_demand"`; one loaded always is "loaded");
+    # None for an alias: its deployments' states are theirs.
+    status: str | None = None
 
 
 class ModelList(BaseModel):

@@ -102,8 +102,27 @@ class McpApprovalRequestOutput(BaseModel):
     status: ItemStatus = Field(default="in_progress", exclude=True)  # not OpenAI's
 
 
+class ReasoningText(BaseModel):
+    """A reasoning item's text part (Open Responses' `reasoning_text`)."""
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningOutput(BaseModel):
+    """A reasoning item of `output`: a reasoning model's thinking (its `<think>` block,
+    split out by the deployment's reasoning parser), whole in `content`; no `summary` is
+    made (no model here summarizes)."""
+
+    id: str = Field(default_factory=lambda: random_id("rs_"))
+    type: Literal["reasoning"] = "reasoning"
+    status: ItemStatus = "in_progress"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+
+
 McpItem = McpListToolsOutput | McpCallOutput | McpApprovalRequestOutput
-OutputItem = OutputMessage | FunctionCallOutput | McpItem
+OutputItem = ReasoningOutput | OutputMessage | FunctionCallOutput | McpItem
 
 
 class InputTokensDetails(BaseModel):
@@ -124,11 +143,13 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
 
-def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int,
+                   reasoning_tokens: int = 0) -> ResponseUsage:
     return ResponseUsage(
         input_tokens=input_tokens, input_tokens_details=InputTokensDetails(
             cached_tokens=cached_tokens),
         output_tokens=output_tokens, total_tokens=input_tokens + output_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 
@@ -227,7 +248,7 @@ class _ContentPart(_ItemPart):
 class PartEvent(_ContentPart):
     """response.content_part.added / done."""
 
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(_ContentPart):
@@ -242,6 +263,18 @@ class TextDoneEvent(_ContentPart):
 
     text: str
     logprobs: list[TokenLogprob] = Field(default_factory=list)
+
+
+class ReasoningDeltaEvent(_ContentPart):
+    """response.reasoning.delta: more of a reasoning item's text."""
+
+    delta: str
+
+
+class ReasoningDoneEvent(_ContentPart):
+    """response.reasoning.done: a reasoning item's whole text."""
+
+    text: str
 
 
 class ArgumentsDeltaEvent(_ItemPart):

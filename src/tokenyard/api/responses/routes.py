@@ -102,7 +102,8 @@ def response_plan(req: ResponsesRequest, earlier_items: list[dict[str, Any]],
         shell = response_shell(req, run.served.name, run.served.sampling)
         if mcp_part is not None:
             return mcp_part.format(shell, run)
-        return ResponsesFormat(shell, run.ready.tools, run.token_bytes)
+        return ResponsesFormat(shell, run.ready.tools, run.token_bytes,
+                               run.served.reasoning_for(run.ready.prompts[0]))
 
     async def remember(fmt: ResponsesFormat) -> None:
         if fmt.final is None:  # failed: nothing a later turn could continue from

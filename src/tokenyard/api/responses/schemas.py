@@ -180,21 +180,30 @@ class FunctionCallOutputItem(RequestModel):
         return join_parts(self.output)
 
 
+class ReasoningItem(RequestModel):
+    """A reasoning item an earlier response made, sent back with its output: accepted and
+    left out of the prompt (as the reasoning models' templates drop past thinking)."""
+
+    type: Literal["reasoning"]
+
+
 class _RefusedItem(_Refused):
-    instead = ("input items are messages, 'function_call', 'function_call_output' and "
-               "'compaction' and MCP items")
+    instead = ("input items are messages, 'function_call', 'function_call_output', "
+               "'reasoning' and 'compaction' and MCP items")
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("Call")]
     | Annotated[FunctionCallOutputItem, Tag("Output")]
     | Annotated[CompactionItem, Tag("Compaction")]
+    | Annotated[ReasoningItem, Tag("Reasoning")]
     | Annotated[McpListToolsItem, Tag("McpList")] | Annotated[McpCallItem, Tag("McpCall")]
     | Annotated[McpApprovalRequestItem, Tag("McpApprovalRequest")]
     | Annotated[McpApprovalResponseItem, Tag("McpApprovalResponse")]
     | Annotated[_RefusedItem, Tag("Refused")],
     _tagged({"message": "Message", "function_call": "Call",
-             "function_call_output": "Output", "compaction": "Compaction", **MCP_ITEM_TAGS},
+             "function_call_output": "Output", "compaction": "Compaction",
+             "reasoning": "Reasoning", **MCP_ITEM_TAGS},
             "Refused"),
 ]
 
@@ -263,7 +272,8 @@ class TextConfig(RequestModel):
 
 
 class Reasoning(RequestModel):
-    """`reasoning`: only no effort is possible (the model does not reason)."""
+    """`reasoning`: only no effort is possible (a reasoning model thinks as its template
+    says; its thinking comes back as a reasoning item)."""
 
     effort: Identifier | None = None
     summary: Identifier | None = None
@@ -304,8 +314,8 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Acceptable, str]] = {
     "background_options": (is_none, "'background_options' is not supported by this "
                            "server."),
     "prompt": (is_none, "Prompt templates are not supported by this server."),
-    "reasoning": (_no_effort, "Reasoning effort is not supported: the model does not "
-                  "reason (send no 'reasoning', or effort 'none')."),
+    "reasoning": (_no_effort, "Reasoning effort is not supported: a reasoning model here "
+                  "thinks as its template says (send no 'reasoning', or effort 'none')."),
     "context_management": (none_or_empty, "'context_management' is not supported: this "
                            "server does not compact context."),
     "moderation": (is_none, "'moderation' per request is not supported: moderation here "

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenyard.api.openai.convert import TokenBytes, chat_logprobs
+from tokenyard.api.openai.convert import TokenBytes, chat_logprobs, no_bytes
 from tokenyard.api.openai.schemas import TokenLogprob
 from tokenyard.api.openai.tools import parser as tool_parser
 from tokenyard.api.responses.convert import INCOMPLETE_REASONS, finished, output_items
@@ -32,6 +32,10 @@ from tokenyard.api.responses.objects import (
     OutputMessage,
     OutputText,
     PartEvent,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningOutput,
+    ReasoningText,
     ResponseError,
     ResponseEvent,
     ResponseObject,
@@ -42,6 +46,7 @@ from tokenyard.api.responses.objects import (
 from tokenyard.api.sse import sse_event
 from tokenyard.errors import APIError
 from tokenyard.gateway.call import Generated
+from tokenyard.text.reasoning import ReasoningStream, split_completion
 from tokenyard.text.tool_calls import CallArguments, CallStart, MarkupFilter, TextPiece, ToolEvent
 from tokenyard.text.tools import ToolUse
 from tokenyard.wire.outputs import Completion, CompletionDelta, Logprob, RequestOutput
@@ -58,7 +63,8 @@ class ResponsesFormat:
     terminator = b""
 
     def __init__(self, response: ResponseObject, tools: ToolUse | None,
-                 token_bytes: TokenBytes | None = None) -> None:
+                 token_bytes: TokenBytes | None = None,
+                 reasoning: tuple[str, bool] | None = None) -> None:
         self.response = response
         self.tools = tools
         self.final: dict[str, Any] | None = None
@@ -72,6 +78,14 @@ class ResponsesFormat:
         self._open: OutputItem | None = None
         self._finish_reason: str | None = None
         self._queued = False  # a background response: created and queued went out
+        #: The deployment's reasoning parser and whether the prompt opened its block: the
+        #: thinking goes to a reasoning item ahead of the message, its tokens to
+        #: `reasoning_tokens` (None: a reply has no reasoning to split).
+        self.reasoning = reasoning
+        self._thinking = None if reasoning is None else ReasoningStream(
+            token_bytes or no_bytes, *reasoning)
+        self._generated = 0  # tokens streamed so far (which logprobs are the thinking's)
+        self._reasoning_tokens = 0  # of the non-streamed reply
 
     # ------------------------------------------------------------------ non-streamed
 
@@ -79,16 +93,26 @@ class ResponsesFormat:
         self, gens: Sequence[Generated], completions: Sequence[list[Completion]]
     ) -> BaseModel:
         completion = completions[0][0]
-        self.response.output = output_items(completion.text, self.tools,
-                                            self._token_logprobs(completion.logprobs))
+        text, logprobs = completion.text, self._token_logprobs(completion.logprobs)
+        thought: list[OutputItem] = []
+        if self.reasoning is not None:
+            reasoning, text, self._reasoning_tokens = split_completion(
+                text, completion.token_ids, self.token_bytes or no_bytes, self.reasoning)
+            logprobs = logprobs[self._reasoning_tokens:]  # the answer's tokens only
+            if reasoning:
+                thought.append(ReasoningOutput(content=[ReasoningText(text=reasoning)]))
+        self.response.output = [*thought, *output_items(text, self.tools, logprobs)]
         return self._finished(gens, completion.finish_reason)
 
     def _finished(self, gens: Sequence[Generated], finish_reason: str | None
                   ) -> ResponseObject:
         gen = gens[0]
         output_tokens = gen.last.num_output_tokens if gen.last is not None else 0
+        reasoning = (self._thinking.tokens if self._thinking is not None
+                     and self._generated else self._reasoning_tokens)
         finished(self.response, finish_reason,
-                 response_usage(gen.num_prompt_tokens, output_tokens, gen.num_cached_tokens))
+                 response_usage(gen.num_prompt_tokens, output_tokens, gen.num_cached_tokens,
+                                reasoning))
         self.final = self.response.model_dump(mode="json")
         return self.response
 
@@ -119,22 +143,48 @@ class ResponsesFormat:
         return chat_logprobs(entries, self.token_bytes).content or []
 
     def _delta_events(self, delta: CompletionDelta) -> list[Event]:
-        self._logprobs.extend(self._token_logprobs(delta.logprobs))
+        logprobs = self._token_logprobs(delta.logprobs)
+        text, events = delta.text, []
+        if self._thinking is not None:
+            split = self._thinking.push(text, delta.token_ids, delta.finish_reason is not None)
+            first = self._generated
+            self._generated += len(delta.token_ids)
+            thinking = self._thinking.settled  # the thinking's tokens have no logprobs here
+            logprobs = [] if thinking is None else logprobs[max(0, thinking - first):]
+            if split.reasoning:
+                events.extend(self._reasoning_events(split.reasoning))
+            text = split.content
+        self._logprobs.extend(logprobs)
         pieces: list[ToolEvent]
         if self._parser is None:
-            text = self._plain.feed(delta.text, delta.finish_reason is not None)
+            text = self._plain.feed(text, delta.finish_reason is not None)
             pieces = [TextPiece(text)] if text else []
         else:
-            pieces = self._parser.feed(delta.text)
+            pieces = self._parser.feed(text)
             if delta.finish_reason is not None:
                 pieces += self._parser.finish()
-        events = [e for piece in pieces for e in self._piece_events(piece)]
+        events.extend(e for piece in pieces for e in self._piece_events(piece))
         if delta.finish_reason is not None:
             self._finish_reason = delta.finish_reason
-            if not self.response.output:  # an empty reply is still one (empty) message
+            if not any(isinstance(i, OutputMessage | FunctionCallOutput)
+                       for i in self.response.output):  # an empty reply is one message
+                events.extend(self._close("completed"))
                 events.extend(self._open_item(OutputMessage()))
             incomplete = delta.finish_reason in INCOMPLETE_REASONS
             events.extend(self._close("incomplete" if incomplete else "completed"))
+        return events
+
+    def _reasoning_events(self, text: str) -> list[Event]:
+        """More thinking: opens the reasoning item first when it is not open."""
+        events: list[Event] = []
+        if not isinstance(self._open, ReasoningOutput):
+            events.extend(self._close("completed"))
+            events.extend(self._open_item(ReasoningOutput()))
+        item = self._open
+        assert isinstance(item, ReasoningOutput)
+        item.content[0].text += text
+        events.append(self._event(ReasoningDeltaEvent, "reasoning.delta", item_id=item.id,
+                                  output_index=self._index, delta=text))
         return events
 
     def _piece_events(self, piece: ToolEvent) -> list[Event]:
@@ -174,10 +224,17 @@ class ResponsesFormat:
         self._open = item
         events = [self._event(ItemEvent, "output_item.added", output_index=self._index,
                               item=item.model_copy(deep=True))]
+        part: OutputText | ReasoningText | None = None
         if isinstance(item, OutputMessage):
-            item.content.append(OutputText())
+            part = OutputText()
+            item.content.append(part)
+        elif isinstance(item, ReasoningOutput):
+            part = ReasoningText()
+            item.content.append(part)
+        if part is not None:
             events.append(self._event(PartEvent, "content_part.added", item_id=item.id,
-                                      output_index=self._index, part=OutputText()))
+                                      output_index=self._index,
+                                      part=part.model_copy(deep=True)))
         return events
 
     def _close(self, status: str) -> list[Event]:
@@ -195,6 +252,12 @@ class ResponsesFormat:
                                   logprobs=part.logprobs, **at),
                       self._event(PartEvent, "content_part.done",
                                   part=part.model_copy(deep=True), **at)]
+        elif isinstance(item, ReasoningOutput):
+            thought = item.content[0]
+            events = [self._event(ReasoningDoneEvent, "reasoning.done", text=thought.text,
+                                  **at),
+                      self._event(PartEvent, "content_part.done",
+                                  part=thought.model_copy(deep=True), **at)]
         else:  # a function call (the MCP items close in `mcp_stream`)
             assert isinstance(item, FunctionCallOutput)
             events = [self._event(ArgumentsDoneEvent, "function_call_arguments.done",

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import sys
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -123,21 +125,57 @@ def _compile(name: str, cache_dir: Path, python_module: bool = True) -> ModuleTy
     # torch's own baton is a file that a builder killed mid-build leaves behind, and every
     # later load then waits for it forever (a replica killed while it started). An flock,
     # which the kernel releases with its process, serializes our builders instead; whoever
-    # holds it knows that a baton still there is a dead builder's.
-    with open(build_dir / "tokenyard.flock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        module = cpp_extension.load(
-            name=f"tokenyard_{name}_{digest}",
-            sources=[str(source)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            build_directory=str(build_dir),
-            verbose=False,
-            is_python_module=python_module,
-        )
+    # holds it knows that a baton still there is a dead builder's (_build removes it).
+    module_name = f"tokenyard_{name}_{digest}"
+    built = _load_built(build_dir, module_name, python_module)
+    if built is None:
+        with open(build_dir / "tokenyard.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            built = _load_built(build_dir, module_name, python_module)  # built meanwhile
+            if built is None:
+                built = _build(cpp_extension, source, build_dir, module_name, python_module)
     log.info("kernel %s ready in %.1f s (%s)", name, time.perf_counter() - t0, build_dir)
-    if not python_module:  # the library is loaded into torch.ops; `load` gave its path
-        return ModuleType(name)
+    return built if python_module else ModuleType(name)  # ops: loaded into torch.ops
+
+
+#: Written beside the library once a build succeeded: what _load_built trusts.
+_BUILT = "tokenyard.built"
+
+
+def _load_built(build_dir: Path, module_name: str, python_module: bool) -> ModuleType | None:
+    """The library a finished build left in `build_dir`, loaded as it is, or None.
+
+    The directory's name hashes everything the build depends on, so a finished build is
+    current: no ninja run to check it (~0.2 s a kernel), and checkouts of one source in
+    different places (ninja keys on the path) no longer rebuild each other's library."""
+    library = build_dir / f"{module_name}.so"
+    if not (build_dir / _BUILT).exists() or not library.exists():
+        return None
+    if not python_module:
+        torch.ops.load_library(str(library))
+        return ModuleType(module_name)
+    spec = importlib.util.spec_from_file_location(module_name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(cpp_extension: Any, source: Path, build_dir: Path, module_name: str,
+           python_module: bool) -> ModuleType:
+    (build_dir / "lock").unlink(missing_ok=True)
+    module = cpp_extension.load(
+        name=module_name,
+        sources=[str(source)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=str(build_dir),
+        verbose=False,
+        is_python_module=python_module,
+    )
+    (build_dir / _BUILT).write_text(module_name + "\n")
+    if not python_module:
+        return ModuleType(module_name)
     assert isinstance(module, ModuleType)
     return module

@@ -18,7 +18,7 @@ Projections reuse llama.Linear (fused q/k/v and gate/up, the same Hugging Face n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -174,7 +174,8 @@ class GemmaForCausalLM(CausalLMHead):
             x = layer(x, rope, attention)
         return _rms_norm(x, self.norm, self.config.rms_norm_eps)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     skip: Collection[str] = ()) -> None:
         """Copy Hugging Face-named Gemma 3 tensors in (fusing q/k/v and gate/up; norm
         scales become 1 + w). Raises ValueError listing unexpected, misshapen or missing
         names."""
@@ -211,7 +212,7 @@ class GemmaForCausalLM(CausalLMHead):
             problems.append(f"unexpected weights: {_preview(unexpected)}")
         if bad_shapes:
             problems.append(f"wrong shapes: {_preview(bad_shapes)}")
-        missing = sorted(set(targets) - loaded)
+        missing = sorted(set(targets) - loaded - set(skip))  # skip: left uninitialized
         if missing:
             problems.append(f"missing weights: {_preview(missing)}")
         if problems:

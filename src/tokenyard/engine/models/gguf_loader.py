@@ -8,6 +8,7 @@ checkpoints and our rotate-half RoPE.
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 from collections.abc import Iterator
@@ -278,52 +279,64 @@ def gguf_tensor_types(path: str | Path) -> dict[str, str]:
     """GGUF tensor name -> type name ("Q4_1", "F32", ...), read from the file's header only.
 
     Milliseconds where `GGUFReader` takes seconds (it decodes every metadata value, the
-    tokenizer's 49k strings included); used to pick the `auto` weight format.
+    tokenizer's 49k strings included); used to pick the `auto` weight format. The header
+    is walked in a memory map by offsets: a read call per value cost ~0.3 s here.
     Raises ValueError for a file that is not GGUF v2/v3.
     """
     with Path(path).open("rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as exc:  # an empty file
+            raise ValueError(f"{path} is not a GGUF v2/v3 file") from exc
+    with buf:
+        try:
+            return _tensor_types(buf, str(path))
+        except struct.error as exc:
+            raise ValueError(f"{path}: GGUF header ends early") from exc
 
-        def read(fmt: str) -> int:
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise ValueError(f"{path}: GGUF header ends early")
-            return int(struct.unpack(fmt, data)[0])
 
-        def skip_string() -> None:
-            f.seek(read("<Q"), 1)
+def _tensor_types(buf: mmap.mmap, path: str) -> dict[str, str]:
+    u32, u64 = struct.Struct("<I"), struct.Struct("<Q")
+    string, array = GGUFValueType.STRING, GGUFValueType.ARRAY
+    sizes = {int(kind): size for kind, size in _SCALAR_SIZES.items()}
 
-        def skip_value(kind: int) -> None:
-            vtype = GGUFValueType(kind)
-            if vtype == GGUFValueType.STRING:
-                skip_string()
-            elif vtype == GGUFValueType.ARRAY:
-                item, count = read("<I"), read("<Q")
-                if GGUFValueType(item) in _SCALAR_SIZES:
-                    f.seek(count * _SCALAR_SIZES[GGUFValueType(item)], 1)
-                else:
-                    for _ in range(count):
-                        skip_value(item)
-            else:
-                f.seek(_SCALAR_SIZES[vtype], 1)
+    def skip_value(kind: int, at: int) -> int:
+        if kind == string:
+            return at + 8 + u64.unpack_from(buf, at)[0]
+        if kind == array:
+            item, count = u32.unpack_from(buf, at)[0], u64.unpack_from(buf, at + 4)[0]
+            at += 12
+            if item in sizes:
+                return at + count * sizes[item]
+            for _ in range(count):
+                at = skip_value(item, at)
+            return at
+        if kind not in sizes:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+        return at + sizes[kind]
 
-        if f.read(4) != b"GGUF" or read("<I") not in (2, 3):
-            raise ValueError(f"{path} is not a GGUF v2/v3 file")
-        n_tensors, n_kv = read("<Q"), read("<Q")
-        for _ in range(n_kv):
-            skip_string()
-            skip_value(read("<I"))
-        types: dict[str, str] = {}
-        for _ in range(n_tensors):
-            name = f.read(read("<Q")).decode("utf-8", errors="replace")
-            f.seek(8 * read("<I"), 1)  # the dimensions
-            kind = read("<I")
-            f.seek(8, 1)  # the data offset
-            try:
-                types[name] = GGMLQuantizationType(kind).name
-            except ValueError:
-                types[name] = f"type {kind}"
-        return types
+    if buf[:4] != b"GGUF" or u32.unpack_from(buf, 4)[0] not in (2, 3):
+        raise ValueError(f"{path} is not a GGUF v2/v3 file")
+    n_tensors, n_kv = u64.unpack_from(buf, 8)[0], u64.unpack_from(buf, 16)[0]
+    at = 24
+    for _ in range(n_kv):
+        at += 8 + u64.unpack_from(buf, at)[0]  # the key
+        at = skip_value(u32.unpack_from(buf, at)[0], at + 4)
+    types: dict[str, str] = {}
+    for _ in range(n_tensors):
+        size = u64.unpack_from(buf, at)[0]
+        name = buf[at + 8:at + 8 + size].decode("utf-8", errors="replace")
+        at += 8 + size
+        at += 4 + 8 * u32.unpack_from(buf, at)[0]  # the dimensions
+        kind = u32.unpack_from(buf, at)[0]
+        at += 4 + 8  # the type, the data offset
+        if at > len(buf):
+            raise ValueError(f"{path}: GGUF header ends early")
+        try:
+            types[name] = GGMLQuantizationType(kind).name
+        except ValueError:
+            types[name] = f"type {kind}"
+    return types
 
 
 def gguf_projection_type(path: str | Path) -> str | None:

@@ -13,7 +13,7 @@ piece into its slice (Phi-3's checkpoints hold the fused tensors already).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -278,7 +278,8 @@ class LlamaForCausalLM(CausalLMHead):
             x = layer(x, cos, sin, attention)
         return _rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     skip: Collection[str] = ()) -> None:
         """Copy Hugging Face-named tensors into this model (fusing q/k/v and gate/up).
 
         Accepts e.g. `model.layers.3.self_attn.k_proj.weight` [Hkv*D, hidden]. Tensors are
@@ -306,7 +307,7 @@ class LlamaForCausalLM(CausalLMHead):
                     continue
                 dest.copy_(tensor)
                 loaded.add(name)
-        missing = sorted(set(targets) - loaded)
+        missing = sorted(set(targets) - loaded - set(skip))  # skip: left uninitialized
         problems = []
         if unexpected:
             problems.append(f"unexpected weights: {_preview(unexpected)}")

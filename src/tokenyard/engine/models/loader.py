@@ -15,12 +15,13 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tokenyard.config import default_cache_dir
 from tokenyard.engine.models.config import ModelConfig
@@ -55,7 +56,7 @@ class LoadedModel:
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
     from_cache: bool = False
@@ -117,12 +118,36 @@ def _read_blocks(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
         return {name: (kinds[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
 
 
-def build_model(loaded: LoadedModel) -> CausalLM:
+def build_model(loaded: LoadedModel, skip: Collection[str] = frozenset()) -> CausalLM:
     """Construct the model for `loaded.config` (its family's class), copy the weights in,
-    switch to eval mode. ValueError for an architecture no family runs."""
+    switch to eval mode. ValueError for an architecture no family runs. `skip`: weights
+    neither read nor copied, their parameters left uninitialized (for a caller that
+    replaces them, as block weights replace the projections)."""
     model = family(loaded.config.architecture).model(loaded.config)
-    model.load_weights(loaded.weights.items())
+    weights = loaded.weights
+    model.load_weights(((name, weights[name]) for name in weights if name not in skip), skip)
     return model.eval()
+
+
+class CachedWeights(Mapping[str, torch.Tensor]):
+    """The float32 weights of a cache entry's file, each read when it is asked for: a
+    caller that needs some of them reads only those (and holds one at a time)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = safe_open(str(path), framework="pt")
+        self._names = list(self._file.keys())
+        self._known = frozenset(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._file.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -162,7 +187,7 @@ def _cache_valid(entry: Path) -> bool:
 
 def _read_cache(entry: Path, source: Path) -> LoadedModel:
     config = ModelConfig(**json.loads((entry / _CONFIG).read_text(encoding="utf-8")))
-    weights = load_file(str(entry / _WEIGHTS))
+    weights = CachedWeights(entry / _WEIGHTS)
     tokenizer = Tokenizer.load(entry)
     return LoadedModel(config, weights, tokenizer, source, from_cache=True, cache_path=entry)
 

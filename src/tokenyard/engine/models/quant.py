@@ -26,6 +26,7 @@ import torch
 
 from tokenyard.engine.kernels import unavailable_reason
 from tokenyard.engine.kernels.blocks import Q4_1, Q8_0, BlockWeight, kernel_available, q4_0_to_q4_1
+from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.gemma import GemmaDecoderLayer
 from tokenyard.engine.models.gguf_loader import gguf_projection_type
 from tokenyard.engine.models.llama import Linear, LlamaDecoderLayer
@@ -76,8 +77,10 @@ def resolve_weights(requested: str, source: Path, device: torch.device) -> str:
     return weights
 
 
-def convert_weights(model: CausalLM, loaded: LoadedModel, weights: str) -> CausalLM:
-    """Switch `model` (float32, on the CPU) to the `weights` format, in place.
+def convert_weights(model: CausalLM, loaded: LoadedModel, weights: str,
+                    native: dict[str, tuple[str, torch.Tensor]] | None = None) -> CausalLM:
+    """Switch `model` (float32, on the CPU) to the `weights` format, in place. `native`:
+    `loaded`'s GGUF blocks when the caller read them already (load_gguf_blocks).
 
     Block formats need the C++ kernel: without it (no compiler, a build error,
     TOKENYARD_DISABLE_KERNELS=1) the model stays float32 and the reason is logged.
@@ -90,7 +93,8 @@ def convert_weights(model: CausalLM, loaded: LoadedModel, weights: str) -> Causa
         log.warning("--weights %s needs the quant_matmul kernel (%s); keeping float32 weights",
                     weights, unavailable_reason("quant_matmul"))
         return model
-    native = load_gguf_blocks(loaded) if weights == "q4_1" else {}
+    if native is None:
+        native = load_gguf_blocks(loaded) if weights == "q4_1" else {}
     from_gguf = not loaded.source.is_dir()
     return quantize_blocks(model, weights, native, from_gguf)
 
@@ -137,23 +141,36 @@ def _native(
     native: dict[str, tuple[str, torch.Tensor]], names: list[str], in_features: int
 ) -> BlockWeight | None:
     """The GGUF blocks of `names` stacked by rows, when all are there in one kept type."""
-    found: list[tuple[str, torch.Tensor]] = []
-    for name in names:
-        entry = native.get(name)
-        if entry is None:
-            return None
-        found.append(entry)
-    kinds = {kind for kind, _ in found}
-    if len(kinds) != 1:
+    kind = _native_kind(native, names)
+    if kind is None:
         return None
-    kind = kinds.pop()
-    raws = [raw for _, raw in found]
+    raws = [native[name][1] for name in names]
     if kind == "Q4_0":
         raws, kind = [q4_0_to_q4_1(raw) for raw in raws], "Q4_1"
-    qtype = {"Q8_0": Q8_0, "Q4_1": Q4_1}.get(kind)
-    if qtype is None:
-        return None
-    return BlockWeight(torch.cat(raws) if len(raws) > 1 else raws[0], qtype, in_features)
+    return BlockWeight(torch.cat(raws) if len(raws) > 1 else raws[0], _QTYPES[kind],
+                       in_features)
+
+
+#: The block types a projection is served in as the GGUF holds it (Q4_0 becomes Q4_1).
+_QTYPES = {"Q8_0": Q8_0, "Q4_1": Q4_1, "Q4_0": Q4_1}
+
+
+def _native_kind(native: dict[str, tuple[str, torch.Tensor]], names: list[str]) -> str | None:
+    """The one kept GGUF type that every one of `names` has in `native`, else None."""
+    kinds = {native[name][0] if name in native else None for name in names}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return kind if kind in _QTYPES else None
+
+
+def native_names(native: dict[str, tuple[str, torch.Tensor]], config: ModelConfig) -> set[str]:
+    """The float weights `quantize_blocks` will not read for a model of `config`: those
+    of every projection, the embedding and the LM head that it takes from `native` as
+    they are. The model need not hold their float32 values (frontend.py skips them: a
+    full float32 copy of SmolLM2-135M is ~540 MB of page faults at every start)."""
+    groups = [[f"model.layers.{i}.{piece}.weight" for piece in pieces]
+              for i in range(config.num_hidden_layers) for pieces in _FUSED.values()]
+    groups += [["model.embed_tokens.weight"], ["lm_head.weight"]]
+    return {name for names in groups if _native_kind(native, names) for name in names}
 
 
 def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:
