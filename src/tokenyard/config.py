@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from tokenyard.fleet_values import valid_region
+from tokenyard.lora_spec import parse_lora_modules
 
 
 def default_cache_dir() -> Path:
@@ -115,6 +116,12 @@ class EngineConfig(Settings):
     null_model: bool = False
     # vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}
     speculative_config: str | None = None
+    # LoRA adapters served over the base model (engine/lora/): vLLM's --lora-modules,
+    # "name=path[,name=path]"; `max_loras` of them resident at once (least recently used
+    # out), each of rank `max_lora_rank` at most.
+    lora_modules: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     _ENV: ClassVar[dict[str, str]] = {
         "model": "TOKENYARD_MODEL",
@@ -128,6 +135,9 @@ class EngineConfig(Settings):
         "async_scheduling": "TOKENYARD_ASYNC_SCHEDULING",
         "null_model": "TOKENYARD_NULL_MODEL",
         "speculative_config": "TOKENYARD_SPECULATIVE_CONFIG",
+        "lora_modules": "TOKENYARD_LORA_MODULES",
+        "max_loras": "TOKENYARD_MAX_LORAS",
+        "max_lora_rank": "TOKENYARD_MAX_LORA_RANK",
     }
 
     def validate(self) -> None:
@@ -143,6 +153,9 @@ class EngineConfig(Settings):
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs must be positive")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be positive (or unset: the whole budget)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be positive")
+        parse_lora_modules(self.lora_modules)
 
 
 @dataclass
@@ -424,3 +437,4 @@ def default_api_key() -> str | None:
         return ServeConfig.from_env().dev_key_file.read_text().strip() or None
     except OSError:
         return None
+

@@ -44,14 +44,14 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 from tokenyard.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tokenyard.fallback_spec import FallbackSpec, check_fallbacks, fallback_spec
-from tokenyard.fleet_values import (
+from tokenyard.fleet_values import (  # PriceSpec: the fleet's prices, read here
     FleetConfigError,
+    PriceSpec,
     a_string,
     a_table,
     a_weight,
@@ -59,8 +59,10 @@ from tokenyard.fleet_values import (
     only_fields,
     opt_region,
     opt_string,
+    price_spec,
 )
 from tokenyard.load_spec import ModelsSpec, OnDemandSpec, models_spec, on_demand_spec
+from tokenyard.lora_spec import AdapterSpec, fleet_adapters, with_adapters
 from tokenyard.moderation_spec import ModerationSpec, moderation_spec
 from tokenyard.placement_spec import RayPlacement, ray_placement
 from tokenyard.sampling_defaults import NONE, SamplingDefaults, fleet_defaults
@@ -96,15 +98,6 @@ POLICIES = {"affinity", "least", "precise", "round_robin"}
 #: tokens it reports are never shown to or billed as cached for a tenant.
 UPSTREAM_SERVERS = ("vllm", "sglang", "openai")
 SALTED_SERVERS = frozenset({"vllm", "sglang"})
-
-
-@dataclass(frozen=True)
-class PriceSpec:
-    """Micros per million tokens (the store's unit); read from decimal currency units."""
-
-    input: int = 0
-    cached_input: int = 0
-    output: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +145,11 @@ class DeploymentSpec:
     reasoning_parser: str = "auto"
     #: Where its requests go when it fails before their first byte (`fallback_spec.py`).
     fallbacks: FallbackSpec | None = None
+    #: engine: its LoRA adapters (`lora_spec.py`); an adapter's own deployment
+    #: (`base:adapter`) names its base (`parent`) and the adapter (`lora`).
+    adapters: tuple[AdapterSpec, ...] = ()
+    parent: str | None = None
+    lora: str | None = None
     #: Its local replicas start on its first request and stop when idle
     #: (`load_spec.py`); None: they run from the start.
     on_demand: OnDemandSpec | None = None
@@ -240,6 +238,7 @@ def parse_fleet(raw: Mapping[str, Any], path: Path | None = None) -> FleetSpec:
         if spec.name in deployments:
             raise FleetConfigError(f"deployments[{i}].name: '{spec.name}' is defined twice")
         deployments[spec.name] = spec
+    deployments = with_adapters(deployments)
     aliases = {name: _alias(name, value, deployments)
                for name, value in a_table(raw.get("aliases", {}), "aliases").items()}
     check_fallbacks(deployments, aliases)
@@ -280,6 +279,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
     item, ray = ray_placement(item, where)
     item, tool_parser, reasoning_parser = parser_choice(item, where)
     item, fallbacks = fallback_spec(item, where)
+    item, adapters = fleet_adapters(item, where)
     item, on_demand = on_demand_spec(item, where)
     only_fields(item, {"name", "kind", "replicas", "urls", "model", "engine_args", "token_env",
                  "capabilities", "max_context", "prices", "batch_prices", "moderation",
@@ -333,8 +333,8 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
                           for a in an_array(item.get("engine_args", []), f"{where}.engine_args")),
         token_env=opt_string(item.get("token_env"), f"{where}.token_env"),
         capabilities=caps or _DEFAULT_CAPABILITIES[kind], max_context=max_context,
-        prices=_prices(item["prices"], f"{where}.prices") if "prices" in item else None,
-        batch_prices=(_prices(item["batch_prices"], f"{where}.batch_prices")
+        prices=price_spec(item["prices"], f"{where}.prices") if "prices" in item else None,
+        batch_prices=(price_spec(item["batch_prices"], f"{where}.batch_prices")
                       if "batch_prices" in item else None),
         moderation=(moderation_spec(item["moderation"], f"{where} ({name}).moderation")
                     if "moderation" in item else None),
@@ -342,7 +342,7 @@ def _deployment(item: Any, where: str) -> DeploymentSpec:
         defaults=(fleet_defaults(item["defaults"], f"{where}.defaults")
                   if "defaults" in item else NONE),
         tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
-        fallbacks=fallbacks, on_demand=on_demand, **limits,
+        fallbacks=fallbacks, adapters=adapters, on_demand=on_demand, **limits,
     )
 
 
@@ -430,18 +430,3 @@ def _balancer(value: Any) -> BalancerSpec:
         raise FleetConfigError("balancer.dns_server: a DNS server's host[:port]")
     return spec
 
-
-def _prices(value: Any, where: str) -> PriceSpec:
-    table = a_table(value, where)
-    only_fields(table, {"input", "cached_input", "output"}, where)
-    out = {}
-    for name, amount in table.items():
-        try:
-            micros = Decimal(str(amount)) * 1_000_000
-        except InvalidOperation:
-            raise FleetConfigError(f"{where}.{name}: a decimal amount per million "
-                                   "tokens") from None
-        if micros < 0 or micros != micros.to_integral_value():
-            raise FleetConfigError(f"{where}.{name}: non-negative, at most 6 decimals")
-        out[name] = int(micros)
-    return PriceSpec(**out)

@@ -32,6 +32,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="plan each step while the one before computes (default off)")
     parser.add_argument("--speculative-config", metavar="JSON", help="n-gram speculation, "
                         'as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--lora-modules", metavar="NAME=PATH[,NAME=PATH]",
+                        help="PEFT LoRA adapters to serve over the model; a request picks "
+                        "one with the model name MODEL:NAME")
+    parser.add_argument("--max-loras", type=int,
+                        help="LoRA adapters resident at once (default 4; least recently "
+                        "used out)")
+    parser.add_argument("--max-lora-rank", type=int,
+                        help="the largest adapter rank served (default 16)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -39,5 +47,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ["model", "weights", "device", "kv_cache_gib", "kv_cache_dtype",
              "max_num_batched_tokens",
              "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads",
-             "async_scheduling", "speculative_config"]
+             "async_scheduling", "speculative_config", "lora_modules", "max_loras",
+             "max_lora_rank"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

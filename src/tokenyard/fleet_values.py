@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 #: What a region's name may be (a deployment's `region`, an org's allowed regions, `serve
@@ -77,3 +79,30 @@ def a_blocklist_pattern(pattern: str, where: str) -> re.Pattern[str]:
     except (re.error, OverflowError, RecursionError) as exc:
         raise FleetConfigError(f"{where}: {pattern!r} is not a valid regular expression "
                                f"({exc})") from None
+
+
+@dataclass(frozen=True)
+class PriceSpec:
+    """Micros per million tokens (the store's unit); read from decimal currency units."""
+
+    input: int = 0
+    cached_input: int = 0
+    output: int = 0
+
+
+def price_spec(value: Any, where: str) -> PriceSpec:
+    """A price table ({input, cached_input, output}: decimal amounts per million
+    tokens) as micros."""
+    table = a_table(value, where)
+    only_fields(table, {"input", "cached_input", "output"}, where)
+    out = {}
+    for name, amount in table.items():
+        try:
+            micros = Decimal(str(amount)) * 1_000_000
+        except InvalidOperation:
+            raise FleetConfigError(f"{where}.{name}: a decimal amount per million "
+                                   "tokens") from None
+        if micros < 0 or micros != micros.to_integral_value():
+            raise FleetConfigError(f"{where}.{name}: non-negative, at most 6 decimals")
+        out[name] = int(micros)
+    return PriceSpec(**out)

@@ -152,6 +152,19 @@ class ShadowQuery(_Forbid):
     since: str | None = None
 
 
+class AdapterPrices(_Forbid):
+    input: Money | None = None
+    cached_input: Money | None = None
+    output: Money | None = None
+
+
+class RegisterAdapter(_Forbid):
+    name: Name = Field(description="the adapter's name: requests use {deployment}:{name}")
+    path: Name = Field(description="its PEFT folder on the replicas' hosts")
+    prices: AdapterPrices | None = Field(None, description="per 1M tokens; default: the "
+                                                           "deployment's")
+
+
 class Drain(_Forbid):
     deployment: str
     replica: str
@@ -234,6 +247,8 @@ SCHEMAS: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/admin/v1/replicas/drain"): Drain,
     ("GET", "/admin/v1/deployments/{name}/replicas"): Empty,
     ("POST", "/admin/v1/deployments/{name}/replicas"): Scale,
+    ("POST", "/admin/v1/deployments/{name}/adapters"): RegisterAdapter,
+    ("DELETE", "/admin/v1/deployments/{name}/adapters/{adapter}"): Empty,
     ("GET", "/admin/v1/models"): Empty,
     ("POST", "/admin/v1/models/{name}/load"): Empty,
     ("POST", "/admin/v1/models/{name}/unload"): Empty,

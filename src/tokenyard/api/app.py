@@ -32,6 +32,7 @@ from tokenyard.api.dashboard import add_dashboard_routes
 from tokenyard.api.edge import EDGE, Edge
 from tokenyard.api.fleet_admin import add_fleet_routes
 from tokenyard.api.images import admit_images
+from tokenyard.api.lora_routes import add_lora_routes
 from tokenyard.api.mcp_admin import add_mcp_admin_routes
 from tokenyard.api.middleware import middleware
 from tokenyard.api.models import add_model_routes
@@ -103,6 +104,7 @@ def make_app(state: AppState) -> web.Application:
     add_request_routes(app)  # GET /v1/requests/{id}
     add_admin_routes(app, _admin_of)
     add_fleet_routes(app)  # /admin/v1/deployments, replicas/drain; the shadow runner
+    add_lora_routes(app)  # /admin/v1/deployments/{name}/adapters: LoRA at run time
     add_mcp_admin_routes(app)  # /admin/v1/…/mcp_servers: the MCP registry
     add_moderation_routes(app)  # /v1/moderations, the orgs' moderation policies
     install_moderation(app)

@@ -59,6 +59,8 @@ class Listed:
     sampling: SamplingDefaults | None = None
     #: Where it is served (an alias: its targets' region when they share one).
     region: str | None = None
+    #: A LoRA adapter's base deployment (`base:adapter`); None for any other.
+    parent: str | None = None
     #: Whether its model is loaded (`Served.status`; None: an alias).
     status: str | None = None
 
@@ -119,7 +121,7 @@ async def _every(request: web.Request) -> list[Listed]:
     return ([Listed(s.name, s.created, windows[name], s.spec.max_output_tokens,
                     capabilities=_capabilities([s.spec]),
                     sampling=s.sampling if s.generates else None,
-                    region=s.spec.region, status=s.status)
+                    region=s.spec.region, status=s.status, parent=s.spec.parent)
              for name, s in state.deployments.items()]
             + [Listed(name, state.created, capabilities=_capabilities(
                 fleet.deployments[target] for target, _ in alias.routes),
@@ -151,7 +153,7 @@ def _card(model: Listed) -> ModelCard:
                      else dict(model.sampling.values),
                      sampling_defaults_source=None if model.sampling is None
                      else dict(model.sampling.sources), region=model.region,
-                     status=model.status)
+                     status=model.status, parent=model.parent)
 
 
 

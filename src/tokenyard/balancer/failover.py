@@ -52,6 +52,8 @@ class Failover:
         self.inflight = 0
         #: Decisions taken (each try of the members in order), for the `balance` stage.
         self.decisions = 0
+        #: Hears that a member took a request of a LoRA adapter (the pool's LoraHomes).
+        self.served_lora: Callable[[str, Member], None] = lambda lora, member: None
         #: An on-demand model's load state (`balancer/on_demand.py`); None: its replicas
         #: run from the start.
         self.demand: OnDemand | None = None
@@ -68,13 +70,14 @@ class Failover:
         cost: int = 1,
         priority: int = 0,
         timeline: Timeline | None = None,
+        lora: str | None = None,
     ) -> tuple[Lease, _T]:
         """Run `attempt` on the best member, failing over before the first byte; wait in
         the queue when every member is full. Returns the lease (release it when the
         request ends) and what `attempt` returned. The decisions' own time is the
         timeline's `balance` stage."""
         deadline = time.monotonic() + self.spec.queue_timeout_s
-        facts = RequestFacts(hashes, cost, priority)
+        facts = RequestFacts(hashes, cost, priority, lora)
         tried: set[str] = set()
         arrival = self.waiting.arrival()  # kept through every wait: FIFO in a class
         waited = False
@@ -120,6 +123,8 @@ class Failover:
                     lease.release(wake=False)
                     raise
                 record_success(member)
+                if lora is not None:
+                    self.served_lora(lora, member)
                 if hashes:
                     await self.placed(hashes, member)
                 if waited:  # there may be room for the next in line too
@@ -147,6 +152,7 @@ class Failover:
         priority: int = 0,
         request_id: str | None = None,
         timeline: Timeline | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[_T]:
         """A member's stream, opened with failover; its first item is read before the
         member is chosen for good. Closing it closes the member's stream."""
@@ -166,7 +172,8 @@ class Failover:
                     raise
 
             lease, (stream, first) = await self.acquire(
-                attempt, hashes=hashes, cost=cost, priority=priority, timeline=timeline)
+                attempt, hashes=hashes, cost=cost, priority=priority, timeline=timeline,
+                lora=lora)
             if request_id is not None:
                 self.owner[request_id] = lease.member
             if timeline is not None:

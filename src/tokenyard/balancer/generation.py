@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 from tokenyard.balancer.replica import Replica
 from tokenyard.balancer.replica_client import (
@@ -103,15 +103,18 @@ class Generation:
         cache_salt: str | None = None,
         priority: int = 0,
         pins: Sequence[Pin] = (),
+        lora: str | None = None,
     ) -> None:
         """`cache_salt`: the tenant's prefix-cache salt (blocks are shared only within
         one salt); `priority`: the scheduler's class, lower first; `pins`: prompt
-        prefixes the replica keeps cached, (tokens, TTL seconds) each."""
+        prefixes the replica keeps cached, (tokens, TTL seconds) each; `lora`: the
+        LoRA adapter it runs with (None: the base model)."""
         self.replica = replica
         self.metrics = metrics
         self.cache_salt = cache_salt
         self.priority = priority
         self.pins = list(pins)
+        self.lora = lora
         self.timeline = timeline if timeline is not None else Timeline()
         # The request's own id (api/middleware.py makes it unique, whatever the client
         # sent), so the replica's logs and spans carry the id the client sees.
@@ -141,8 +144,10 @@ class Generation:
         wire = replace(self.params, n=1, stop=[])
         # generate() is an async generator; its annotation is the narrower AsyncIterator.
         # A pool reports its decision's time as the timeline's `balance` stage.
-        extra = {"timeline": self.timeline} if getattr(self.replica, "takes_timeline",
-                                                        False) else {}
+        extra: dict[str, Any] = {"timeline": self.timeline} if getattr(
+            self.replica, "takes_timeline", False) else {}
+        if self.lora is not None:
+            extra["lora"] = self.lora
         streams = [
             cast(AsyncGenerator[CoreDelta, None],
                  self.replica.generate(cid, self.prompt, child_params(wire, i),

@@ -54,6 +54,8 @@ class RequestFacts:
     cost: int = 1
     #: Its priority class (lower first).
     priority: int = 0
+    #: The LoRA adapter it runs with (None: the base model).
+    lora: str | None = None
 
 
 class Policy(Protocol):

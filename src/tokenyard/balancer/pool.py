@@ -28,6 +28,7 @@ from tokenyard.balancer.affinity import AffinityTable, LocalAffinity
 from tokenyard.balancer.embeddings_client import EmbeddingsModel
 from tokenyard.balancer.failover import Failover
 from tokenyard.balancer.health import HealthChecks
+from tokenyard.balancer.lora_homes import LoraHomes
 from tokenyard.balancer.member_clients import (
     EmbeddingsMember,
     MemberClient,
@@ -41,6 +42,7 @@ from tokenyard.balancer.policy import Policy, RequestFacts, make_policy
 from tokenyard.balancer.replica_client import ReplicaConnectionError, ReplicaError
 from tokenyard.balancer.wait_queue import WaitQueue
 from tokenyard.deployments import BalancerSpec
+from tokenyard.lora_spec import lora_salt
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.wire.abort import AbortReport
 from tokenyard.wire.outputs import EngineStats
@@ -90,6 +92,9 @@ class Pool:
         self._memo: tuple[int, int, str | None, list[int]] = (0, -1, None, [])
         #: What changes the members and stops with the pool (`balancer/discovery.py`).
         self.watchers: list[Watcher] = []
+        #: Where each LoRA adapter's requests went last (`balancer/lora_homes.py`).
+        self.lora_homes = LoraHomes()
+        self.failover.served_lora = self.lora_homes.served
 
     @property
     def inflight(self) -> int:
@@ -211,7 +216,8 @@ class Pool:
         avail = [m for m in self.members if m.id not in exclude and m.available(now)]
         if len(avail) <= 1:
             return avail
-        return await self.policy.order(avail, facts)
+        order = await self.policy.order(avail, facts)
+        return order if facts.lora is None else self.lora_homes.first(order, facts.lora)
 
     async def acquire(
         self, attempt: Callable[[Member], Awaitable[_T]], *, hashes: Sequence[int] = (),
@@ -233,17 +239,22 @@ class Pool:
         **extra: Any,
     ) -> AsyncIterator[CoreDelta]:
         """`Replica.generate` over the pool: the best replica for this prompt (`timeline`
-        gets the decision's time as its `balance` stage)."""
+        gets the decision's time as its `balance` stage). A request of a LoRA adapter
+        (`extra["lora"]`) hashes its prompt as the replica keys its blocks (salted by the
+        adapter), and goes where the adapter was sent last (`LoraHomes`) when that
+        replica is not much busier."""
+        lora = extra.get("lora")
+        salt = lora_salt(cache_salt, lora)
         stream = self.failover.stream(
             lambda m: engine_of(m.client).generate(
                 request_id, prompt_token_ids, params, cache_salt, priority, **extra),
-            hashes=self.hashes(prompt_token_ids, cache_salt),
+            hashes=self.hashes(prompt_token_ids, salt),
             cost=len(prompt_token_ids) + (params.max_tokens or 0),
-            priority=priority, request_id=request_id, timeline=timeline,
+            priority=priority, request_id=request_id, timeline=timeline, lora=lora,
         )
         if not self.policy.follows_output or not self.tracks_prefixes:
             return stream
-        return self._remember_output(stream, request_id, prompt_token_ids, cache_salt)
+        return self._remember_output(stream, request_id, prompt_token_ids, salt)
 
     async def _remember_output(
         self, stream: AsyncIterator[CoreDelta], request_id: str, prompt: list[int],
@@ -294,6 +305,24 @@ class Pool:
         if self.info_cache is None:
             self.info_cache = await self._first_answer(lambda m: engine_of(m.client).info())
         return self.info_cache
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Every replica serves LoRA adapter `name` from `path` (a ReplicaError from the
+        first that cannot; those before it keep it, unused until it is listed)."""
+        for member in self.members:
+            load = getattr(engine_of(member.client), "load_lora", None)
+            if load is None:
+                raise ReplicaConnectionError(f"replica {member.id} of {self.name} cannot "
+                                             "load LoRA adapters at run time")
+            await load(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """No replica serves adapter `name` any more (those that do not are skipped)."""
+        for member in self.members:
+            unload = getattr(engine_of(member.client), "unload_lora", None)
+            if unload is not None:
+                with contextlib.suppress(ReplicaError):
+                    await unload(name)
 
     async def _first_answer(self, ask: Callable[[Member], Awaitable[_T]]) -> _T:
         for member in self.members:

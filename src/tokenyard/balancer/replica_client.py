@@ -39,6 +39,7 @@ from tokenyard.wire.protocol import (
     GENERATE_PATH,
     HEALTH_PATH,
     INFO_PATH,
+    LORAS_PATH,
     STATS_PATH,
     STOP_PATH,
     CoreDelta,
@@ -101,8 +102,10 @@ class ReplicaClient(PooledClient):
         priority: int = 0,
         *,
         pins: Sequence[Pin] = (),
+        lora: str | None = None,
     ) -> AsyncIterator[CoreDelta]:
-        """Yield the request's per-step deltas until one carries a finish_reason.
+        """Yield the request's per-step deltas until one carries a finish_reason
+        (`lora`: the adapter it runs with; None: the base model).
 
         Raises before the first item: ReplicaRequestError (400: invalid, code
         "context_length_exceeded", ...), ReplicaOverloaded (503), ReplicaUnauthorized (401),
@@ -115,7 +118,7 @@ class ReplicaClient(PooledClient):
         a replica without one gets it as a ``POST`` of its own, streamed back.
         """
         wire = GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority,
-                               list(pins))
+                               list(pins), lora)
         traceparent = OUTGOING.get()  # the gateway's span of this request, when traced
         try:
             inbox = await self._mux.open(request_id, generate_op(wire, traceparent))
@@ -210,6 +213,17 @@ class ReplicaClient(PooledClient):
     async def info(self) -> ReplicaInfo:
         """The replica's model: name, context window, vocabulary, EOS ids, KV geometry."""
         return ReplicaInfo.from_json(await self._call("GET", INFO_PATH))
+
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        """Have the replica serve LoRA adapter `name` from `path` (a folder on its host);
+        the adapters it serves now. ReplicaRequestError when it cannot."""
+        answer = await self._call("POST", LORAS_PATH, {"name": name, "path": path})
+        return list(answer.get("loras", []))
+
+    async def unload_lora(self, name: str) -> list[str]:
+        """Have the replica stop serving adapter `name`; the adapters it serves now."""
+        answer = await self._call("DELETE", f"{LORAS_PATH}/{name}")
+        return list(answer.get("loras", []))
 
     async def health(self) -> bool:
         """True if the replica answers and admits requests (False while it drains)."""

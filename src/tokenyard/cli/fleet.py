@@ -30,6 +30,7 @@ from tokenyard.fleet_values import FleetConfigError
 from tokenyard.gateway.kinds import build_served, kind_of
 from tokenyard.gateway.regions import regional_fleet
 from tokenyard.gateway.served import Served
+from tokenyard.lora_spec import lora_modules_arg
 from tokenyard.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenyard.serve")
@@ -200,7 +201,8 @@ class FleetBuilder:
                                    "replica token every gateway shares: set "
                                    "TOKENYARD_REPLICA_TOKEN (or the deployment's token_env)")
         await asyncio.to_thread(ray_replicas.connect, ray)
-        command = ray_replicas.replica_command(spec.model, spec.engine_args,
+        command = ray_replicas.replica_command(spec.model, [
+            *spec.engine_args, *lora_modules_arg(spec.adapters)],
                                                self.config.drain_timeout_s)
         timeouts = {"start_timeout_s": self.config.replica_start_timeout_s,
                     "discovery_interval_s": self.spec.balancer.discovery_interval_s,
@@ -250,6 +252,9 @@ class FleetBuilder:
                     if not isinstance(mine, BaseException)}
         out: dict[str, Served] = {}
         for spec in specs:
+            if spec.parent is not None:  # a LoRA adapter: its base's replicas
+                out[spec.name] = out[spec.parent].adapter(spec)
+                continue
             out[spec.name] = await self.served(spec, children.get(spec.name, []))
         return out
 
@@ -286,6 +291,9 @@ async def reload(fleet: FleetBuilder, state: AppState) -> str:
     new = regional_fleet(load_fleet(fleet.spec.path), fleet.config.region)
     deployments: dict[str, Served] = {}
     for name, spec in new.deployments.items():
+        if spec.parent is not None:  # a LoRA adapter: its base's replicas, as reloaded
+            deployments[name] = deployments[spec.parent].adapter(spec)
+            continue
         old = state.deployments.get(name)
         if old is not None and old.spec == spec:
             deployments[name] = old

@@ -125,6 +125,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tokenyard.bench.spec import main as spec_main
 
         return spec_main(args)
+    if args.bench_command == "lora":
+        from tokenyard.bench.lora import main as lora_main
+
+        return lora_main(args)
     if args.bench_command == "host":
         from tokenyard.bench.host_path import main as host_main
 
@@ -301,6 +305,8 @@ _BENCHES = (
     ("host", "tokenyard.bench.host_path",
      "the host path alone: a model that costs nothing, the engine alone and served"),
     ("spec", "tokenyard.bench.spec", "n-gram speculative decoding against none, one stream"),
+    ("lora", "tokenyard.bench.lora",
+     "8 LoRA adapters at once against the base model alone, same concurrency"),
     ("agent", "tokenyard.bench.agent", "an agent task of 3 MCP calls run by the platform "
      "against a client loop over HTTP: hop overhead"),
     ("models", "tokenyard.bench.models", "an on-demand model: cold, warm and reload load "

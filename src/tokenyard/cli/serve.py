@@ -47,6 +47,7 @@ from tokenyard.gateway.limits import InProcessLimiter, Limiter
 from tokenyard.gateway.money_holds import SharedHolds
 from tokenyard.gateway.routing import Router
 from tokenyard.gateway.served import Served
+from tokenyard.lora_spec import AdapterSpec, with_adapters
 from tokenyard.telemetry import logs
 
 logger = logging.getLogger("tokenyard.serve")
@@ -307,9 +308,14 @@ def _name_default(fleet: FleetBuilder, deployments: dict[str, Served]) -> dict[s
     reports (as before deployments existed)."""
     served = deployments.pop("")
     assert served.info is not None
-    served.spec = replace(served.spec, name=served.info.model)
+    # Its replica's LoRA adapters (`serve --lora-modules`) as `model:adapter`.
+    adapters = tuple(AdapterSpec(name, "") for name in served.info.loras or ())
+    served.spec = replace(served.spec, name=served.info.model, adapters=adapters)
     served.pool.name = served.spec.name
     out = {served.name: served, **deployments}
+    for spec in with_adapters({served.name: served.spec}).values():
+        if spec.parent is not None:
+            out[spec.name] = served.adapter(spec)
     fleet.spec = replace(fleet.spec, deployments={n: s.spec for n, s in out.items()})
     return out
 

@@ -49,6 +49,7 @@ class AsyncLLM:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's deltas step by step until every completion finishes.
 
@@ -67,7 +68,7 @@ class AsyncLLM:
         requests = [
             make_request(
                 child_id, ids, child_params(params, index), self.engine.eos_token_ids,
-                cache_salt=cache_salt, priority=priority,
+                cache_salt=cache_salt, priority=priority, lora=lora,
             )
             for index, child_id in enumerate(child_ids)
         ]

@@ -18,6 +18,7 @@ import torch
 
 from tokenyard.config import EngineConfig
 from tokenyard.engine.kv_cache import KVCacheManager
+from tokenyard.engine.lora.manager import LoraManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.loader import CausalLM
 from tokenyard.engine.request import Request
@@ -26,6 +27,7 @@ from tokenyard.engine.sample.grammar import GrammarCompiler
 from tokenyard.engine.sample.prompt_logprobs import join_scores
 from tokenyard.engine.scheduler import Scheduler, SchedulerOutput
 from tokenyard.engine.spec.speculator import Speculator, may_speculate, parse_speculative_config
+from tokenyard.lora_spec import lora_salt, parse_lora_modules
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.outputs import EngineCoreOutput, EngineStats
 
@@ -103,6 +105,9 @@ class EngineCore:
             )
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.loras = LoraManager(model, config.max_loras, config.max_lora_rank, device, dtype)
+        for name, path in parse_lora_modules(config.lora_modules).items():
+            self.loras.register(name, path)
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -116,11 +121,12 @@ class EngineCore:
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens,
             speculator=speculator(config),
+            loras=self.loras,
         )
         self.runner = ModelRunner(
             model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir,
             cache_dtype=cache_dtype, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, loras=self.loras,
         )
         self.grammars: GrammarCompiler | None = None
         if tokenizer is not None:
@@ -161,6 +167,11 @@ class EngineCore:
                 f"{self.max_tokens_in_pool}"
             )
         request.max_model_len = self.max_model_len
+        if request.lora is not None and not request.lora_slot:
+            self.loras.check(request.lora)  # UnknownAdapter, a ValueError
+            # Its KV is the adapter's own: never shared with the base's or another's.
+            request.cache_salt = lora_salt(request.cache_salt,
+                                           self.loras.cache_name(request.lora))
         guided = request.params.guided
         if guided is not None and request.guided is None:
             if self.grammars is None:

@@ -144,8 +144,10 @@ def make_request(
     *,
     cache_salt: str | None = None,
     priority: int = 0,
+    lora: str | None = None,
 ) -> Request:
-    """One core request (a single completion); the runner makes its seeded generator."""
+    """One core request (a single completion); the runner makes its seeded generator.
+    `lora`: the adapter it runs with (None: the base model)."""
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
@@ -153,6 +155,7 @@ def make_request(
         eos_token_ids=eos_token_ids,
         cache_salt=cache_salt,
         priority=priority,
+        lora=lora,
     )
 
 
@@ -183,6 +186,7 @@ class Frontend:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> None:
         """Queue all n completions of a request (raises before queueing any on error)."""
         requests = []
@@ -191,7 +195,7 @@ class Frontend:
             requests.append(
                 make_request(
                     "", prompt_token_ids, p, self.eos_token_ids,
-                    cache_salt=cache_salt, priority=priority,
+                    cache_salt=cache_salt, priority=priority, lora=lora,
                 )
             )
         ids = self.processor.add_request(request_id, prompt_token_ids, params)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +51,10 @@ class PreparedStep:
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     #: Per speculating request: its drafts (its rows in `sample_rows` are consecutive).
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    #: Each token row's LoRA slot (0: none) on the device; None when no row is adapted.
+    lora_slots: torch.Tensor | None = None
+    #: Adapters to write into their slots before the step runs (engine/lora/manager.py).
+    lora_writes: list[Any] = field(default_factory=list)
 
 
 class BlockTables:
@@ -162,12 +167,14 @@ class InputBatch:
         cols = min(kv.num_blocks, kv.blocks_needed(max_model_len))
         self.tables = BlockTables(max_num_seqs, cols, device)
 
-    def prepare(self, step: SchedulerOutput, *, masks: bool) -> PreparedStep:
+    def prepare(self, step: SchedulerOutput, *, masks: bool,
+                lora: bool = False) -> PreparedStep:
         """The step's flat inputs: single-token rows first (the attention batches them
         together), then each prefill span. With async scheduling a token still being
         sampled is a placeholder here (`fill_rows`), which the runner fills in. `masks`:
         decode rows get an additive mask (no paged kernel reads them), else their
-        context lengths."""
+        context lengths. `lora`: a running request holds an adapter, and each token row
+        gets its request's slot (`PreparedStep.lora_slots`)."""
         bs = self.block_size
         tables = self.tables
         tables.release(step.freed)
@@ -182,6 +189,7 @@ class InputBatch:
         sample_requests: list[Request] = []
         spans: list[PromptSpan] = []
         prefills: list[tuple[Request, int, int, int]] = []  # request, row, start, n
+        lora_slots: list[int] = []  # with `lora`: the decode rows', then each prefill's
         for request, n in step.scheduled:
             request_id = request.request_id
             row = tables.row(request_id, kv_tables[request_id])
@@ -203,6 +211,8 @@ class InputBatch:
                 sample_requests.append(request)
             rows.append(row)
             positions.append(start)
+            if lora:
+                lora_slots.append(request.lora_slot)
         num_decodes = len(rows)
         decode_rows = np.array(rows, dtype=np.int64)
         decode_pos = np.array(positions, dtype=np.int64)
@@ -220,6 +230,8 @@ class InputBatch:
                 fill_ids.append(request.request_id)
                 known.append(0)
             ids.extend(known)
+            if lora:
+                lora_slots.extend([request.lora_slot] * n)
             pos = np.arange(start, start + n, dtype=np.int64)
             parts += [pos, host[row, pos // bs] * bs + pos % bs]
             spans_at.append((first, n, start + n, row if start else -1))
@@ -237,9 +249,10 @@ class InputBatch:
                   decode_rows, decode_pos + 1,
                   np.array(fill_at, dtype=np.int64),
                   np.array([] if sampled_all else sample_rows, dtype=np.int64),
+                  np.array(lora_slots if any(lora_slots) else [], dtype=np.int64),
                   *tables.take_pending()]
         (input_ids, pos_t, slots, rows_t, context_lens, fill_rows, sample_index,
-         *writes) = _send(arrays, self.device)
+         lora_t, *writes) = _send(arrays, self.device)
         if writes:
             tables.apply(writes)
         meta = AttentionMetadata(
@@ -263,7 +276,8 @@ class InputBatch:
         return PreparedStep(
             input_ids, pos_t, meta, sample_rows, sample_requests,
             fill_rows if fill_ids else None, fill_ids,
-            None if sampled_all else sample_index, spans, drafts)
+            None if sampled_all else sample_index, spans, drafts,
+            lora_t if len(lora_t) else None)
 
     @staticmethod
     def _score(request: Request, row: int, start: int, n: int,

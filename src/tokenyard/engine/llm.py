@@ -38,8 +38,10 @@ class LLM:
         *,
         cache_salt: str | None = None,
         priorities: list[int] | None = None,
+        loras: Sequence[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for each prompt: text, token-id lists or conversations (chat template).
+        `loras`: per prompt, the LoRA adapter it runs with (None: the base model).
 
         Returns one GenerationResult per prompt, in order.
         """
@@ -59,6 +61,7 @@ class LLM:
             self.frontend.add_request(
                 request_id, ids, p, cache_salt=cache_salt,
                 priority=priorities[i] if priorities else 0,
+                lora=loras[i] if loras else None,
             )
             results[request_id] = GenerationResult(
                 request_id, ids, [Completion(index) for index in range(p.n)]

@@ -55,6 +55,10 @@ class Request:
     generator: torch.Generator | None = None
     #: The grammar of a constrained request (set by the core when it is added).
     guided: GuidedState | None = None
+    #: The LoRA adapter the request runs with (None: the base model), and the bank slot
+    #: it holds while it runs (0: none; engine/lora/manager.py).
+    lora: str | None = None
+    lora_slot: int = 0
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

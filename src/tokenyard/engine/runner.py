@@ -11,6 +11,7 @@ import torch
 
 from tokenyard.engine.input_batch import InputBatch, PreparedStep
 from tokenyard.engine.kv_cache import KVCacheManager
+from tokenyard.engine.lora.manager import LoraManager
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.decode_step import DecodeStep
 from tokenyard.engine.models.loader import CausalLM
@@ -52,9 +53,11 @@ class ModelRunner:
         *,
         max_num_seqs: int = 128,
         max_model_len: int = 8192,
+        loras: LoraManager | None = None,
     ) -> None:
         """`cache_dtype`: the KV pool's elements (None: `dtype`); `max_num_seqs` and
-        `max_model_len` size the persistent batch's block tables (they grow if short)."""
+        `max_model_len` size the persistent batch's block tables (they grow if short);
+        `loras`: the adapters whose slots the step's rows name (None: none)."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -76,6 +79,7 @@ class ModelRunner:
         self.batch = InputBatch(kv, device, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len)
         self.sampler = Sampler()
+        self.loras = loras
         self._last_sampled: dict[str, int] = {}  # the last step's tokens, for placeholders
         # The last sampling batch's requests and their parameters as tensors: reused
         # while the same requests sample, in the same order (see `_sampling_batch`).
@@ -91,7 +95,13 @@ class ModelRunner:
         """The step's flat inputs (input_batch.py). Cheap Python: with async scheduling it
         runs while the previous step is still computing, so a pending token is a
         placeholder here."""
-        return self.batch.prepare(step, masks=self.attention.decode_kernel is None)
+        loras = self.loras
+        if loras is None:
+            return self.batch.prepare(step, masks=self.attention.decode_kernel is None)
+        prepared = self.batch.prepare(step, masks=self.attention.decode_kernel is None,
+                                      lora=loras.in_use)
+        prepared.lora_writes = loras.take_writes()
+        return prepared
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepResult:
@@ -103,9 +113,14 @@ class ModelRunner:
             last = self._last_sampled
             tokens = torch.tensor([last[i] for i in prepared.fill_ids], dtype=torch.long)
             input_ids[prepared.fill_rows] = to_device(tokens, self.device)
-        # Pure decode steps, and tails over a cached prefix as decode rows: the one op.
+        if self.loras is not None:
+            if prepared.lora_writes:
+                self.loras.apply(prepared.lora_writes)
+            self.loras.rows.set(prepared.lora_slots)
+        # Pure decode steps, and tails over a cached prefix as decode rows: the one op
+        # (which knows no adapters).
         one_op: AttentionMetadata | None = None
-        if self.decode_step is not None:
+        if self.decode_step is not None and prepared.lora_slots is None:
             one_op = (meta if meta.num_decodes == len(prepared.positions)
                       else as_decode_rows(meta, prepared.positions))
         if self.decode_step is not None and one_op is not None:

@@ -44,11 +44,15 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenyard.engine.kv_cache import KVBlock, KVCacheManager
 from tokenyard.engine.request import Request, RequestStatus
 from tokenyard.engine.spec.speculator import Speculator
 from tokenyard.engine.step_plan import SchedulerOutput, StepPlan, room_after_preempting
+
+if TYPE_CHECKING:
+    from tokenyard.engine.lora.manager import LoraManager
 
 __all__ = ["QueueFullError", "Scheduler", "SchedulerOutput"]
 
@@ -68,6 +72,9 @@ class Scheduler:
     max_waiting_tokens: int = 1_000_000
     #: n-gram speculation (None: off): decoding requests draft tokens verified in one step.
     speculator: Speculator | None = None
+    #: LoRA slots (None: no adapters): a request starts holding its adapter's slot, and
+    #: one whose adapter finds none free waits, passed over by those behind it.
+    loras: LoraManager | None = None
 
     running: list[Request] = field(default_factory=list)  # by sort_key, kept so
     requests: dict[str, Request] = field(default_factory=dict)
@@ -193,7 +200,8 @@ class Scheduler:
                     self._serve(request, min(left, plan.room), plan, prompt=True)
             elif head is None:
                 break
-            elif head.guided is not None and not head.guided.ready:
+            elif ((head.guided is not None and not head.guided.ready)
+                  or (self.loras is not None and not self.loras.ready(head))):
                 deferred.append(self._pop_waiting())
             else:
                 admitting = self._admit(head, plan)
@@ -237,8 +245,12 @@ class Scheduler:
         False (nothing changed) if the pool cannot hold it."""
         cached, num_cached, num_new = self._first_chunk(request, plan)
         request.num_computed_tokens = num_cached
+        if self.loras is not None:
+            self.loras.acquire(request)
         if not self.kv.allocate_slots(request, num_new, cached, unpin=not self.running):
             request.num_computed_tokens = 0
+            if self.loras is not None:
+                self.loras.release(request)
             return False
         popped = self._pop_waiting()
         assert popped is request, "the head of the queue is the request started"
@@ -286,8 +298,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.kv.free(request)
-        self._freed.append(request.request_id)
+        self._free(request)
         request.num_computed_tokens = 0
         request.num_pending = 0  # a token in flight for it is dropped: recomputed later
         if request.guided is not None:
@@ -365,13 +376,19 @@ class Scheduler:
             # Still in the heap: it is skipped when it reaches the head.
             self._num_waiting -= 1
             self._waiting_tokens -= request.num_tokens
-        self.kv.free(request)
-        self._freed.append(request.request_id)
+        self._free(request)
         if self.speculator is not None:
             self.speculator.forget(request.request_id)
         request.status = status
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
+
+    def _free(self, request: Request) -> None:
+        """Give back a request's KV blocks and LoRA slot (the runner, its batch row)."""
+        self.kv.free(request)
+        if self.loras is not None:
+            self.loras.release(request)
+        self._freed.append(request.request_id)
 
 
 def _sort_key(request: Request) -> tuple[int, float]:

@@ -31,6 +31,7 @@ from aiohttp.typedefs import Handler
 from tokenyard.engine.async_core import AsyncEngineCore
 from tokenyard.engine.frontend import make_request
 from tokenyard.engine.kv_events import KVEventPublisher
+from tokenyard.engine.lora.adapter import AdapterError
 from tokenyard.engine.mux_server import serve_mux
 from tokenyard.engine.refusal import Refused, json_answer
 from tokenyard.engine.replica_access import bearer_matches
@@ -49,6 +50,7 @@ from tokenyard.wire.protocol import (
     HEALTH_PATH,
     INFO_PATH,
     INVALID_REQUEST,
+    LORAS_PATH,
     NDJSON,
     OVERLOADED,
     STATS_PATH,
@@ -112,6 +114,8 @@ class ReplicaServer:
         app.router.add_post(STOP_PATH, self.stop)
         app.router.add_get(STATS_PATH, self.stats)
         app.router.add_get(INFO_PATH, self.info)
+        app.router.add_post(LORAS_PATH, self.load_lora)
+        app.router.add_delete(LORAS_PATH + "/{name}", self.unload_lora)
         app.router.add_get(HEALTH_PATH, self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -184,7 +188,7 @@ class ReplicaServer:
             raise _BadRequest(str(exc), exc.param) from None
         request = make_request(
             wire.request_id, wire.prompt_token_ids, wire.params, self.engine.eos_token_ids,
-            cache_salt=wire.cache_salt, priority=wire.priority,
+            cache_salt=wire.cache_salt, priority=wire.priority, lora=wire.lora,
         )
         request.pins = tuple(wire.pins)
         if wire.params.guided is not None:
@@ -268,6 +272,34 @@ class ReplicaServer:
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"Cache-Control": "no-store"})
 
+    async def load_lora(self, http: web.Request) -> web.Response:
+        """Serve a LoRA adapter ({"name", "path"}: a PEFT folder on this host) from now
+        on, replacing one of that name; 400 naming what is wrong. Read in a thread."""
+        try:
+            body = await _read_json(http)
+        except _BadRequest as exc:
+            return json_answer(error_body(str(exc), INVALID_REQUEST), status=400)
+        name = body.get("name") if isinstance(body, dict) else None
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not isinstance(path, str):
+            return json_answer(error_body("give the adapter's name and path (strings)",
+                                          INVALID_REQUEST), status=400)
+        loras = self.engine.core.loras
+        try:
+            await asyncio.to_thread(loras.register, name, path)
+        except AdapterError as exc:
+            return json_answer(error_body(str(exc), INVALID_REQUEST, "path"), status=400)
+        return json_answer({"loras": sorted(loras.adapters)})
+
+    async def unload_lora(self, http: web.Request) -> web.Response:
+        """Stop serving an adapter (requests holding it finish with it); 400 if unknown."""
+        loras = self.engine.core.loras
+        name = http.match_info["name"]
+        if not loras.unregister(name):
+            return json_answer(error_body(f"no LoRA adapter {name!r} is served here",
+                                          INVALID_REQUEST, "name"), status=400)
+        return json_answer({"loras": sorted(loras.adapters)})
+
     async def info(self, http: web.Request) -> web.Response:
         """What the HTTP side needs to know of this replica's model."""
         core = self.engine.core
@@ -279,6 +311,7 @@ class ReplicaServer:
             block_size=core.kv.block_size,
             num_kv_blocks=core.kv.num_blocks,
             weights=self.engine.weights,
+            loras=sorted(core.loras.adapters),
         )
         if self.kv_events is not None:
             info.kv_events_endpoint = self.kv_events.endpoint

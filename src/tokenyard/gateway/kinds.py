@@ -28,6 +28,7 @@ from tokenyard.balancer.upstream_generation import TokenTable, UpstreamGeneratio
 from tokenyard.deployments import BalancerSpec, DeploymentSpec
 from tokenyard.gateway.call import Generating
 from tokenyard.gateway.served import Served, check_vocabulary, now
+from tokenyard.lora_spec import lora_modules_arg
 from tokenyard.telemetry.metrics import TokenyardMetrics
 from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.content import TemplateMessage
@@ -99,7 +100,8 @@ class Kind:
         """The `tokenyard` command line that runs one of its replicas as a local child
         (`engine_args`: serve's engine flags)."""
         model = ["--model", spec.model] if spec.model and "--model" not in engine_args else []
-        return ["engine", *engine_args, *spec.engine_args, *model]
+        return ["engine", *engine_args, *spec.engine_args, *model,
+                *lora_modules_arg(spec.adapters)]
 
     def open(self, served: Served, openings: Sequence[Opening]) -> Opened:
         """`openings`' generations on `served`, not yet started."""
@@ -108,6 +110,7 @@ class Kind:
         return Opened([Generation(
             served.pool, tokenizer, o.request_id, o.prompt, o.params, timeline=o.timeline,
             metrics=o.metrics, cache_salt=o.cache_salt, priority=o.priority, pins=o.pins,
+            lora=served.spec.lora,
         ) for o in openings], tokenizer.id_to_token_bytes)
 
     def takes_copy(self, shadow: Served, primary: Served, messages: object,

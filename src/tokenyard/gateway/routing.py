@@ -9,6 +9,8 @@
   not declare is refused (400 naming the parameter) rather than sent where it cannot be
   served; an upstream's declared `max_context` is its prepare stage's window, so a longer
   request gets the usual context_length_exceeded.
+- A LoRA adapter is a deployment of its own, `base:adapter` (`lora_spec.py`); an alias of
+  the base reaches it as `alias:adapter` (the adapter of the deployment the alias draws).
 - Regions (`gateway/regions.py`): a key bound to regions reaches only deployments in them;
   an alias draws among its targets there, and copies to a shadow only there.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from tokenyard.deployments import AliasSpec, DeploymentSpec, FleetSpec
 from tokenyard.errors import APIError, model_not_found
 from tokenyard.gateway.regions import outside_regions
+from tokenyard.lora_spec import split_adapter
 
 _CAPABILITY_WORDS = {
     "chat": "chat completions",
@@ -89,7 +92,7 @@ class Router:
             return Route(model, region=spec.region)
         alias = fleet.aliases.get(model)
         if alias is None:
-            raise model_not_found(model)
+            return self._alias_adapter(model, key, allowed)
         routes, shadowed = (alias.routes, True) if allowed is None else self._allowed(
             alias, allowed)
         target = _pick(routes, key)
@@ -101,6 +104,19 @@ class Router:
             if point < alias.shadow.share:
                 shadow = alias.shadow.deployment
         return Route(target, model, shadow, fleet.deployments[target].region)
+
+    def _alias_adapter(self, model: str, key: float,
+                       allowed: frozenset[str] | None) -> Route:
+        """`alias:adapter`: the adapter of the deployment the alias routes to (404 when
+        that deployment has no such adapter, or `model` is no such name)."""
+        base, adapter = split_adapter(model)
+        if adapter is None or base not in self.fleet.aliases:
+            raise model_not_found(model)
+        target = f"{self.resolve(base, key, allowed).deployment}:{adapter}"
+        spec = self.fleet.deployments.get(target)
+        if spec is None or spec.lora is None:
+            raise model_not_found(model)
+        return Route(target, model, region=spec.region)
 
     def _allowed(self, alias: AliasSpec, allowed: frozenset[str]
                  ) -> tuple[tuple[tuple[str, float], ...], bool]:

@@ -82,6 +82,12 @@ class Served:
     def name(self) -> str:
         return self.spec.name
 
+    def adapter(self, spec: DeploymentSpec) -> Served:
+        """The deployment of one of its LoRA adapters (`spec`, named `base:adapter`):
+        this one's replicas, tokenizer and model facts (`lora_spec.py`)."""
+        return Served(spec, self.pool, self.created, self.tokenizer, self.info,
+                      self.sampling)
+
     @property
     def status(self) -> str:
         """Whether its model is loaded: "loaded" (always, for one not loaded on demand),

@@ -38,6 +38,8 @@ ABORT_PATH = "/v1/engine/abort"
 STOP_PATH = "/v1/engine/stop"
 STATS_PATH = "/v1/engine/stats"
 INFO_PATH = "/v1/engine/info"
+#: POST {"name", "path"}: serve a LoRA adapter from now on; DELETE …/{name}: stop.
+LORAS_PATH = "/v1/engine/loras"
 HEALTH_PATH = "/healthz"
 NDJSON = "application/x-ndjson"
 
@@ -258,10 +260,12 @@ class GenerateRequest:
     cache_salt: str | None = None
     priority: int = 0
     pins: list[Pin] = field(default_factory=list)
+    #: The LoRA adapter to run with (None: the base model); absent from the body then.
+    lora: str | None = None
 
     def to_json(self) -> Json:
         """The wire body."""
-        return {
+        body: Json = {
             "request_id": self.request_id,
             "prompt_token_ids": self.prompt_token_ids,
             "params": params_to_json(self.params),
@@ -269,6 +273,9 @@ class GenerateRequest:
             "priority": self.priority,
             "pins": [[n, ttl] for n, ttl in self.pins],
         }
+        if self.lora is not None:
+            body["lora"] = self.lora
+        return body
 
     @classmethod
     def from_json(cls, obj: Any) -> GenerateRequest:
@@ -277,6 +284,9 @@ class GenerateRequest:
         salt = obj.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ProtocolError("cache_salt", "cache_salt must be a string or null")
+        lora = obj.get("lora")
+        if lora is not None and not isinstance(lora, str):
+            raise ProtocolError("lora", "lora must be a string or null")
         prompt = _int_list(obj.get("prompt_token_ids"), "prompt_token_ids")
         if not prompt:
             raise ProtocolError("prompt_token_ids", "prompt_token_ids is empty")
@@ -287,6 +297,7 @@ class GenerateRequest:
             cache_salt=salt,
             priority=_int(obj.get("priority", 0), "priority"),
             pins=_pins(obj.get("pins", [])),
+            lora=lora,
         )
 
 

@@ -44,6 +44,9 @@ class ReplicaInfo:
     kv_events_replay_endpoint: str | None = None
     #: Its KV events in vLLM's own format (`wire/vllm_kv_events.py`), where configured.
     vllm_kv_events_endpoint: str | None = None
+    #: The LoRA adapters it serves (`--lora-modules` and those registered since); None
+    #: from a replica older than the field.
+    loras: list[str] | None = None
 
     def to_json(self) -> Json:
         """The wire body."""

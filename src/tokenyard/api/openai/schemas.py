@@ -422,6 +422,8 @@ class ModelCard(BaseModel):
     # Where it is served (a deployment's declared region; an alias's, when all its targets
     # share one): what an org bound to regions may reach.
     region: str | None = None
+    # A LoRA adapter's base model (vLLM's field): it runs on that model's replicas.
+    parent: str | None = None
     # Whether its model is in memory: "loaded", "loading", "unloading" or "unloaded" (a
     # deployment loaded on demand, `load = "on_demand"`; one loaded always is "loaded");
     # None for an alias: its deployments' states are theirs.

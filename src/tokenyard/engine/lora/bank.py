@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tokenyard.engine.lora.adapter import SLICES, LoraAdapter
 
@@ -33,6 +34,7 @@ class LoraRows:
     slots: torch.Tensor | None = None  # [T] int64, 0: no adapter; None: no adapted row
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     num_slots: int = 0
+    dtype: torch.dtype = torch.float32  # the model's, which the masks are made in
 
     def set(self, slots: torch.Tensor | None) -> None:
         self.slots = slots
@@ -44,7 +46,7 @@ class LoraRows:
         if mask is None:
             assert self.slots is not None
             cols = torch.arange(self.num_slots * width, device=self.slots.device) // width
-            mask = (cols[None, :] == (self.slots - 1)[:, None]).float()
+            mask = (cols[None, :] == (self.slots - 1)[:, None]).to(self.dtype)
             self._masks[width] = mask
         return mask
 
@@ -53,13 +55,15 @@ class LoraWeights:
     """Every slot's A and B of one fused projection."""
 
     def __init__(self, rows: LoraRows, num_slots: int, max_rank: int, in_features: int,
-                 out_sizes: list[int], device: torch.device) -> None:
+                 out_sizes: list[int], device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.rows = rows
         self.max_rank = max_rank
         self.width = len(out_sizes) * max_rank
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
-        self.a = torch.zeros(num_slots * self.width, in_features, device=device)
-        self.b = torch.zeros(sum(out_sizes), num_slots * self.width, device=device)
+        self.a = torch.zeros(num_slots * self.width, in_features, device=device, dtype=dtype)
+        self.b = torch.zeros(sum(out_sizes), num_slots * self.width, device=device,
+                             dtype=dtype)
 
     def place(self, slot: int, parts: list[Any]) -> None:
         """Write an adapter's parts into `slot` (1-based); parts it lacks stay zero."""
@@ -80,8 +84,8 @@ class LoraWeights:
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]: each row's own adapter's update (zero for slot 0)."""
-        h = torch.mm(x, self.a.t()).mul_(self.rows.mask(self.width))
-        return torch.mm(h, self.b.t())
+        h = F.linear(x, self.a).mul_(self.rows.mask(self.width))
+        return F.linear(h, self.b)
 
 
 class SlotsFull(RuntimeError):
@@ -92,30 +96,46 @@ class LoraBank:
     """Up to `max_loras` adapters resident on one model."""
 
     def __init__(self, model: Any, max_loras: int, max_rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
-        self.rows = LoraRows(num_slots=max_loras)
+        self.dtype = dtype
+        self.rows = LoraRows(num_slots=max_loras, dtype=dtype)
         self._weights: dict[tuple[int, str], LoraWeights] = {}
         self._slots: OrderedDict[str, int] = OrderedDict()  # name -> slot, LRU first
         self._users: dict[int, int] = {}  # slot -> running requests using it
         self.num_loads = 0
 
     @property
+    def num_users(self) -> int:
+        """Running requests holding a slot."""
+        return sum(self._users.values())
+
+    @property
     def resident(self) -> list[str]:
-        return list(self._slots)
+        return [name for name in self._slots if not name.startswith("\x00")]
 
     def slot_of(self, name: str) -> int | None:
         return self._slots.get(name)
 
     def load(self, adapter: LoraAdapter) -> int:
         """The adapter's slot, loading it (over the least recently used idle one)."""
-        slot = self._slots.get(adapter.name)
+        slot, fresh = self.reserve(adapter.name)
+        if fresh:
+            self.write(slot, adapter)
+        return slot
+
+    def reserve(self, name: str) -> tuple[int, bool]:
+        """The slot of adapter `name` and whether its weights are still to be written
+        there (`write`): a free slot, else the least recently used idle one's. The engine
+        reserves when it schedules and writes on the kernel thread before the step that
+        first reads the slot, after every step in flight that read the slot before."""
+        slot = self._slots.get(name)
         if slot is not None:
-            self._slots.move_to_end(adapter.name)
-            return slot
+            self._slots.move_to_end(name)
+            return slot, False
         used = set(self._slots.values())
         free = [s for s in range(1, self.max_loras + 1) if s not in used]
         if free:
@@ -125,15 +145,32 @@ class LoraBank:
             if not idle:
                 raise SlotsFull(f"all {self.max_loras} LoRA slots are in use")
             slot = self._slots.pop(idle[0])
+        self._slots[name] = slot
+        return slot, True
+
+    def can_reserve(self, name: str) -> bool:
+        """Whether `reserve(name)` would find a slot."""
+        return (name in self._slots or len(self._slots) < self.max_loras
+                or any(not self._users.get(s) for s in self._slots.values()))
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Place the adapter's weights in `slot`, zeroing what it leaves alone."""
         for (layer, fused), parts in adapter.parts.items():
             self._projection(layer, fused).place(slot, parts)
         # A projection this adapter leaves alone may hold a previous one's weights.
         for key, weights in self._weights.items():
             if key not in adapter.parts:
                 weights.place(slot, [])
-        self._slots[adapter.name] = slot
         self.num_loads += 1
-        return slot
+
+    def evict(self, name: str) -> None:
+        """Forget adapter `name`'s slot. One that running requests hold stays taken, under
+        no name, until the last of them releases it (then it is the first reused)."""
+        slot = self._slots.pop(name, None)
+        if slot is not None and self._users.get(slot):
+            retired = f"\x00retired-{slot}"
+            self._slots[retired] = slot
+            self._slots.move_to_end(retired, last=False)
 
     def acquire(self, slot: int) -> None:
         self._users[slot] = self._users.get(slot, 0) + 1
@@ -150,17 +187,17 @@ class LoraBank:
         if weights is None:
             layer = self.model.layers[layer_index]
             linear = getattr(layer, fused)
-            out_features, in_features = linear.weight.shape
-            if linear.blocks is not None or linear.packed is not None:
-                out_features, in_features = linear.out_features, linear.in_features
+            # (A GGUF's block weights or a packed int8 one leave `weight` empty.)
+            out_features, in_features = linear.out_features, linear.in_features
             weights = LoraWeights(self.rows, self.max_loras, self.max_rank, in_features,
-                                  _out_sizes(layer, fused, out_features), self.device)
+                                  out_sizes(layer, fused, out_features), self.device,
+                                  self.dtype)
             linear.lora = weights
             self._weights[(layer_index, fused)] = weights
         return weights
 
 
-def _out_sizes(layer: Any, fused: str, out_features: int) -> list[int]:
+def out_sizes(layer: Any, fused: str, out_features: int) -> list[int]:
     """The output slices of a fused projection: q/k/v, gate/up, or the whole."""
     if fused == "qkv_proj":
         q = layer.num_heads * layer.head_dim
