@@ -166,8 +166,8 @@ class ResponsesFormat:
         events.extend(e for piece in pieces for e in self._piece_events(piece))
         if delta.finish_reason is not None:
             self._finish_reason = delta.finish_reason
-            if not any(isinstance(i, OutputMessage | FunctionCallOutput)
-                       for i in self.response.output):  # an empty reply is one message
+            if all(isinstance(i, ReasoningOutput)  # an empty reply is one (empty) message
+                   for i in self.response.output):
                 events.extend(self._close("completed"))
                 events.extend(self._open_item(OutputMessage()))
             incomplete = delta.finish_reason in INCOMPLETE_REASONS
