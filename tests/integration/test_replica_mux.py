@@ -93,8 +93,10 @@ def test_one_connection_carries_every_request_and_a_frame_carries_a_step_of_them
         assert deltas[-1].finish_reason == "length"
     deltas_sent = sum(len(d) for d in outs)
     assert sum(frames) == deltas_sent
-    # Decode steps of all 16 streams travel together: far fewer frames than deltas.
-    assert len(frames) < deltas_sent / 4 and max(frames) == STREAMS
+    # Decode steps of all 16 streams travel together: far fewer frames than deltas. A
+    # reader slower than the engine (a loaded machine) gets the steps it has not taken
+    # together in one frame, so a frame holds at least one whole step, maybe several.
+    assert len(frames) < deltas_sent / 4 and max(frames) >= STREAMS
 
 
 def test_a_caller_that_leaves_early_aborts_its_request_alone(engine: AsyncEngineCore) -> None:
