@@ -338,27 +338,30 @@ def async_scheduling_section() -> str:
 
 def host_section() -> str:
     """bench host: the null model, the engine alone against served, alternating."""
-    cmd = _cli("bench", "host")
     intro = ("The host path alone (issue 37): a model that computes nothing "
              "(engine/null_model.py) behind the real scheduler, KV manager, sampler, output "
              "processing, replica server, balancer and gateway (auth on, streamed). Goals, "
              "on this machine: the engine alone ≤ 30 µs of host time per sequence per step "
              "at 256 sequences and ≤ 1 ms per step at 1; served ≥ 80 % of the engine "
              "alone's tok/s at 256 streams and ≥ 95 % at 1.")
-    return _section("The host path (`tokenyard bench host`)",
-                    [("Engine alone and served, a null model", cmd, _run(cmd))], intro)
+    return _one_run("host", "The host path", "Engine alone and served, a null model",
+                    intro)
 
 
 def spec_section() -> str:
     """bench spec: n-gram speculation on and off, one stream, side by side."""
-    cmd = _cli("bench", "spec")
     intro = ("n-gram prompt lookup (issue 39, `--speculative-config '{\"method\": "
              "\"ngram\", ...}'`), one stream of the embedded model with and without it, "
              "greedy (both produce the same tokens, checked every round). Goals: ≥ 1.6× on "
              "the edit (the reply repeats the prompt), ≥ 0.97× on the free answer (little "
              "to look up: speculation must not cost).")
-    return _section("Speculative decoding (`tokenyard bench spec`)",
-                    [("n-gram on over off, one stream", cmd, _run(cmd))], intro)
+    return _one_run("spec", "Speculative decoding", "n-gram on over off, one stream", intro)
+
+
+def _one_run(bench: str, title: str, name: str, intro: str) -> str:
+    """The section of one `tokenyard bench <bench>` run, its output as it printed it."""
+    cmd = _cli("bench", bench)
+    return _section(f"{title} (`tokenyard bench {bench}`)", [(name, cmd, _run(cmd))], intro)
 
 
 #: The page's sections after the engine's, by name (`--only`).
