@@ -76,3 +76,39 @@ def test_unknown_key_is_not_refreshed_ahead() -> None:
         assert store.calls == 1  # a flood of bad keys: one query per key per TTL
 
     asyncio.run(run())
+
+
+
+class _SlowStore(_Store):
+    """Each call waits the next of `delays` (seconds) before it answers."""
+
+    def __init__(self, found: KeyContext | None, delays: list[float]) -> None:
+        super().__init__(found)
+        self.delays = delays
+
+    async def find_key(self, secret: str) -> KeyContext | None:
+        self.calls += 1
+        await asyncio.sleep(self.delays.pop(0) if self.delays else 0.0)
+        return self.found
+
+
+def test_an_expiry_before_the_refresh_task_runs_waits_on_that_refresh() -> None:
+    """A busy loop: the refresh is scheduled, and the entry expires before its task runs.
+    The next lookup must share that query. It used to start a second one on the same
+    in-flight slot; the refresh, finishing first, emptied the slot, and the lookup then
+    failed with a KeyError: a 503 'the key store is unavailable' to the client (seen in
+    tests/integration/test_canary_shadow under load)."""
+    async def run() -> None:
+        now = [0.0]
+        store = _SlowStore(_key(), [0.0, 0.05, 0.0])
+        auth = Authenticator(store.find_key, ttl_s=1.0, clock=lambda: now[0])
+        await auth.lookup("s")
+        now[0] = 0.9
+        assert await auth.lookup("s") is not None  # schedules the refresh; not run yet
+        now[0] = 1.5  # expired before the refresh task got the loop
+        assert await auth.lookup("s") is not None
+        await asyncio.sleep(0.1)
+        assert store.calls == 2  # the first lookup and the one refresh, nothing else
+        assert not auth._inflight and not auth._refreshing
+
+    asyncio.run(run())

@@ -80,8 +80,11 @@ class Authenticator:
 
     def _refresh(self, secret: str) -> None:
         """Query `secret` again in a task of its own; a failure is logged and the entry
-        simply expires (the next request then queries in the foreground)."""
-        task = asyncio.get_running_loop().create_task(self._query(secret))
+        simply expires (the next request then queries in the foreground). The query is
+        in flight from this call on, not from when the task first runs: a lookup that
+        finds the entry expired before then (a busy loop) waits on it instead of starting
+        a second query that would share, and then drop, the same in-flight slot."""
+        task = asyncio.get_running_loop().create_task(self._fill(secret, self._claim(secret)))
         self._refreshing[secret] = task
 
         def done(task: asyncio.Task[KeyContext | None]) -> None:
@@ -93,8 +96,16 @@ class Authenticator:
 
     async def _query(self, secret: str) -> KeyContext | None:
         """`find_key(secret)`, shared by concurrent callers, and cached."""
+        return await self._fill(secret, self._claim(secret))
+
+    def _claim(self, secret: str) -> asyncio.Future[KeyContext | None]:
+        """The in-flight slot of a query of `secret` about to start."""
         future: asyncio.Future[KeyContext | None] = asyncio.get_running_loop().create_future()
         self._inflight[secret] = future
+        return future
+
+    async def _fill(self, secret: str, future: asyncio.Future[KeyContext | None],
+                    ) -> KeyContext | None:
         try:
             found = await self._find_key(secret)
         except BaseException as exc:
@@ -102,7 +113,8 @@ class Authenticator:
             future.exception()  # retrieved: no "never retrieved" warning when no one waits
             raise
         finally:
-            del self._inflight[secret]
+            if self._inflight.get(secret) is future:
+                del self._inflight[secret]
         future.set_result(found)
         self._cache[secret] = (self._clock() + self._ttl, found)
         self._cache.move_to_end(secret)
