@@ -2,7 +2,8 @@
 greedy output is token for token what decoding without drafts gives, with the embedded
 model drafting for itself (nearly every draft kept) and with a random 2-layer Llama of its
 vocabulary (most drafts rejected: the draft's KV is rolled back, and the pacer stops it),
-in steps that mix speculating rows and rows that cannot (logprobs); sampled output keeps
+in steps that mix speculating rows and rows that cannot (logprobs); after rollbacks the
+draft still proposes what the model decodes from scratch; sampled output keeps
 the target's distribution (seeded two-sample chi-square); the draft's KV blocks all come
 back when requests finish, are aborted or preempted; a draft of another vocabulary is
 refused when the engine is built."""
@@ -10,6 +11,7 @@ refused when the engine is built."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tests.integration.test_spec_decode import (
     save_tiny_model,
 )
 from tokenyard.engine.llm import LLM
+from tokenyard.engine.request import Request
 from tokenyard.engine.spec.draft import DraftProposer
 from tokenyard.engine.spec.speculator import Speculator
 from tokenyard.wire.sampling_params import SamplingParams
@@ -103,6 +106,34 @@ def test_a_draft_that_disagrees_is_rolled_back_and_paced_off(
     # The pacer turned drafting off for most steps of the two rows that could draft.
     assert speculator.num_steps < sum(len(t) for t in expected[:2]) / 2
     _assert_draft_kv_free(llm)
+
+
+def test_after_a_rollback_the_draft_proposes_what_a_fresh_one_would(
+        plain: LLM, embedded_gguf_path: Path) -> None:
+    """Sampled replies reject drafts now and then; every proposal, those after a rollback
+    included, is the greedy continuation of the request's tokens so far, as the same model
+    decodes it from scratch: no KV of a rejected draft is read."""
+    llm = LLM(speculative_config=draft_spec(embedded_gguf_path), max_num_seqs=8)
+    speculator, draft = _speculator(llm)
+    seen: list[tuple[list[int], list[int]]] = []  # (the request's tokens, its drafts)
+    propose = draft.propose
+
+    def recording(wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        out = propose(wanted)
+        seen.extend((list(r.all_token_ids), out[r.request_id])
+                    for r, _ in wanted if r.request_id in out)
+        return out
+
+    draft.propose = recording  # type: ignore[method-assign]
+    _tokens(llm, [FREE], [SamplingParams(max_tokens=32, temperature=1.0, seed=7)])
+    # The proposals that follow a rejected draft (one request: consecutive entries).
+    after = [(tokens, drafts) for (before, rejected), (tokens, drafts) in pairwise(seen)
+             if tokens[len(before):len(before) + len(rejected)] != rejected]
+    assert after and 0 < speculator.num_accepted < speculator.num_drafts
+    fresh = plain.generate([tokens for tokens, _ in after], [
+        SamplingParams(max_tokens=len(drafts), temperature=0.0, ignore_eos=True)
+        for _, drafts in after])
+    assert [r.completions[0].token_ids for r in fresh] == [drafts for _, drafts in after]
 
 
 def test_draft_kv_comes_back_after_abort_and_preemption(
