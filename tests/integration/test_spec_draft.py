@@ -57,6 +57,12 @@ def expected(plain: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def self_drafting(embedded_gguf_path: Path) -> LLM:
+    """The embedded model drafting for itself."""
+    return LLM(speculative_config=draft_spec(embedded_gguf_path), max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
 def random_draft(tmp_path_factory: pytest.TempPathFactory, plain: LLM) -> Path:
     """A random Llama (2 layers, width 64) over the embedded model's vocabulary, saved with
     its tokenizer as a Hugging Face folder."""
@@ -86,15 +92,17 @@ def _assert_draft_kv_free(llm: LLM) -> None:
 
 
 def test_the_model_drafting_for_itself_keeps_greedy_output(
-        expected: list[list[int]], embedded_gguf_path: Path) -> None:
-    llm = LLM(speculative_config=draft_spec(embedded_gguf_path), max_num_seqs=8)
-    assert _tokens(llm, PROMPTS, MIXED) == expected
-    speculator, _ = _speculator(llm)
-    assert speculator.num_accepted >= 0.9 * speculator.num_drafts > 0, (
-        speculator.num_accepted, speculator.num_drafts)
+        expected: list[list[int]], self_drafting: LLM) -> None:
+    speculator, _ = _speculator(self_drafting)
+    before = speculator.num_drafts, speculator.num_accepted, speculator.num_steps
+    assert _tokens(self_drafting, PROMPTS, MIXED) == expected
+    drafts, accepted, steps = (speculator.num_drafts - before[0],
+                               speculator.num_accepted - before[1],
+                               speculator.num_steps - before[2])
+    assert accepted >= 0.9 * drafts > 0, (accepted, drafts)
     # More than one token a step for the two rows that speculate.
-    assert speculator.num_steps < sum(len(t) for t in expected[:2]) / 2
-    _assert_draft_kv_free(llm)
+    assert steps < sum(len(t) for t in expected[:2]) / 2
+    _assert_draft_kv_free(self_drafting)
 
 
 def test_a_draft_that_disagrees_is_rolled_back_and_paced_off(
@@ -109,12 +117,12 @@ def test_a_draft_that_disagrees_is_rolled_back_and_paced_off(
 
 
 def test_after_a_rollback_the_draft_proposes_what_a_fresh_one_would(
-        plain: LLM, embedded_gguf_path: Path) -> None:
-    """Sampled replies reject drafts now and then; every proposal, those after a rollback
-    included, is the greedy continuation of the request's tokens so far, as the same model
-    decodes it from scratch: no KV of a rejected draft is read."""
-    llm = LLM(speculative_config=draft_spec(embedded_gguf_path), max_num_seqs=8)
-    speculator, draft = _speculator(llm)
+        plain: LLM, self_drafting: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled replies reject drafts now and then; each proposal after a rollback is the
+    greedy continuation of the request's tokens so far, as the same model decodes it from
+    scratch: no KV of a rejected draft is read."""
+    speculator, draft = _speculator(self_drafting)
+    rejected_before = speculator.num_drafts - speculator.num_accepted
     seen: list[tuple[list[int], list[int]]] = []  # (the request's tokens, its drafts)
     propose = draft.propose
 
@@ -124,12 +132,12 @@ def test_after_a_rollback_the_draft_proposes_what_a_fresh_one_would(
                     for r, _ in wanted if r.request_id in out)
         return out
 
-    draft.propose = recording  # type: ignore[method-assign]
-    _tokens(llm, [FREE], [SamplingParams(max_tokens=32, temperature=1.0, seed=7)])
+    monkeypatch.setattr(draft, "propose", recording)
+    _tokens(self_drafting, [FREE], [SamplingParams(max_tokens=24, temperature=1.0, seed=7)])
     # The proposals that follow a rejected draft (one request: consecutive entries).
     after = [(tokens, drafts) for (before, rejected), (tokens, drafts) in pairwise(seen)
              if tokens[len(before):len(before) + len(rejected)] != rejected]
-    assert after and 0 < speculator.num_accepted < speculator.num_drafts
+    assert after and speculator.num_drafts - speculator.num_accepted > rejected_before
     fresh = plain.generate([tokens for tokens, _ in after], [
         SamplingParams(max_tokens=len(drafts), temperature=0.0, ignore_eos=True)
         for _, drafts in after])
