@@ -115,6 +115,7 @@ class EngineConfig(Settings):
     # what `tokenyard bench host` measures the host path with.
     null_model: bool = False
     # vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}
+    # or {"method": "draft_model", "model": "<draft>", "num_speculative_tokens": 4}
     speculative_config: str | None = None
     # LoRA adapters served over the base model (engine/lora/): vLLM's --lora-modules,
     # "name=path[,name=path]"; `max_loras` of them resident at once (least recently used

@@ -30,8 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
     parser.add_argument("--async-scheduling", type=parse_on_off, metavar="on|off",
                         help="plan each step while the one before computes (default off)")
-    parser.add_argument("--speculative-config", metavar="JSON", help="n-gram speculation, "
-                        'as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--speculative-config", metavar="JSON", help="speculative "
+                        'decoding, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": '
+                        '4} or {"method": "draft_model", "model": "<gguf, folder or name>", '
+                        '"num_speculative_tokens": 4} (the draft shares the tokenizer)')
     parser.add_argument("--lora-modules", metavar="NAME=PATH[,NAME=PATH]",
                         help="PEFT LoRA adapters to serve over the model; a request picks "
                         "one with the model name MODEL:NAME")

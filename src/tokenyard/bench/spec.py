@@ -1,6 +1,7 @@
 """`tokenyard bench spec`: n-gram speculative decoding against none, one stream, the
 embedded model, on two workloads: an edit (the reply repeats most of the prompt: drafts
-are found) and a free answer (little to look up: speculation must not cost).
+are found) and a free answer (little to look up: speculation must not cost). `--draft
+MODEL` measures a draft model's speculation instead (vLLM's `draft_model` method).
 
 The two engines run side by side in one process and alternate, round by round; the figure
 is each workload's tokens/s ratio (speculating / not), median with min and max over the
@@ -10,6 +11,7 @@ rounds. Greedy, so both engines produce the same tokens (checked every round).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -48,9 +50,17 @@ def _rate(llm: LLM, prompt: Any, max_tokens: int) -> tuple[float, list[int]]:
     return len(tokens) / (time.perf_counter() - start), tokens
 
 
-def measure(rounds: int, max_tokens: int,
-            threads: int | None) -> tuple[list[Round], dict[str, float]]:
-    engines = {spec: LLM(speculative_config=SPEC if spec else None, num_threads=threads)
+def spec_config(draft: str | None) -> str:
+    """The speculation measured: n-gram lookup, or the `draft` model's (k=4)."""
+    if draft is None:
+        return SPEC
+    return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 4})
+
+
+def measure(rounds: int, max_tokens: int, threads: int | None,
+            draft: str | None = None) -> tuple[list[Round], dict[str, float]]:
+    engines = {spec: LLM(speculative_config=spec_config(draft) if spec else None,
+                         num_threads=threads)
                for spec in (False, True)}
     for llm in engines.values():  # warm: kernels built, prefix cached alike for both
         for prompt in WORKLOADS.values():
@@ -71,9 +81,11 @@ def measure(rounds: int, max_tokens: int,
     return out, {"acceptance": accepted}
 
 
-def render(rounds: list[Round], extra: dict[str, float], max_tokens: int) -> str:
+def render(rounds: list[Round], extra: dict[str, float], max_tokens: int,
+           draft: str | None = None) -> str:
+    method = "n-gram" if draft is None else f"draft model {draft}"
     lines = [f"One stream, greedy, up to {max_tokens} tokens, {len(rounds)} alternating "
-             f"rounds on {cpu_model()}; n-gram k=4. Draft acceptance overall: "
+             f"rounds on {cpu_model()}; {method} k=4. Draft acceptance overall: "
              f"{extra['acceptance']:.0%}.", "",
              "| workload | off tok/s (median) | on tok/s (median) | ratio median | min | max |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -91,9 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
     parser.add_argument("--max-tokens", type=int, default=160, help="tokens per reply")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--draft", default=None, metavar="MODEL",
+                        help="a draft model (GGUF, folder or name sharing the embedded "
+                             "model's tokenizer) instead of n-gram lookup")
 
 
 def main(args: argparse.Namespace) -> int:
-    rounds, extra = measure(args.rounds, args.max_tokens, args.threads)
-    print(render(rounds, extra, args.max_tokens))
+    rounds, extra = measure(args.rounds, args.max_tokens, args.threads, args.draft)
+    print(render(rounds, extra, args.max_tokens, args.draft))
     return 0

@@ -26,6 +26,7 @@ from tokenyard.engine.runner import ModelRunner, StepResult
 from tokenyard.engine.sample.grammar import GrammarCompiler
 from tokenyard.engine.sample.prompt_logprobs import join_scores
 from tokenyard.engine.scheduler import Scheduler, SchedulerOutput
+from tokenyard.engine.spec.draft import DraftConfig, DraftModel, DraftProposer, Greedy
 from tokenyard.engine.spec.speculator import Speculator, may_speculate, parse_speculative_config
 from tokenyard.lora_spec import lora_salt, parse_lora_modules
 from tokenyard.text.tokenizer import Tokenizer
@@ -58,10 +59,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def speculator(config: EngineConfig) -> Speculator | None:
-    """The engine's n-gram speculation, from `speculative_config` (None: off)."""
-    ngram = parse_speculative_config(config.speculative_config)
-    return None if ngram is None else Speculator(ngram)
+def speculator(config: EngineConfig, draft: DraftProposer | None = None) -> Speculator | None:
+    """The engine's speculation, from `speculative_config` (None: off); `draft`: the
+    proposer of the draft model it names (EngineCore builds it)."""
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None:
+        return None
+    if not isinstance(spec, DraftConfig):
+        return Speculator(spec)
+    if draft is None:
+        raise ValueError("speculative_config names a draft model, but none was loaded")
+    return Speculator(spec, draft)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -88,10 +96,12 @@ class EngineCore:
         dtype: torch.dtype = torch.float32,
         tokenizer: Tokenizer | None = None,
         kernels: ThreadPoolExecutor | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         """`tokenizer`: the vocabulary grammars compile against (None: no constrained
         decoding; a request with a grammar is refused). `kernels`: async scheduling, the
-        forward passes run there (None: each step runs on the caller's thread)."""
+        forward passes run there (None: each step runs on the caller's thread). `draft`:
+        the draft model `speculative_config` names, loaded (spec/draft.py)."""
         self.model_config = model_config
         self.config = config
         self.max_model_len = min(
@@ -105,6 +115,9 @@ class EngineCore:
             )
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.draft_runner: ModelRunner | None = None
+        proposer = None if draft is None else self._draft_proposer(
+            draft, num_blocks, device, dtype, cache_dtype, kernels)
         self.loras = LoraManager(model, config.max_loras, config.max_lora_rank, device, dtype)
         for name, path in parse_lora_modules(config.lora_modules).items():
             self.loras.register(name, path)
@@ -120,7 +133,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens,
-            speculator=speculator(config),
+            speculator=speculator(config, proposer),
             loras=self.loras,
         )
         self.runner = ModelRunner(
@@ -137,6 +150,26 @@ class EngineCore:
         self.kernels = kernels
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0
+
+    def _draft_proposer(self, draft: DraftModel, num_blocks: int, device: torch.device,
+                        dtype: torch.dtype, cache_dtype: torch.dtype,
+                        kernels: ThreadPoolExecutor | None) -> DraftProposer:
+        """The draft model's proposer: its own pool of as many blocks as the target's (a
+        request's draft KV never outgrows its target KV), no prefix caching, and its own
+        runner, whose forwards run on `kernels` where the engine has that thread."""
+        config = self.config
+        kv = KVCacheManager(num_blocks, config.block_size, enable_caching=False)
+        runner = self.draft_runner = ModelRunner(
+            draft.model, draft.config, kv, device, dtype, kernel_cache_dir=config.cache_dir,
+            cache_dtype=cache_dtype, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len)
+        greedy: Greedy = runner.greedy
+        if kernels is not None:
+            def on_kernels(step: SchedulerOutput, fills: dict[str, int]) -> dict[str, int]:
+                return kernels.submit(runner.greedy, step, fills).result()
+            greedy = on_kernels
+        max_len = min(self.max_model_len, draft.config.max_position_embeddings)
+        return DraftProposer(greedy, kv, max_len)
 
     def close(self) -> None:
         """Stop the kernel thread, if any (after the step in flight)."""

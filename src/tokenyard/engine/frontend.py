@@ -20,8 +20,15 @@ from tokenyard.config import EngineConfig
 from tokenyard.engine.core import EngineCore, kernel_thread, resolve_device
 from tokenyard.engine.models.config import ModelConfig
 from tokenyard.engine.models.families import CausalLM
-from tokenyard.engine.models.loader import build_model, load_gguf_blocks, load_model
+from tokenyard.engine.models.loader import (
+    LoadedModel,
+    build_model,
+    load_gguf_blocks,
+    load_model,
+)
 from tokenyard.engine.request import Request
+from tokenyard.engine.spec.draft import DraftConfig, DraftModel, check_same_vocabulary
+from tokenyard.engine.spec.speculator import parse_speculative_config
 from tokenyard.text.output_processor import OutputProcessor, child_params
 
 # The prompt helpers live in a torch-free module (the HTTP process uses them); re-exported
@@ -82,7 +89,22 @@ def _build_core(config: EngineConfig, show_progress: bool,
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if config.null_model:
         return _build_null_core(config, device, dtype, kernels)
-    loaded = load_model(config.model, config.cache_dir, show_progress=show_progress)
+    model, loaded, weights = _load_causal_lm(config.model, config, device, dtype,
+                                             show_progress)
+    tokenizer: Tokenizer = loaded.tokenizer
+    eos = frozenset(set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids))
+    core = EngineCore(model, loaded.config, config, device, dtype, tokenizer=tokenizer,
+                      kernels=kernels,
+                      draft=_load_draft(config, loaded, device, dtype, show_progress))
+    return BuiltCore(core, tokenizer, loaded.config, eos, weights)
+
+
+def _load_causal_lm(name: str | None, config: EngineConfig, device: torch.device,
+                    dtype: torch.dtype,
+                    show_progress: bool) -> tuple[CausalLM, LoadedModel, str]:
+    """Model `name` on `device`, in the weight format `config` asks for: the model, what
+    was loaded (its float32 weights dropped) and the format (`auto` resolved)."""
+    loaded = load_model(name, config.cache_dir, show_progress=show_progress)
     if config.weights not in ("auto", "float32") and device.type != "cpu":
         raise ValueError(f"{config.weights} weights are a CPU mode; on CUDA the engine "
                          "uses bf16")
@@ -100,11 +122,19 @@ def _build_core(config: EngineConfig, show_progress: bool,
     release_freed_memory()
     if device.type == "cpu":
         model.set_threads(torch.get_num_threads())
-    tokenizer: Tokenizer = loaded.tokenizer
-    eos = frozenset(set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids))
-    core = EngineCore(model, loaded.config, config, device, dtype, tokenizer=tokenizer,
-                      kernels=kernels)
-    return BuiltCore(core, tokenizer, loaded.config, eos, weights)
+    return model, loaded, weights
+
+
+def _load_draft(config: EngineConfig, target: LoadedModel, device: torch.device,
+                dtype: torch.dtype, show_progress: bool) -> DraftModel | None:
+    """The draft model `speculative_config` names (None: it names none), checked to
+    share the target's tokenizer."""
+    spec = parse_speculative_config(config.speculative_config)
+    if not isinstance(spec, DraftConfig):
+        return None
+    model, loaded, _ = _load_causal_lm(spec.model, config, device, dtype, show_progress)
+    check_same_vocabulary(target.config, target.tokenizer, loaded.config, loaded.tokenizer)
+    return DraftModel(model, loaded.config)
 
 
 def _build_null_core(config: EngineConfig, device: torch.device, dtype: torch.dtype,

@@ -309,16 +309,21 @@ class KVCacheManager:
         cached: Sequence[KVBlock] = (),
         *,
         unpin: bool = False,
+        computed: int | None = None,
     ) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False if the pool is short.
 
         `cached` are prefix-hit blocks for a request being scheduled for the first time (its
         `num_computed_tokens` already counts them). `unpin`: the request cannot run
         otherwise (nothing else holds blocks), so pinned blocks give way if short.
+        `computed`: the tokens already computed in this pool, where it is not the
+        request's own count (a draft model's pool, spec/draft.py).
         """
         self.pool.expire_pins()
         table = self.block_tables.get(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
+        if computed is None:
+            computed = request.num_computed_tokens
+        total = computed + num_new_tokens
         if table and not cached and total <= len(table) * self.block_size and (
                 not self.enable_caching
                 or total // self.block_size <= self._num_registered.get(request.request_id, 0)):

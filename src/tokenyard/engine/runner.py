@@ -107,28 +107,8 @@ class ModelRunner:
     def run(self, prepared: PreparedStep) -> StepResult:
         """The forward pass and sampling of a prepared step. Steps must run in the order
         they were scheduled: a placeholder takes the token the step before sampled."""
-        input_ids, meta = prepared.input_ids, prepared.meta
         sample_requests = prepared.sample_requests
-        if prepared.fill_rows is not None:
-            last = self._last_sampled
-            tokens = torch.tensor([last[i] for i in prepared.fill_ids], dtype=torch.long)
-            input_ids[prepared.fill_rows] = to_device(tokens, self.device)
-        if self.loras is not None:
-            if prepared.lora_writes:
-                self.loras.apply(prepared.lora_writes)
-            self.loras.rows.set(prepared.lora_slots)
-        # Pure decode steps, and tails over a cached prefix as decode rows: the one op
-        # (which knows no adapters).
-        one_op: AttentionMetadata | None = None
-        if self.decode_step is not None and prepared.lora_slots is None:
-            one_op = (meta if meta.num_decodes == len(prepared.positions)
-                      else as_decode_rows(meta, prepared.positions))
-        if self.decode_step is not None and one_op is not None:
-            hidden = self.decode_step(input_ids, prepared.positions, one_op)
-        else:
-            self.attention.metadata = meta
-            hidden = self.model(input_ids, prepared.positions, self.attention)
-            self.attention.metadata = None
+        hidden = self._forward(prepared, self._last_sampled)
         prompt_logprobs = {}
         if prepared.prompt_spans:
             prompt_logprobs = score_prompt_rows(hidden, self.model.compute_logits,
@@ -136,9 +116,8 @@ class ModelRunner:
         if not sample_requests:
             self._last_sampled = {}
             return StepResult({}, {}, prompt_logprobs)
-        if prepared.sample_index is not None:
-            hidden = hidden.index_select(0, prepared.sample_index)
-        logits = self.model.compute_logits(hidden)
+        logits = self._logits(prepared, hidden)
+
         batch = self._sampling_batch(sample_requests)
         if any(r.guided is not None for r in sample_requests):
             mask = fill_bitmask([r.guided for r in sample_requests],
@@ -161,6 +140,47 @@ class ModelRunner:
                     top = out.top_logprobs[i] if out.top_logprobs is not None else []
                     logprobs[r.request_id] = TokenLogprobs(out.logprobs[i], top)
         return StepResult(sampled, logprobs, prompt_logprobs, accepted=accepted)
+
+    @torch.inference_mode()
+    def greedy(self, step: SchedulerOutput, fills: dict[str, int]) -> dict[str, int]:
+        """The argmax token at each sampled row of `step`, by request id: a draft model's
+        proposals (spec/draft.py). A placeholder row takes the token `fills` gives its
+        request. Neither the requests' samplers nor their generators are touched."""
+        prepared = self.prepare(step)
+        logits = self._logits(prepared, self._forward(prepared, fills))
+        tokens = logits.argmax(dim=-1).tolist()
+        return {r.request_id: t
+                for r, t in zip(prepared.sample_requests, tokens, strict=True)}
+
+    def _forward(self, prepared: PreparedStep, fills: dict[str, int]) -> torch.Tensor:
+        """The model's hidden state at every row of `prepared`; a placeholder row takes
+        the token `fills` gives its request."""
+        input_ids, meta = prepared.input_ids, prepared.meta
+        if prepared.fill_rows is not None:
+            tokens = torch.tensor([fills[i] for i in prepared.fill_ids], dtype=torch.long)
+            input_ids[prepared.fill_rows] = to_device(tokens, self.device)
+        if self.loras is not None:
+            if prepared.lora_writes:
+                self.loras.apply(prepared.lora_writes)
+            self.loras.rows.set(prepared.lora_slots)
+        # Pure decode steps, and tails over a cached prefix as decode rows: the one op
+        # (which knows no adapters).
+        one_op: AttentionMetadata | None = None
+        if self.decode_step is not None and prepared.lora_slots is None:
+            one_op = (meta if meta.num_decodes == len(prepared.positions)
+                      else as_decode_rows(meta, prepared.positions))
+        if self.decode_step is not None and one_op is not None:
+            return self.decode_step(input_ids, prepared.positions, one_op)
+        self.attention.metadata = meta
+        hidden = self.model(input_ids, prepared.positions, self.attention)
+        self.attention.metadata = None
+        return hidden
+
+    def _logits(self, prepared: PreparedStep, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows `prepared` samples."""
+        if prepared.sample_index is not None:
+            hidden = hidden.index_select(0, prepared.sample_index)
+        return self.model.compute_logits(hidden)
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         """The sampling batch of `requests`: their parameters' tensors are made again only

@@ -168,10 +168,12 @@ class Scheduler:
         # Decodes first, by priority then arrival (the order `running` is kept in): a
         # prompt never stalls the streams.
         chunks: list[Request] = []  # running requests with prompt tokens left
+        if self.speculator is not None:  # drafts for every decode at once (a draft model)
+            self.speculator.prepare([r for r in self.running if _left(r) == 1])
         for request in tuple(self.running):  # a copy: preemption removes from it
-            if request.status is not RequestStatus.RUNNING or request.ends_by_length_with_pending:
-                continue  # preempted earlier in this loop, or its last token is in flight
-            left = request.num_tokens_with_pending - request.num_computed_tokens
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            left = _left(request)
             if left > 1:
                 chunks.append(request)
             elif left == 1 and plan.budget > 0:
@@ -384,11 +386,22 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _free(self, request: Request) -> None:
-        """Give back a request's KV blocks and LoRA slot (the runner, its batch row)."""
+        """Give back a request's KV blocks (its draft model's too) and LoRA slot (the
+        runner, its batch row)."""
         self.kv.free(request)
+        if self.speculator is not None:
+            self.speculator.release(request)
         if self.loras is not None:
             self.loras.release(request)
         self._freed.append(request.request_id)
+
+
+def _left(request: Request) -> int:
+    """Tokens a running request has left to compute; 0 when its token in flight is its
+    last by length (nothing after it is worth scheduling)."""
+    if request.ends_by_length_with_pending:
+        return 0
+    return request.num_tokens_with_pending - request.num_computed_tokens
 
 
 def _sort_key(request: Request) -> tuple[int, float]:

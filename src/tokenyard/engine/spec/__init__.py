@@ -1,2 +1,2 @@
-"""Speculative decoding: drafts proposed without a second model (n-gram prompt lookup),
-verified by the target model in one step. See ngram.py and verify.py."""
+"""Speculative decoding: drafts proposed by n-gram lookup (ngram.py) or a draft model
+(draft.py), verified by the target model in one step (verify.py, speculator.py)."""

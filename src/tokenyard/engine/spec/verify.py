@@ -12,7 +12,7 @@ min(1, p(d) / q(d)) = p(d) and, on rejection, samples from max(0, p - q) normali
 without d, renormalised. A token t sampled from p is d with probability p(d), and given
 t != d it is distributed as p without d, renormalised: one sample does both. Greedy rows
 sample the argmax, so greedy output is token for token what decoding without drafts
-gives. A draft model's non-degenerate q needs the general rule and is not done here.
+gives. A draft model's drafts are its argmax (draft.py): q is one-hot there too.
 """
 
 from __future__ import annotations
