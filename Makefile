@@ -42,8 +42,15 @@ clients-js:
 		cd tests/clients/js && npm ci --no-audit --no-fund --loglevel=error; fi
 
 # Every test's time goes to build/test-times.xml (JUnit XML) for trimming the suite.
+# TEST_WORKERS pytest-xdist workers, each taking a whole file at a time (a module's server
+# serves all its tests): run one after another, the tests left the 2 cores idle half the
+# time, waiting on servers. Every process gets one torch thread (OMP_NUM_THREADS): two
+# engines of two threads each on 2 cores stall at each parallel region whenever one of the
+# threads is descheduled (a draft-model test took 36 s instead of 0.4 s under load).
+TEST_WORKERS ?= 2
 unit: venv clients-js
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20 --junitxml=build/test-times.xml
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+		--durations=20 --junitxml=build/test-times.xml
 
 # Prints its own time (issue 40: make test stays under 20 minutes on 2 cores).
 test:
