@@ -73,39 +73,44 @@ void add_bias(float* y, const at::Tensor& bias, int64_t M, int64_t N) {
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // The LoRA adapters of one step (engine/lora/bank.py): per projection every slot's A
-// stacked [S * w, in] and B transposed [S * w, out], w = slices * rank (q/k/v: 3 slices,
-// gate/up: 2, o and down: 1), and each row's slot (0: none).
+// stacked [S * w, in] and B transposed [S * w, out], w = slices * width (q/k/v: 3 slices,
+// gate/up: 2, o and down: 1), each slot's rank on each slice [S, slices] (0: none; the
+// ranks above it are zero), and each row's slot (0: none).
 struct Lora {
-  at::TensorList a, bt;
+  at::TensorList a, bt, ranks;
   const int64_t* slots = nullptr;
-  int64_t rank = 0;
+  int64_t width = 0;
 };
 
-// out[m] += B_s (A_s x[m]) for each row m of a slot s > 0, slice by slice: a slice's ranks
-// write its own output columns only (B is zero elsewhere), and a zero rank writes nothing
-// (a projection slice the adapter leaves alone). Parallel over rows.
+// Multiply-adds of LoRA rows a thread takes at least.
+constexpr int64_t LORA_GRAIN = 1 << 18;
+
+// out[m] += B_s (A_s x[m]) for each row m of a slot s > 0, slice by slice, over the ranks
+// the slot's adapter has there only: a slice's ranks write its own output columns only
+// (B is zero elsewhere). Parallel over rows once they hold LORA_GRAIN multiply-adds a
+// thread (a few rows of a small adapter cost less than waking the threads).
 void lora_add(const Lora& lora, int64_t index, const float* x, int64_t M, int64_t K,
               const std::vector<int64_t>& sizes, float* out) {
   if (lora.slots == nullptr || !present(lora.a[index])) return;
-  const int64_t r = lora.rank, w = static_cast<int64_t>(sizes.size()) * r;
+  const int64_t n_slices = static_cast<int64_t>(sizes.size());
+  const int64_t r = lora.width, w = n_slices * r;
   int64_t N = 0;
   for (int64_t n : sizes) N += n;
   const float* ap = lora.a[index].data_ptr<float>();
   const float* bp = lora.bt[index].data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(static_cast<size_t>(w));
+  const int64_t* rp = lora.ranks[index].data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, LORA_GRAIN / (w * K + r * N));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const int64_t s = lora.slots[m];
       if (s <= 0) continue;
-      const float* as = ap + (s - 1) * w * K;
-      for (int64_t j = 0; j < w; ++j) h[j] = tyk::dot(as + j * K, x + m * K, K);
       float* om = out + m * N;
       int64_t col = 0;
-      for (size_t i = 0; i < sizes.size(); ++i) {
-        for (int64_t k = 0; k < r; ++k) {
-          const float hv = h[i * r + k];
-          if (hv == 0.f) continue;
-          tyk::axpy(om + col, hv, bp + ((s - 1) * w + i * r + k) * N + col, sizes[i]);
+      for (int64_t i = 0; i < n_slices; ++i) {
+        const int64_t first = (s - 1) * w + i * r;
+        for (int64_t k = 0; k < rp[(s - 1) * n_slices + i]; ++k) {
+          const float h = tyk::dot(ap + (first + k) * K, x + m * K, K);
+          tyk::axpy(om + col, h, bp + (first + k) * N + col, sizes[i]);
         }
         col += sizes[i];
       }
@@ -171,8 +176,9 @@ void check_float(const at::Tensor& t, int64_t numel, const char* what) {
 //   kv_heads, D]; slots [M]: the cache slot of each token's k/v; block_tables [M, W] and
 //   context_lens [M] as paged_decode takes them (context includes this token);
 //   positions [M]; cos / sin: [max_positions, D / 2]. LoRA adapters (none: empty lists):
-//   lora_a / lora_bt 4 per layer as `Lora` holds them (empty: a projection no adapter
-//   touches), lora_slots [M] int64 each row's slot (0: none), lora_rank the slots' rank.
+//   lora_a / lora_bt / lora_ranks 4 per layer as `Lora` holds them (empty: a projection no
+//   adapter touches), lora_slots [M] int64 each row's slot (0: none), lora_width the
+//   slots' rank width per slice (the engine's max LoRA rank).
 at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::TensorList weights,
                          at::IntArrayRef qtypes, at::TensorList biases, at::TensorList qk_norms,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -181,7 +187,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
                          const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                          int64_t num_kv_heads, double eps_in, int64_t act_bits,
                          at::TensorList lora_a, at::TensorList lora_bt,
-                         const at::Tensor& lora_slots_in, int64_t lora_rank) {
+                         at::TensorList lora_ranks, const at::Tensor& lora_slots_in,
+                         int64_t lora_width) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "decode_layers: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "decode_layers: act_bits must be 8 or 16");
@@ -212,10 +219,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   if (!lora_a.empty()) {
     lora_slots = lora_slots_in.contiguous();
     TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == 4 * L && lora_bt.size() == lora_a.size() &&
-                    lora_rank > 0 && lora_slots.scalar_type() == at::kLong &&
-                    lora_slots.numel() == M,
-                "decode_layers: LoRA lists of 4 per layer, a rank, one int64 slot per row");
-    lora = {lora_a, lora_bt, lora_slots.data_ptr<int64_t>(), lora_rank};
+                    lora_ranks.size() == lora_a.size() && lora_width > 0 &&
+                    lora_slots.scalar_type() == at::kLong && lora_slots.numel() == M,
+                "decode_layers: LoRA lists of 4 per layer, a width, one int64 slot per row");
+    lora = {lora_a, lora_bt, lora_ranks, lora_slots.data_ptr<int64_t>(), lora_width};
   }
   for (int64_t l = 0; l < L; ++l) {
     const int64_t in_features[4] = {Hd, H * D, Hd, I};
@@ -225,8 +232,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
       TORCH_CHECK(weights[4 * l + k].size(0) == out_features[k], "decode_layers: layer ", l,
                   " weight ", k, " has ", weights[4 * l + k].size(0), " rows");
       if (lora.slots == nullptr || !present(lora_a[4 * l + k])) continue;
-      const int64_t w = static_cast<int64_t>(lora_sizes[k].size()) * lora_rank;
+      const int64_t n_slices = static_cast<int64_t>(lora_sizes[k].size());
+      const int64_t w = n_slices * lora_width;
       const at::Tensor &a = lora_a[4 * l + k], &bt = lora_bt[4 * l + k];
+      const at::Tensor& ranks = lora_ranks[4 * l + k];
       TORCH_CHECK(a.dim() == 2 && a.size(1) == in_features[k] && a.size(0) % w == 0,
                   "decode_layers: layer ", l, " LoRA A ", k, " must be [slots * ", w, ", ",
                   in_features[k], "]");
@@ -234,6 +243,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
       check_float(a, num_slots * w * in_features[k], "LoRA A");
       check_float(bt, num_slots * w * out_features[k], "LoRA B");
       TORCH_CHECK(bt.dim() == 2 && bt.size(0) == a.size(0), "decode_layers: LoRA B rows");
+      TORCH_CHECK(ranks.device().is_cpu() && ranks.scalar_type() == at::kLong &&
+                      ranks.is_contiguous() && ranks.numel() == num_slots * n_slices,
+                  "decode_layers: LoRA ranks must be contiguous int64 [slots, slices]");
+      const int64_t* rp = ranks.data_ptr<int64_t>();
+      for (int64_t j = 0; j < num_slots * n_slices; ++j)
+        TORCH_CHECK(rp[j] >= 0 && rp[j] <= lora_width, "decode_layers: LoRA rank out of range");
       for (int64_t m = 0; m < M; ++m)
         TORCH_CHECK(lora.slots[m] >= 0 && lora.slots[m] <= num_slots,
                     "decode_layers: LoRA slot out of range");

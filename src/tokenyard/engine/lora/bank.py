@@ -12,7 +12,8 @@ with `mask` [T, S*w] one over each row's own slot block: two matmuls and a multi
 projection whatever the mix of adapters, and no gather. A row of no adapter gets a zero
 delta; a step with no adapted row skips the op altogether (`LoraRows.slots` is None). The
 one-op decode step (kernels/decode_step.cpp) reads the same `a` and `bt`, each row its own
-slot's block, and each slice's ranks only the slice's output columns.
+slot's block, only the ranks its adapter has on each slice (`ranks`), and each slice's
+ranks only the slice's output columns.
 
 `LoraBank` loads adapters into slots, least recently used out first, never one a running
 request holds.
@@ -67,18 +68,23 @@ class LoraWeights:
         self.a = torch.zeros(num_slots * self.width, in_features, device=device, dtype=dtype)
         self.bt = torch.zeros(num_slots * self.width, sum(out_sizes), device=device,
                               dtype=dtype)
+        #: [slots, slices]: the rank each slot's adapter has on each output slice (0: it
+        #: leaves the slice alone), where the decode op stops (its ranks above are zero).
+        self.ranks = torch.zeros(num_slots, len(out_sizes), dtype=torch.int64)
 
     def place(self, slot: int, parts: list[Any]) -> None:
         """Write an adapter's parts into `slot` (1-based); parts it lacks stay zero."""
         base = (slot - 1) * self.width
         self.a[base:base + self.width].zero_()
         self.bt[base:base + self.width].zero_()
+        self.ranks[slot - 1].zero_()
         for part in parts:
             r = part.a.shape[0]
             col = base + part.slice * self.max_rank
             out = self.offsets[part.slice]
             self.a[col:col + r].copy_(part.a)
             self.bt[col:col + r, out:out + part.b.shape[0]].copy_(part.b.t())
+            self.ranks[slot - 1, part.slice] = r
 
     @property
     def active(self) -> bool:

@@ -111,21 +111,24 @@ class DecodeStep:
         )
         return out
 
-    def _lora(self, slots: torch.Tensor | None) -> tuple[list[torch.Tensor],
-                                                         list[torch.Tensor], torch.Tensor, int]:
-        """The op's LoRA arguments: every projection's stacked A and B (empty where no
-        adapter reaches), the rows' slots and the slots' rank; all empty for None."""
+    def _lora(self, slots: torch.Tensor | None) -> tuple[
+            list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor, int]:
+        """The op's LoRA arguments: every projection's stacked A and B and its slots' ranks
+        (empty where no adapter reaches), the rows' slots and the slots' width per slice
+        (`max_rank`); all empty for None."""
         if slots is None:
-            return [], [], _EMPTY, 0
+            return [], [], [], _EMPTY, 0
         a: list[torch.Tensor] = []
         bt: list[torch.Tensor] = []
-        rank = 0
+        ranks: list[torch.Tensor] = []
+        width = 0
         for linear in self.linears:
             lora = linear.lora
             a.append(_EMPTY if lora is None else lora.a)
             bt.append(_EMPTY if lora is None else lora.bt)
-            rank = rank if lora is None else lora.max_rank
-        return (a, bt, slots, rank) if rank else ([], [], _EMPTY, 0)
+            ranks.append(_EMPTY if lora is None else lora.ranks)
+            width = width if lora is None else lora.max_rank
+        return (a, bt, ranks, slots, width) if width else ([], [], [], _EMPTY, 0)
 
 
 def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
