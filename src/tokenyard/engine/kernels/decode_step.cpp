@@ -83,12 +83,12 @@ struct Lora {
 };
 
 // Multiply-adds of LoRA rows a thread takes at least.
-constexpr int64_t LORA_GRAIN = 1 << 18;
+constexpr int64_t LORA_GRAIN = 1 << 15;
 
 // out[m] += B_s (A_s x[m]) for each row m of a slot s > 0, slice by slice, over the ranks
 // the slot's adapter has there only: a slice's ranks write its own output columns only
-// (B is zero elsewhere). Parallel over rows once they hold LORA_GRAIN multiply-adds a
-// thread (a few rows of a small adapter cost less than waking the threads).
+// (B is zero elsewhere). Parallel over rows, a thread taking at least LORA_GRAIN
+// multiply-adds (one row of a small adapter costs less than waking the threads).
 void lora_add(const Lora& lora, int64_t index, const float* x, int64_t M, int64_t K,
               const std::vector<int64_t>& sizes, float* out) {
   if (lora.slots == nullptr || !present(lora.a[index])) return;
