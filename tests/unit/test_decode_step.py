@@ -52,6 +52,23 @@ def _attention(model: LlamaForCausalLM) -> PagedAttention:
                           cfg.num_key_value_heads, cfg.head_dim)
 
 
+def _op_and_eager(model: LlamaForCausalLM, seed: int
+                  ) -> tuple[DecodeStep, PagedAttention, PagedAttention, torch.Generator]:
+    """The model's op over one cache and the eager layers' cache, both holding the same
+    random k/v of earlier tokens; and the generator that drew them, for the rest."""
+    eager, fused = _attention(model), _attention(model)
+    if eager.decode_kernel is None:
+        pytest.skip("paged decode kernel unavailable")
+    step = DecodeStep.build(model, fused)
+    assert step is not None, unavailable_reason("decode_step")
+    gen = torch.Generator().manual_seed(seed)
+    fused.k_cache.copy_(torch.randn(eager.k_cache.shape, generator=gen))
+    fused.v_cache.copy_(torch.randn(eager.v_cache.shape, generator=gen))
+    eager.k_cache.copy_(fused.k_cache)
+    eager.v_cache.copy_(fused.v_cache)
+    return step, fused, eager, gen
+
+
 def _decode_meta(lens: list[int], gen: torch.Generator) -> AttentionMetadata:
     """Rows with contexts of `lens` tokens (this step's included) in scattered blocks."""
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
@@ -78,17 +95,8 @@ def _decode_meta(lens: list[int], gen: torch.Generator) -> AttentionMetadata:
 ])
 def test_one_op_step_matches_the_eager_layers(weights: str, switches: dict[str, bool]) -> None:
     model = _model(0, weights, **switches)
-    eager, fused = _attention(model), _attention(model)
-    if eager.decode_kernel is None:
-        pytest.skip("paged decode kernel unavailable")
-    step = DecodeStep.build(model, fused)
-    assert step is not None, unavailable_reason("decode_step")
-    gen = torch.Generator().manual_seed(1)
     # Earlier tokens' k/v already cached, the same in both.
-    fused.k_cache.copy_(torch.randn(eager.k_cache.shape, generator=gen))
-    fused.v_cache.copy_(torch.randn(eager.v_cache.shape, generator=gen))
-    eager.k_cache.copy_(fused.k_cache)
-    eager.v_cache.copy_(fused.v_cache)
+    step, fused, eager, gen = _op_and_eager(model, 1)
     lens = [1, 7, 13, 30]
     meta = _decode_meta(lens, gen)
     ids = torch.randint(0, 512, (len(lens),), generator=gen)
@@ -170,16 +178,7 @@ def test_a_prompt_tail_over_its_cached_prefix_matches_the_eager_layers(
     consecutive rows attended as folded chunks), beside decode rows or alone, against the
     eager model with the paged kernel over the span."""
     model = _model(2, "q4_1")
-    eager, fused = _attention(model), _attention(model)
-    if eager.decode_kernel is None:
-        pytest.skip("paged decode kernel unavailable")
-    step = DecodeStep.build(model, fused)
-    assert step is not None, unavailable_reason("decode_step")
-    gen = torch.Generator().manual_seed(rows)
-    fused.k_cache.copy_(torch.randn(eager.k_cache.shape, generator=gen))
-    fused.v_cache.copy_(torch.randn(eager.v_cache.shape, generator=gen))
-    eager.k_cache.copy_(fused.k_cache)
-    eager.v_cache.copy_(fused.v_cache)
+    step, fused, eager, gen = _op_and_eager(model, rows)
     meta, positions = _tail_meta(37, rows, gen, decode_lens)
     ids = torch.randint(0, 512, (len(positions),), generator=gen)
     as_rows = as_decode_rows(meta, positions)

@@ -164,13 +164,14 @@ class ModelRunner:
                 self.loras.apply(prepared.lora_writes)
             self.loras.rows.set(prepared.lora_slots)
         # Pure decode steps, and tails over a cached prefix as decode rows: the one op
-        # (which knows no adapters).
+        # (LoRA rows too: it adds each row's adapter).
         one_op: AttentionMetadata | None = None
-        if self.decode_step is not None and prepared.lora_slots is None:
+        if self.decode_step is not None:
             one_op = (meta if meta.num_decodes == len(prepared.positions)
                       else as_decode_rows(meta, prepared.positions))
         if self.decode_step is not None and one_op is not None:
-            return self.decode_step(input_ids, prepared.positions, one_op)
+            return self.decode_step(input_ids, prepared.positions, one_op,
+                                    prepared.lora_slots)
         self.attention.metadata = meta
         hidden = self.model(input_ids, prepared.positions, self.attention)
         self.attention.metadata = None

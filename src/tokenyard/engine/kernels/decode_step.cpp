@@ -1,7 +1,8 @@
 // One whole decode step of a Llama-family decoder in a single call (CPU, float32
 // activations, block weights): for each layer, RMSNorm -> QKV (+ bias, per-head q/k norm)
 // -> RoPE -> K/V written into the paged cache -> paged attention -> o_proj -> residual ->
-// RMSNorm -> gate/up -> SiLU * up -> down -> residual; then the final RMSNorm.
+// RMSNorm -> gate/up -> SiLU * up -> down -> residual; then the final RMSNorm. LoRA
+// adapters, one per row or none, add their update to each projection they adapt.
 //
 // The matmuls and the attention are the code of quant_matmul.cpp and paged_decode.cpp
 // (quant_core.h, attention_core.h), so this op computes what the eager torch path
@@ -71,6 +72,52 @@ void add_bias(float* y, const at::Tensor& bias, int64_t M, int64_t N) {
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+// The LoRA adapters of one step (engine/lora/bank.py): per projection every slot's A
+// stacked [S * w, in] and B transposed [S * w, out], w = slices * width (q/k/v: 3 slices,
+// gate/up: 2, o and down: 1), each slot's rank on each slice [S, slices] (0: none; the
+// ranks above it are zero), and each row's slot (0: none).
+struct Lora {
+  at::TensorList a, bt, ranks;
+  const int64_t* slots = nullptr;
+  int64_t width = 0;
+};
+
+// Multiply-adds of LoRA rows a thread takes at least.
+constexpr int64_t LORA_GRAIN = 1 << 15;
+
+// out[m] += B_s (A_s x[m]) for each row m of a slot s > 0, slice by slice, over the ranks
+// the slot's adapter has there only: a slice's ranks write its own output columns only
+// (B is zero elsewhere). Parallel over rows, a thread taking at least LORA_GRAIN
+// multiply-adds (one row of a small adapter costs less than waking the threads).
+void lora_add(const Lora& lora, int64_t index, const float* x, int64_t M, int64_t K,
+              const std::vector<int64_t>& sizes, float* out) {
+  if (lora.slots == nullptr || !present(lora.a[index])) return;
+  const int64_t n_slices = static_cast<int64_t>(sizes.size());
+  const int64_t r = lora.width, w = n_slices * r;
+  int64_t N = 0;
+  for (int64_t n : sizes) N += n;
+  const float* ap = lora.a[index].data_ptr<float>();
+  const float* bp = lora.bt[index].data_ptr<float>();
+  const int64_t* rp = lora.ranks[index].data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, LORA_GRAIN / (w * K + r * N));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int64_t s = lora.slots[m];
+      if (s <= 0) continue;
+      float* om = out + m * N;
+      int64_t col = 0;
+      for (int64_t i = 0; i < n_slices; ++i) {
+        const int64_t first = (s - 1) * w + i * r;
+        for (int64_t k = 0; k < rp[(s - 1) * n_slices + i]; ++k) {
+          const float h = tyk::dot(ap + (first + k) * K, x + m * K, K);
+          tyk::axpy(om + col, h, bp + (first + k) * N + col, sizes[i]);
+        }
+        col += sizes[i];
+      }
+    }
+  });
+}
+
 // Rows [first, first + rows) attended as one folded row (their query positions in the kv
 // heads' query groups), the last row's block table and context length standing for all.
 struct Chunk {
@@ -128,14 +175,20 @@ void check_float(const at::Tensor& t, int64_t numel, const char* what) {
 //   ([heads + kv_heads, D]; empty when none); k_cache / v_cache: [layers, blocks, BS,
 //   kv_heads, D]; slots [M]: the cache slot of each token's k/v; block_tables [M, W] and
 //   context_lens [M] as paged_decode takes them (context includes this token);
-//   positions [M]; cos / sin: [max_positions, D / 2].
+//   positions [M]; cos / sin: [max_positions, D / 2]. LoRA adapters (none: empty lists):
+//   lora_a / lora_bt / lora_ranks 4 per layer as `Lora` holds them (empty: a projection no
+//   adapter touches), lora_slots [M] int64 each row's slot (0: none), lora_width the
+//   slots' rank width per slice (the engine's max LoRA rank).
 at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::TensorList weights,
                          at::IntArrayRef qtypes, at::TensorList biases, at::TensorList qk_norms,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& slots_in, const at::Tensor& tables_in,
                          const at::Tensor& lens_in, const at::Tensor& positions_in,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                         int64_t num_kv_heads, double eps_in, int64_t act_bits) {
+                         int64_t num_kv_heads, double eps_in, int64_t act_bits,
+                         at::TensorList lora_a, at::TensorList lora_bt,
+                         at::TensorList lora_ranks, const at::Tensor& lora_slots_in,
+                         int64_t lora_width) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "decode_layers: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "decode_layers: act_bits must be 8 or 16");
@@ -159,6 +212,18 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   TORCH_CHECK(KVH == num_kv_heads && H % KVH == 0 && D % 2 == 0, "decode_layers: head shapes");
   const int64_t QKV = (H + 2 * KVH) * D;
   const int64_t I = weights[2].size(0) / 2;
+  // Each projection's LoRA output slices: q/k/v, o, gate/up, down.
+  const std::vector<int64_t> lora_sizes[4] = {{H * D, KVH * D, KVH * D}, {Hd}, {I, I}, {Hd}};
+  Lora lora;
+  at::Tensor lora_slots;
+  if (!lora_a.empty()) {
+    lora_slots = lora_slots_in.contiguous();
+    TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == 4 * L && lora_bt.size() == lora_a.size() &&
+                    lora_ranks.size() == lora_a.size() && lora_width > 0 &&
+                    lora_slots.scalar_type() == at::kLong && lora_slots.numel() == M,
+                "decode_layers: LoRA lists of 4 per layer, a width, one int64 slot per row");
+    lora = {lora_a, lora_bt, lora_ranks, lora_slots.data_ptr<int64_t>(), lora_width};
+  }
   for (int64_t l = 0; l < L; ++l) {
     const int64_t in_features[4] = {Hd, H * D, Hd, I};
     const int64_t out_features[4] = {QKV, Hd, 2 * I, Hd};
@@ -166,6 +231,27 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
       tyk::check_weight(weights[4 * l + k], qtypes[4 * l + k], in_features[k], "decode_layers");
       TORCH_CHECK(weights[4 * l + k].size(0) == out_features[k], "decode_layers: layer ", l,
                   " weight ", k, " has ", weights[4 * l + k].size(0), " rows");
+      if (lora.slots == nullptr || !present(lora_a[4 * l + k])) continue;
+      const int64_t n_slices = static_cast<int64_t>(lora_sizes[k].size());
+      const int64_t w = n_slices * lora_width;
+      const at::Tensor &a = lora_a[4 * l + k], &bt = lora_bt[4 * l + k];
+      const at::Tensor& ranks = lora_ranks[4 * l + k];
+      TORCH_CHECK(a.dim() == 2 && a.size(1) == in_features[k] && a.size(0) % w == 0,
+                  "decode_layers: layer ", l, " LoRA A ", k, " must be [slots * ", w, ", ",
+                  in_features[k], "]");
+      const int64_t num_slots = a.size(0) / w;
+      check_float(a, num_slots * w * in_features[k], "LoRA A");
+      check_float(bt, num_slots * w * out_features[k], "LoRA B");
+      TORCH_CHECK(bt.dim() == 2 && bt.size(0) == a.size(0), "decode_layers: LoRA B rows");
+      TORCH_CHECK(ranks.device().is_cpu() && ranks.scalar_type() == at::kLong &&
+                      ranks.is_contiguous() && ranks.numel() == num_slots * n_slices,
+                  "decode_layers: LoRA ranks must be contiguous int64 [slots, slices]");
+      const int64_t* rp = ranks.data_ptr<int64_t>();
+      for (int64_t j = 0; j < num_slots * n_slices; ++j)
+        TORCH_CHECK(rp[j] >= 0 && rp[j] <= lora_width, "decode_layers: LoRA rank out of range");
+      for (int64_t m = 0; m < M; ++m)
+        TORCH_CHECK(lora.slots[m] >= 0 && lora.slots[m] <= num_slots,
+                    "decode_layers: LoRA slot out of range");
     }
     check_float(norms[2 * l], Hd, "input norm");
     check_float(norms[2 * l + 1], Hd, "post-attention norm");
@@ -226,6 +312,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
       for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], nin, Hd, eps, &h[m * Hd]);
       matmul(h.data(), M, Hd, weights[4 * l], qtypes[4 * l], act_bits, qkv.data());
       add_bias(qkv.data(), biases[2 * l], M, QKV);
+      lora_add(lora, 4 * l, h.data(), M, Hd, lora_sizes[0], qkv.data());
       const float* qkn = present(qk_norms[l]) ? qk_norms[l].data_ptr<float>() : nullptr;
       for (int64_t m = 0; m < M; ++m) {
         float* row = &qkv[m * QKV];
@@ -264,11 +351,13 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
       }
       matmul(attn.data(), M, H * D, weights[4 * l + 1], qtypes[4 * l + 1], act_bits, y.data());
       add_bias(y.data(), biases[2 * l + 1], M, Hd);
+      lora_add(lora, 4 * l + 1, attn.data(), M, H * D, lora_sizes[1], y.data());
       for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
 
       const float* npost = norms[2 * l + 1].data_ptr<float>();
       for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * Hd], npost, Hd, eps, &h[m * Hd]);
       matmul(h.data(), M, Hd, weights[4 * l + 2], qtypes[4 * l + 2], act_bits, gu.data());
+      lora_add(lora, 4 * l + 2, h.data(), M, Hd, lora_sizes[2], gu.data());
       at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
         for (int64_t m = begin; m < end; ++m) {
           std::copy_n(&gu[m * 2 * I], I, &act[m * I]);
@@ -276,6 +365,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
         }
       });
       matmul(act.data(), M, I, weights[4 * l + 3], qtypes[4 * l + 3], act_bits, y.data());
+      lora_add(lora, 4 * l + 3, act.data(), M, I, lora_sizes[3], y.data());
       for (int64_t j = 0; j < M * Hd; ++j) x[j] += y[j];
     }
   };

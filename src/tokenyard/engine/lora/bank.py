@@ -1,15 +1,19 @@
 """The replica's resident adapters, by slot, and the one op that applies them to a step.
 
 Each adapted projection holds `LoraWeights`: the A matrices of every slot stacked row-wise
-(`a` [S*w, in]) and the B matrices side by side (`b` [out, S*w]), where `w` is the
-projection's width per slot (its output slices times `max_rank`; a smaller rank leaves
-zeros). A step's rows name their slot (0: no adapter); the delta of a projection is then
+(`a` [S*w, in]) and the B matrices transposed, stacked likewise (`bt` [S*w, out]), where `w`
+is the projection's width per slot (its output slices times `max_rank`; a smaller rank
+leaves zeros). A step's rows name their slot (0: no adapter); the eager delta of a
+projection is then
 
-    ((x @ a.T) * mask) @ b.T
+    ((x @ a.T) * mask) @ bt
 
 with `mask` [T, S*w] one over each row's own slot block: two matmuls and a multiply per
 projection whatever the mix of adapters, and no gather. A row of no adapter gets a zero
-delta; a step with no adapted row skips the op altogether (`LoraRows.slots` is None).
+delta; a step with no adapted row skips the op altogether (`LoraRows.slots` is None). The
+one-op decode step (kernels/decode_step.cpp) reads the same `a` and `bt`, each row its own
+slot's block, only the ranks its adapter has on each slice (`ranks`), and each slice's
+ranks only the slice's output columns.
 
 `LoraBank` loads adapters into slots, least recently used out first, never one a running
 request holds.
@@ -62,20 +66,25 @@ class LoraWeights:
         self.width = len(out_sizes) * max_rank
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.a = torch.zeros(num_slots * self.width, in_features, device=device, dtype=dtype)
-        self.b = torch.zeros(sum(out_sizes), num_slots * self.width, device=device,
-                             dtype=dtype)
+        self.bt = torch.zeros(num_slots * self.width, sum(out_sizes), device=device,
+                              dtype=dtype)
+        #: [slots, slices]: the rank each slot's adapter has on each output slice (0: it
+        #: leaves the slice alone), where the decode op stops (its ranks above are zero).
+        self.ranks = torch.zeros(num_slots, len(out_sizes), dtype=torch.int64)
 
     def place(self, slot: int, parts: list[Any]) -> None:
         """Write an adapter's parts into `slot` (1-based); parts it lacks stay zero."""
         base = (slot - 1) * self.width
         self.a[base:base + self.width].zero_()
-        self.b[:, base:base + self.width].zero_()
+        self.bt[base:base + self.width].zero_()
+        self.ranks[slot - 1].zero_()
         for part in parts:
             r = part.a.shape[0]
             col = base + part.slice * self.max_rank
             out = self.offsets[part.slice]
             self.a[col:col + r].copy_(part.a)
-            self.b[out:out + part.b.shape[0], col:col + r].copy_(part.b)
+            self.bt[col:col + r, out:out + part.b.shape[0]].copy_(part.b.t())
+            self.ranks[slot - 1, part.slice] = r
 
     @property
     def active(self) -> bool:
@@ -85,7 +94,7 @@ class LoraWeights:
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]: each row's own adapter's update (zero for slot 0)."""
         h = F.linear(x, self.a).mul_(self.rows.mask(self.width))
-        return F.linear(h, self.b)
+        return torch.mm(h, self.bt)
 
 
 class SlotsFull(RuntimeError):

@@ -11,6 +11,11 @@ prefix-cache hit's uncached rest: each tail token a row with its own context len
 `paged_attention.as_decode_rows`). Longer prefills, and every other setup (float32 or int8
 weights, CUDA), run the eager torch path, which is the reference this op is tested against
 (tests/unit/test_decode_step.py).
+
+Rows of LoRA adapters run in the op too (`lora_slots`: each row's slot, 0 none): after each
+base matmul it adds each adapted row's update from the slots' stacked A and B that the
+projections' `lora` hold (engine/lora/bank.py), so an adapted step keeps the one op
+(tests/unit/test_decode_step_lora.py).
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ class DecodeStep:
         self.qtypes: list[int] = []
         self.biases: list[torch.Tensor] = []
         self.qk_norms: list[torch.Tensor] = []
+        self.linears: list[Linear] = []  # 4 a layer, as `weights`: where adapters sit
         for layer in model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 assert linear.blocks is not None
+                self.linears.append(linear)
                 self.weights.append(linear.blocks.data)
                 self.qtypes.append(linear.blocks.qtype)
             self.biases += [_or_empty(layer.qkv_proj.bias), _or_empty(layer.o_proj.bias)]
@@ -83,10 +90,12 @@ class DecodeStep:
 
     @torch.inference_mode()
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [M, hidden] of M decode rows (one token each), their
-        k/v written into the cache; what `model.forward` returns for the same step."""
+        k/v written into the cache; what `model.forward` returns for the same step.
+        `lora_slots`: [M] each row's LoRA slot (0: none); None: no adapted row."""
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         model = self.model
         if model.embed_blocks is not None:
@@ -98,9 +107,28 @@ class DecodeStep:
             self.attention.k_cache, self.attention.v_cache, meta.slot_mapping,
             meta.decode_block_tables, meta.decode_context_lens, positions,
             model.rope_cos, model.rope_sin, self.num_heads, self.num_kv_heads, self.eps,
-            blocks.ACT_BITS,
+            blocks.ACT_BITS, *self._lora(lora_slots),
         )
         return out
+
+    def _lora(self, slots: torch.Tensor | None) -> tuple[
+            list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor, int]:
+        """The op's LoRA arguments: every projection's stacked A and B and its slots' ranks
+        (empty where no adapter reaches), the rows' slots and the slots' width per slice
+        (`max_rank`); all empty for None."""
+        if slots is None:
+            return [], [], [], _EMPTY, 0
+        a: list[torch.Tensor] = []
+        bt: list[torch.Tensor] = []
+        ranks: list[torch.Tensor] = []
+        width = 0
+        for linear in self.linears:
+            lora = linear.lora
+            a.append(_EMPTY if lora is None else lora.a)
+            bt.append(_EMPTY if lora is None else lora.bt)
+            ranks.append(_EMPTY if lora is None else lora.ranks)
+            width = width if lora is None else lora.max_rank
+        return (a, bt, ranks, slots, width) if width else ([], [], [], _EMPTY, 0)
 
 
 def _or_empty(t: torch.Tensor | None) -> torch.Tensor:

@@ -64,7 +64,15 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Ten
 
 class ProjectionDelta(Protocol):
     """What a projection adds to its output for this step's rows (LoRA adapters:
-    engine/lora/bank.py's LoraWeights)."""
+    engine/lora/bank.py's LoraWeights). The one-op decode step (models/decode_step.py)
+    reads the slots' stacked `a` [slots * w, in] and `bt` [slots * w, out], w = the
+    projection's output slices * `max_rank`, and `ranks` [slots, slices] (int64), each
+    slot's rank on each slice (0: none)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    ranks: torch.Tensor
+    max_rank: int
 
     @property
     def active(self) -> bool: ...
