@@ -67,6 +67,19 @@ def test_pacer_pauses_a_request_whose_drafts_are_rejected_and_tries_again() -> N
     pacer.tick()
     pacer.tick()
     assert pacer.active and pacer.rate == 1.0
+    # On probation: one rejected step pauses it again, twice as long, and again.
+    for pause in (4, 8):
+        pacer.record(4, 0)
+        for _ in range(pause):
+            assert not pacer.active
+            pacer.tick()
+        assert pacer.active
+    # A try that pays resumes it; its next pause is the first one again.
+    pacer.record(4, 3)
+    for _ in range(4):  # 0.925 falls to 0.22 in four rejected steps
+        assert pacer.active
+        pacer.record(4, 0)
+    assert pacer.paused == 2
     good = Pacer(min_steps=3)
     for _ in range(20):
         good.record(4, 3)
