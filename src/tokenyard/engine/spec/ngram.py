@@ -94,7 +94,8 @@ class Pacer:
 
     After each verified step, `record(proposed, accepted)`. Once `min_steps` steps have
     been recorded, a request whose drafts were accepted less than `min_rate` of the time
-    (an exponential average) pauses for `pause_steps` steps. It then tries again on
+    (an exponential average from a neutral 0.5: two rejected steps) pauses for
+    `pause_steps` steps. It then tries again on
     probation: one verified step decides. A step that falls short pauses it again for
     twice as long (up to `max_pause_steps`); one that passes resumes it, the pause back
     at `pause_steps`. A verify step costs several decode steps on a CPU (2.5 for k = 4
@@ -103,11 +104,11 @@ class Pacer:
     """
 
     min_rate: float = 0.3
-    min_steps: int = 4
+    min_steps: int = 2
     pause_steps: int = 32
     max_pause_steps: int = 1024
     decay: float = 0.7
-    rate: float = 1.0
+    rate: float = 0.5
     steps: int = 0
     paused: int = 0
     pause: int = 0  # the length of the last pause (0: none yet)
