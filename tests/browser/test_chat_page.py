@@ -10,7 +10,7 @@ import urllib.request
 from typing import Any
 
 from tests.browser.conftest import call, new_key, replica_stats, screenshot
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, all_blocks_back
 
 REPLY = ".msg.assistant"
 
@@ -87,8 +87,8 @@ def test_stop_aborts_the_stream_and_the_replica_frees_its_blocks(
     deadline = time.monotonic() + 10
     while True:
         stats = replica_stats(server)
-        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0 and (
-            stats["num_free_kv_blocks"] == stats["num_kv_blocks"])
+        idle = (stats["num_running"] == 0 and stats["num_waiting"] == 0
+                and all_blocks_back(stats))
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -166,3 +166,11 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             children.append(int(stat.parent.name))
     return children
+
+
+def all_blocks_back(stats: dict[str, Any]) -> bool:
+    """Every KV block free, but those a prompt-cache pin keeps (an Anthropic
+    `cache_control` breakpoint another test of the session's server set holds its blocks
+    for its TTL): nothing leaked."""
+    return bool(stats["num_free_kv_blocks"] + stats.get("num_pinned_kv_blocks", 0)
+                == stats["num_kv_blocks"])

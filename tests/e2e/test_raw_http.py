@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, all_blocks_back
 
 #: The server's bearer header, filled in once the session's server is up.
 AUTH: dict[str, str] = {}
@@ -194,14 +194,6 @@ async def _replica_stats(session: aiohttp.ClientSession, server: Server) -> dict
         assert r.status == 200, await r.text()
         stats: dict[str, Any] = await r.json()
         return stats
-
-
-def all_blocks_back(stats: dict[str, Any]) -> bool:
-    """Every KV block free, but those a prompt-cache pin keeps (an Anthropic
-    `cache_control` breakpoint another test of the session's server set holds its blocks
-    for its TTL): nothing leaked."""
-    return bool(stats["num_free_kv_blocks"] + stats.get("num_pinned_kv_blocks", 0)
-                == stats["num_kv_blocks"])
 
 
 async def _wait_idle(session: aiohttp.ClientSession, server: Server) -> dict[str, Any]:
