@@ -46,7 +46,7 @@ clients-js:
 # serves all its tests): run one after another, the tests left the 2 cores idle half the
 # time, waiting on servers. Every process gets one torch thread (OMP_NUM_THREADS): two
 # engines of two threads each on 2 cores stall at each parallel region whenever one of the
-# threads is descheduled (a draft-model test took 36 s instead of 0.4 s under load).
+# threads is descheduled (32 tokens with a draft model took 12-36 s under load, 0.4 s alone).
 TEST_WORKERS ?= 2
 unit: venv clients-js
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
