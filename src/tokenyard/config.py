@@ -111,6 +111,11 @@ class EngineConfig(Settings):
     # Plan each step while the one before computes (engine/core.py); see operations.md
     # for what it measured on this machine.
     async_scheduling: bool = False
+    # The step thread hands a step's outputs to the HTTP loop at once when the last hand-off
+    # is at least this old, else with a later step's (engine/async_core.py): one hand-off
+    # wakes the loop and trades the GIL, about a null-model step's cost on a 2-core VM.
+    # A first token and a finish always go at once; 0: every step.
+    stream_interval_ms: float = 1.0
     # A model that computes nothing in place of `model`'s weights (engine/null_model.py):
     # what `tokenyard bench host` measures the host path with.
     null_model: bool = False
@@ -134,6 +139,7 @@ class EngineConfig(Settings):
         "prefill_chunk": "TOKENYARD_PREFILL_CHUNK",
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
         "async_scheduling": "TOKENYARD_ASYNC_SCHEDULING",
+        "stream_interval_ms": "TOKENYARD_STREAM_INTERVAL_MS",
         "null_model": "TOKENYARD_NULL_MODEL",
         "speculative_config": "TOKENYARD_SPECULATIVE_CONFIG",
         "lora_modules": "TOKENYARD_LORA_MODULES",

@@ -31,7 +31,7 @@ from tokenyard.telemetry.timeline import Timeline
 from tokenyard.text.output_processor import OutputProcessor, child_params
 from tokenyard.text.tokenizer import Tokenizer
 from tokenyard.wire.abort import AbortReport
-from tokenyard.wire.outputs import EngineCoreOutput, RequestOutput
+from tokenyard.wire.outputs import EngineCoreOutput, RequestOutput, merge_steps
 from tokenyard.wire.protocol import CoreDelta, Pin, cache_writes
 from tokenyard.wire.sampling_params import SamplingParams
 
@@ -248,37 +248,52 @@ class Generation:
                 await stream.aclose()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        timeline, metrics = self.timeline, self.metrics
+        """The processed outputs. A consumer behind the replica (a slow client, a busy
+        loop) takes every delta that arrived meanwhile in one go, joined per completion
+        (`merge_steps`): one detokenizer push and one event for them, so the further it
+        falls behind the less each token costs and the sooner it catches up."""
+        timeline, metrics, queue = self.timeline, self.metrics, self._queue
         while True:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
+            deltas: list[CoreDelta] = []
+            failure: BaseException | None = None
+            item = await queue.get()
+            while True:
+                if isinstance(item, BaseException):
+                    failure = item  # the deltas before it still go out
+                    break
+                if item is not None:
+                    deltas.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            if deltas:
+                began = time.perf_counter_ns()
+                outputs, stopped = self.processor.process(
+                    cast(list[EngineCoreOutput], merge_steps(deltas)))
+                timeline.add("detokenize", time.perf_counter_ns() - began)
+                count = sum(len(d.new_token_ids) for d in deltas)
+                if count and metrics is not None:
+                    metrics.observe_inter_token(timeline.mark_token(count, began),
+                                                timeline.lane)
+                for core_id, stop in stopped:
+                    # The replica ends that completion; its stream then finishes on its own.
+                    task = asyncio.create_task(self._stop(core_id, stop))
+                    self._side_tasks.add(task)
+                    task.add_done_callback(self._side_tasks.discard)
+                for out in outputs:
+                    self.last = out
+                    for delta in out.deltas:
+                        if delta.finish_reason is not None:
+                            self.finish_reasons[delta.index] = delta.finish_reason
+                            self.stop_reasons[delta.index] = delta.stop_reason
+                    if out.finished:
+                        timeline.mark("done")
+                    yield out
+                    if out.finished:
+                        return
+            if failure is not None:
                 self.failed = True
-                raise cut_error(item) if isinstance(item, ReplicaError) else item
-            if item is None:
-                continue
-            began = time.perf_counter_ns()
-            outputs, stopped = self.processor.process([cast(EngineCoreOutput, item)])
-            timeline.add("detokenize", time.perf_counter_ns() - began)
-            if item.new_token_ids and metrics is not None:
-                metrics.observe_inter_token(
-                    timeline.mark_token(len(item.new_token_ids), began), timeline.lane
-                )
-            for core_id, stop in stopped:
-                # The replica ends that completion; its stream then finishes on its own.
-                task = asyncio.create_task(self._stop(core_id, stop))
-                self._side_tasks.add(task)
-                task.add_done_callback(self._side_tasks.discard)
-            for out in outputs:
-                self.last = out
-                for delta in out.deltas:
-                    if delta.finish_reason is not None:
-                        self.finish_reasons[delta.index] = delta.finish_reason
-                        self.stop_reasons[delta.index] = delta.stop_reason
-                if out.finished:
-                    timeline.mark("done")
-                yield out
-                if out.finished:
-                    return
+                raise cut_error(failure) if isinstance(failure, ReplicaError) else failure
 
     async def _stop(self, core_id: str, stop: str) -> None:
         try:

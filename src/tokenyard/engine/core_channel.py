@@ -1,7 +1,7 @@
 """Many core requests' outputs for one consumer that stays: each engine step's outputs of
 all of them arrive together, in one call on the consumer's event loop.
 
-A `CoreStream` (`engine/async_core.py`) belongs to the requests admitted with it and ends
+A `CoreStream` (`engine/core_stream.py`) belongs to the requests admitted with it and ends
 with them; a channel belongs to a connection (a gateway's multiplexed link to this replica,
 `engine/mux_server.py`) and takes requests as they come. The step thread treats both
 alike: a request's outputs go to whoever it was submitted into, one hand-over per loop

@@ -5,7 +5,8 @@ in one frame.
 The step thread hands a step's outputs to this connection's loop once (a `CoreChannel`);
 encoding them (JSON) and writing happen here, on the HTTP thread, never on the step
 thread. The writer sends what accumulated since its last write: one frame per step while
-the gateway keeps up, several steps in one when it does not. A request is admitted by the
+the gateway keeps up, several steps in one when it does not (a request's outputs of those
+steps joined into one delta, `wire.outputs.merge_steps`). A request is admitted by the
 same checks as ``POST /v1/engine/generate`` (`ReplicaServer.prepare`, `.start`); a
 disconnect aborts every request of the connection before the next step.
 """
@@ -27,6 +28,7 @@ from tokenyard.engine.replica_spans import ReplicaSpans
 from tokenyard.engine.request import Request
 from tokenyard.telemetry.tracing import TRACEPARENT
 from tokenyard.wire.mux import ABORT_OP, Failure, Refusal, encode_frame, read_op
+from tokenyard.wire.outputs import merge_steps
 from tokenyard.wire.protocol import ENGINE_ERROR, INVALID_REQUEST, ProtocolError
 
 log = logging.getLogger("tokenyard.engine")
@@ -156,7 +158,9 @@ class _Link:
             outputs, refused, failed = self.outbox, self.refused, self.failed
             ending = self.ending
             self.outbox, self.refused, self.failed, self.ending = [], [], [], []
-            frame = encode_frame(((o.request_id, o) for o in outputs), refused, failed)
+            # Steps that queued meanwhile: one delta per request, not one per step.
+            frame = encode_frame(((o.request_id, o) for o in merge_steps(outputs)),
+                                 refused, failed)
             try:
                 await ws.send_bytes(frame)
             except (ConnectionError, RuntimeError):  # the gateway left: the reader ends too

@@ -5,7 +5,8 @@ can import it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar
 
 
 @dataclass
@@ -149,3 +150,47 @@ class EngineStats:
         total = cls(**{f: sum(getattr(s, f) for s in parts) for f in cls.__dataclass_fields__})
         total.kv_cache_usage = sum(s.kv_cache_usage for s in parts) / len(parts)
         return total
+
+
+class _StepOutput(Protocol):
+    """What `merge_steps` reads of a step's output for one request: the engine's
+    `EngineCoreOutput` and the HTTP side's `CoreDelta` alike (both dataclasses)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Any
+    finish_reason: str | None
+    queue_time: float | None
+    prefill_time: float | None
+    prompt_logprobs: Any
+
+
+S = TypeVar("S", bound=_StepOutput)
+
+
+def merge_steps(outputs: Sequence[S]) -> list[S]:
+    """Several steps' outputs as one per request, in order of first appearance: the
+    tokens (and logprobs) of a request's outputs joined, the first-output fields
+    (`queue_time`, `prefill_time`, `prompt_logprobs`) of its first, the rest (finish and
+    stop reason, token counts) of its last. What a consumer that fell behind the engine
+    takes in one go: a frame, a detokenizer push and an event per request instead of one
+    per step, so the slower it is the less each token costs it (a token that its own
+    step would have delivered later is delivered no later). Outputs are not modified."""
+    if len(outputs) < 2:
+        return list(outputs)
+    groups: dict[str, list[S]] = {}
+    for out in outputs:
+        groups.setdefault(out.request_id, []).append(out)
+    if len(groups) == len(outputs):
+        return list(outputs)
+    return [group[0] if len(group) == 1 else _joined(group) for group in groups.values()]
+
+
+def _joined(group: list[S]) -> S:
+    first, last = group[0], group[-1]
+    ids = [t for out in group for t in out.new_token_ids]
+    logprobs = (None if first.new_logprobs is None
+                else [lp for out in group for lp in out.new_logprobs or ()])
+    return replace(last, new_token_ids=ids, new_logprobs=logprobs,  # type: ignore[type-var]
+                   queue_time=first.queue_time, prefill_time=first.prefill_time,
+                   prompt_logprobs=first.prompt_logprobs)
