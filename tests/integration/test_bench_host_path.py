@@ -77,3 +77,13 @@ def test_render_marks_the_goals_of_one_and_256() -> None:
     assert "<= 1000 µs / step" in table and "<= 30 µs / seq" in table
     # engine 800 tok/s at 1 (8 tokens in 0.01 s), served 400: 50 %
     assert "| 1 | 100 (100-100) | 100.0 (100.0-100.0) |" in table and "50 (50-50) %" in table
+
+
+def test_the_stage_profile_holds_the_gateways_table() -> None:
+    """The gateway runs under ``python -m cProfile`` and writes its statistics when it
+    stops: a server's fast exit (`cli.processes.end_process`) leaves that to a profiler."""
+    from tokenyard.bench.host_profile import profile_stages
+
+    lines = profile_stages(2, 4, 4, host_path)
+    assert any(line.startswith("| engine stage") for line in lines)
+    assert any(line.startswith("| gateway stage") for line in lines), lines
