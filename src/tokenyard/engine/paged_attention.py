@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tokenyard.engine.attention_backend import window_causal_mask
 from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
+from tokenyard.engine.kernels.triton_decode import load_triton_paged_decode
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class PagedAttention:
 
     Decode rows on the CPU with a float32 cache go through the C++ paged decode kernel
     (reads the blocks in place: no gather, no mask), built on first construction and cached
-    under `kernel_cache_dir`; when it is unavailable the torch gather + SDPA path is used.
+    under `kernel_cache_dir`; on CUDA through the Triton one (`kernels/triton_decode.py`,
+    checked against the reference on the device first); when neither is available the
+    torch gather + SDPA path is used.
 
     A sliding-window layer (`window`, Gemma 3) keeps its whole context in the cache like
     any other and masks what lies outside the window; its decode rows take the torch path
@@ -124,6 +127,8 @@ class PagedAttention:
         if use_kernel and self.k_cache.device.type == "cpu" and dtype == torch.float32 \
                 and cache_dtype in (torch.float32, torch.float16):
             self.decode_kernel = load_paged_decode(kernel_cache_dir)
+        elif use_kernel and self.k_cache.device.type == "cuda":
+            self.decode_kernel = load_triton_paged_decode(self.k_cache.device)
 
     @property
     def nbytes(self) -> int:
