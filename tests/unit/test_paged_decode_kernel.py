@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.unit.block_tables import scattered_tables
 from tokenyard.config import default_cache_dir
 from tokenyard.engine.kernels import PagedDecodeFn, load_paged_decode
 from tokenyard.engine.kernels.build import load_kernel, unavailable_reason
@@ -36,16 +37,7 @@ def kernel() -> PagedDecodeFn:
 
 def _tables(lens: list[int], gen: torch.Generator) -> torch.Tensor:
     """Scattered (non-contiguous, shuffled) blocks per row, padded with 0."""
-    width = max(-(-n // BLOCK_SIZE) for n in lens)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen)
-    table = torch.zeros(len(lens), width, dtype=torch.long)
-    used = 0
-    for i, n in enumerate(lens):
-        nb = -(-n // BLOCK_SIZE)
-        table[i, :nb] = perm[used:used + nb]
-        used += nb
-    assert used <= NUM_BLOCKS
-    return table
+    return scattered_tables(lens, NUM_BLOCKS, BLOCK_SIZE, gen)
 
 
 def _reference(

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import require_service
+from tests.unit.block_tables import scattered_tables
 from tokenyard.engine.kernels import triton_decode
 from tokenyard.engine.paged_attention import AttentionMetadata, PagedAttention
 
@@ -34,14 +35,7 @@ def _case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype: torch.dty
     blocks = len(lens) * width + 3
     k = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     v = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
-    # Each row's blocks scattered over the pool, padded with block 0 as the engine pads.
-    order = torch.randperm(blocks, generator=gen)
-    tables = torch.zeros(len(lens), width, dtype=torch.long)
-    used = 0
-    for i, n in enumerate(lens):
-        need = -(-n // block_size)
-        tables[i, :need] = order[used:used + need]
-        used += need
+    tables = scattered_tables(lens, blocks, block_size, gen)
     # A slice of a wider batch, as the engine passes q[:num_decodes].
     q = torch.randn(len(lens) + 2, heads, dim, generator=gen).to(dtype)[: len(lens)]
     return q, k, v, tables, torch.tensor(lens)
