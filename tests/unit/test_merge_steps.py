@@ -123,3 +123,23 @@ def test_a_stop_string_inside_the_joined_steps_still_cuts_the_text(tok: Tokenize
     text = "".join(d.text for o in outs for d in o.deltas)
     assert text == " one two three"
     assert outs[-1].deltas[-1].finish_reason == "stop"
+
+
+def test_a_mux_inbox_read_behind_its_reader_gives_the_queued_deltas_as_one() -> None:
+    from tokenyard.balancer.mux_client import Inbox
+    from tokenyard.balancer.replica_errors import ReplicaConnectionError
+
+    async def main() -> None:
+        inbox = Inbox(None, "r")  # type: ignore[arg-type]
+        for i, ids in enumerate([[1], [2, 3], [4]]):
+            inbox.put(CoreDelta("r", ids, None, None, None, 5, 0,
+                                0.1 if i == 0 else None, 0.2 if i == 0 else None))
+        one = await inbox.get()
+        assert one.new_token_ids == [1, 2, 3, 4] and one.queue_time == 0.1
+        inbox.put(CoreDelta("r", [5], None, None, None, 5, 0))
+        inbox.put(ReplicaConnectionError("gone"))
+        assert (await inbox.get()).new_token_ids == [5]  # the deltas before the error
+        with pytest.raises(ReplicaConnectionError):
+            await inbox.get()
+
+    asyncio.run(main())

@@ -16,6 +16,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 import aiohttp
 
@@ -27,6 +28,7 @@ from tokenyard.balancer.replica_errors import (
     refusal_error,
 )
 from tokenyard.wire.mux import MUX_PATH, abort_op, decode_frame
+from tokenyard.wire.outputs import merge_steps
 from tokenyard.wire.protocol import CoreDelta, ProtocolError
 
 logger = logging.getLogger("tokenyard.balancer")
@@ -54,17 +56,26 @@ class Inbox:
             waiter.set_result(None)
 
     async def get(self) -> CoreDelta:
-        """The next delta (raises the error that ended the request)."""
-        while not self.items:
+        """The next delta (raises the error that ended the request). A caller behind the
+        reader gets every delta queued meanwhile joined into one (`merge_steps`): the
+        layers above it (pool, failover, generation) then handle one delta per batch of
+        steps, not one per step."""
+        items = self.items
+        while not items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
-        item = self.items.popleft()
+        item = items.popleft()
         if isinstance(item, ReplicaError):
             raise item
-        return item
+        if not items or not isinstance(items[0], CoreDelta):
+            return item
+        batch = [item]
+        while items and isinstance(items[0], CoreDelta):
+            batch.append(cast(CoreDelta, items.popleft()))
+        return merge_steps(batch)[0]
 
 
 class _Conn:

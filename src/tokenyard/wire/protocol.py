@@ -369,6 +369,14 @@ class CoreDelta:
         finish = obj.get("finish_reason")
         if finish not in (None, "stop", "length", "abort"):
             raise ProtocolError("finish_reason", f"unknown finish_reason {finish!r}")
+        get = obj.get
+        ids, prompt, cached = get("new_token_ids"), get("num_prompt_tokens"), get(
+            "num_cached_tokens")
+        if (type(ids) is list and type(prompt) is int and type(cached) is int
+                and all(type(t) is int for t in ids) and get("new_logprobs") is None
+                and get("queue_time") is None and get("prompt_logprobs") is None):
+            # A decode step's delta, checked in one pass (a frame holds hundreds of them).
+            return cls(request_id, ids, None, finish, get("stop_reason"), prompt, cached)
         return cls(
             request_id=request_id,
             new_token_ids=_int_list(obj.get("new_token_ids"), "new_token_ids"),
