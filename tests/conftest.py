@@ -15,6 +15,13 @@ if TYPE_CHECKING:
 
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# Without an NVIDIA device, Triton kernels (engine/kernels/triton_decode.py) run in
+# Triton's interpreter. Triton reads the switch when it is imported, and a library imported
+# by another test (transformers, torch) may import it first: so it is set here, before
+# any test module loads. A machine with a GPU runs the kernels compiled.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`@pytest.mark.long` scenarios run in `make chaos` (TOKENYARD_CHAOS=full) only: a

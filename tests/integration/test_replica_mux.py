@@ -91,11 +91,14 @@ def test_one_connection_carries_every_request_and_a_frame_carries_a_step_of_them
     for deltas in outs:
         assert sum(len(d.new_token_ids) for d in deltas) == 24
         assert deltas[-1].finish_reason == "length"
-    deltas_sent = sum(len(d) for d in outs)
-    assert sum(frames) == deltas_sent
+    deltas_sent = sum(frames)
+    # A caller behind its reader gets the deltas queued meanwhile joined into one
+    # (mux_client.Inbox): it reads at most what the frames carried.
+    assert sum(len(d) for d in outs) <= deltas_sent
     # Decode steps of all 16 streams travel together: far fewer frames than deltas. A
     # reader slower than the engine (a loaded machine) gets the steps it has not taken
-    # together in one frame, so a frame holds at least one whole step, maybe several.
+    # together in one frame (one delta per request), so a frame holds at least one whole
+    # step, maybe several.
     assert len(frames) < deltas_sent / 4 and max(frames) >= STREAMS
 
 
