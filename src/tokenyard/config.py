@@ -116,6 +116,9 @@ class EngineConfig(Settings):
     # wakes the loop and trades the GIL, about a null-model step's cost on a 2-core VM.
     # A first token and a finish always go at once; 0: every step.
     stream_interval_ms: float = 1.0
+    # CUDA: replay pure decode steps from CUDA graphs (engine/cuda_graphs.py). Off until
+    # measured on a GPU: no device has run it yet.
+    cuda_graphs: bool = False
     # A model that computes nothing in place of `model`'s weights (engine/null_model.py):
     # what `tokenyard bench host` measures the host path with.
     null_model: bool = False
@@ -140,6 +143,7 @@ class EngineConfig(Settings):
         "max_num_seqs": "TOKENYARD_MAX_NUM_SEQS",
         "async_scheduling": "TOKENYARD_ASYNC_SCHEDULING",
         "stream_interval_ms": "TOKENYARD_STREAM_INTERVAL_MS",
+        "cuda_graphs": "TOKENYARD_CUDA_GRAPHS",
         "null_model": "TOKENYARD_NULL_MODEL",
         "speculative_config": "TOKENYARD_SPECULATIVE_CONFIG",
         "lora_modules": "TOKENYARD_LORA_MODULES",

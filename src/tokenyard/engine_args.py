@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
     parser.add_argument("--async-scheduling", type=parse_on_off, metavar="on|off",
                         help="plan each step while the one before computes (default off)")
+    parser.add_argument("--cuda-graphs", type=parse_on_off, metavar="on|off",
+                        help="CUDA: replay decode steps from CUDA graphs (default off)")
     parser.add_argument("--stream-interval-ms", type=float, metavar="MS",
                         help="hand a step's outputs to the HTTP side at most this often, "
                              "first tokens and finishes at once (default 1; 0: every step)")
@@ -52,6 +54,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ["model", "weights", "device", "kv_cache_gib", "kv_cache_dtype",
              "max_num_batched_tokens",
              "prefill_chunk", "max_num_seqs", "max_waiting_requests", "num_threads",
-             "async_scheduling", "stream_interval_ms", "speculative_config", "lora_modules",
-             "max_loras", "max_lora_rank"]
+             "async_scheduling", "stream_interval_ms", "cuda_graphs", "speculative_config",
+             "lora_modules", "max_loras", "max_lora_rank"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

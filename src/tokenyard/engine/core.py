@@ -140,6 +140,7 @@ class EngineCore:
             model, model_config, self.kv, device, dtype, kernel_cache_dir=config.cache_dir,
             cache_dtype=cache_dtype, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, loras=self.loras,
+            cuda_graphs=config.cuda_graphs,
         )
         self.grammars: GrammarCompiler | None = None
         if tokenizer is not None:

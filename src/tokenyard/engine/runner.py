@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from tokenyard.engine.cuda_graphs import DecodeGraphs, build_decode_graphs
 from tokenyard.engine.input_batch import InputBatch, PreparedStep
 from tokenyard.engine.kv_cache import KVCacheManager
 from tokenyard.engine.lora.manager import LoraManager
@@ -24,6 +26,8 @@ from tokenyard.engine.scheduler import SchedulerOutput
 from tokenyard.engine.spec.verify import verify_rows
 from tokenyard.engine.to_device import to_device
 from tokenyard.wire.outputs import TokenLogprobs
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "PreparedStep", "StepResult"]
 
@@ -54,17 +58,24 @@ class ModelRunner:
         max_num_seqs: int = 128,
         max_model_len: int = 8192,
         loras: LoraManager | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """`cache_dtype`: the KV pool's elements (None: `dtype`); `max_num_seqs` and
         `max_model_len` size the persistent batch's block tables (they grow if short);
-        `loras`: the adapters whose slots the step's rows name (None: none)."""
+        `loras`: the adapters whose slots the step's rows name (None: none);
+        `cuda_graphs`: replay pure decode steps from CUDA graphs where they apply
+        (engine/cuda_graphs.py)."""
         self.model = model
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
+        graphs = (cuda_graphs and device.type == "cuda" and loras is None
+                  and config.sliding_window is None)
         self.attention = PagedAttention(
             num_layers=config.num_hidden_layers,
-            num_blocks=kv.num_blocks,
+            # With graphs, one block more than the KV manager hands out: padding rows of
+            # a replayed step write their keys and values there.
+            num_blocks=kv.num_blocks + (1 if graphs else 0),
             block_size=kv.block_size,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
@@ -76,6 +87,13 @@ class ModelRunner:
         # Pure decode steps in one C++ op where the model and cache allow it (CPU, block
         # weights); None: every step runs the eager model (see models/decode_step.py).
         self.decode_step = DecodeStep.build(model, self.attention, kernel_cache_dir)
+        self.graphs: DecodeGraphs | None = None
+        if graphs and self.attention.decode_kernel is not None:
+            self.graphs = build_decode_graphs(
+                model, self.attention, max_num_seqs, -(-max_model_len // kv.block_size) + 1,
+                kv.num_blocks * kv.block_size, config.vocab_size)
+        elif graphs:
+            log.warning("CUDA graphs are off: they need the paged decode kernel")
         self.batch = InputBatch(kv, device, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len)
         self.sampler = Sampler()
@@ -172,6 +190,9 @@ class ModelRunner:
         if self.decode_step is not None and one_op is not None:
             return self.decode_step(input_ids, prepared.positions, one_op,
                                     prepared.lora_slots)
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(meta, len(prepared.positions)):
+            return graphs.run(input_ids, prepared.positions, meta)
         self.attention.metadata = meta
         hidden = self.model(input_ids, prepared.positions, self.attention)
         self.attention.metadata = None
