@@ -168,9 +168,12 @@ def test_greedy_generate_matches_the_in_process_engine(replica: Replica, llm: LL
 
     deltas = run(replica.url, scenario)
     assert [t for d in deltas for t in d.new_token_ids] == expected
-    assert [d.finish_reason for d in deltas] == [None] * 15 + ["length"]
+    # One delta a step, or fewer where the reader fell behind (the queued ones joined).
+    assert [d.finish_reason for d in deltas][-1:] == ["length"]
+    assert all(d.finish_reason is None for d in deltas[:-1])
     assert deltas[0].num_prompt_tokens == len(ids)
-    assert all(d.new_logprobs is not None and len(d.new_logprobs[0].top) == 2 for d in deltas)
+    assert all(d.new_logprobs is not None and len(d.new_logprobs) == len(d.new_token_ids)
+               and all(len(lp.top) == 2 for lp in d.new_logprobs) for d in deltas)
     # The first delta says how long the request queued and prefilled on the replica.
     first = deltas[0]
     assert first.queue_time is not None and first.queue_time >= 0
@@ -257,8 +260,13 @@ def test_stop_and_abort_end_the_stream(replica: Replica) -> None:
 
     stopped, aborted = run(replica.url, scenario)
     assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == "xyz"
-    assert stopped[-1].new_token_ids == [] and len(stopped) < 20
-    assert aborted[-1].finish_reason == "abort" and len(aborted) < 20
+    assert aborted[-1].finish_reason == "abort"
+    # Ended soon after the call. The last delta carries no token of its own, but a reader
+    # behind the replica gets the tokens sampled before the end joined into it
+    # (wire.outputs.merge_steps): count tokens, not deltas.
+    for deltas in (stopped, aborted):
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert sum(len(d.new_token_ids) for d in deltas) < 20
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])
@@ -331,5 +339,7 @@ def test_sigterm_lets_in_flight_requests_finish_refuses_new_ones_and_exits_0(
 
     deltas, refused = run(replica.url, scenario)
     assert refused.code == "draining"
-    assert len(deltas) == 40 and deltas[-1].finish_reason == "length"
+    # Every token (a reader behind the replica gets queued deltas joined: count tokens).
+    assert sum(len(d.new_token_ids) for d in deltas) == 40
+    assert deltas[-1].finish_reason == "length"
     assert replica.proc.wait(timeout=15) == 0, replica.log()
