@@ -82,10 +82,16 @@ def test_n_choices(client: openai.OpenAI, server: Server) -> None:
         return [c.message.content or "" for c in choices], r.usage.completion_tokens
 
     texts, tokens = sample()
-    # Each choice is a sample of its own: four different texts, not one repeated...
+    # Each choice is a sample of its own: four different texts, not one repeated.
     assert len(set(texts)) == 4, texts
-    # ...and with a seed, the same four again.
-    assert sample() == (texts, tokens)
+    # Not checked: the same four again with the same seed. A seed fixes each choice's
+    # draws (seed + index), not the batches its steps run in: the four go to the replica
+    # as four requests, a step may admit some of them before the rest, and whether a
+    # later step is pure decode (the fused C++ op) or mixed (the eager layers) changes
+    # the float sums in their last bits, enough to flip a near-tie at temperature 1. Run
+    # alone, this file's first two samples differed that way on 61a613f as well; a single
+    # seeded request repeats (test_seed_reproducible_at_temperature_1).
+    assert tokens >= 4
 
 
 def test_seed_reproducible_at_temperature_1(client: openai.OpenAI, server: Server) -> None:
