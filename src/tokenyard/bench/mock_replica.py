@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     def ready(url: str) -> None:
-        print(f"tokenyard mock replica serving at {url}", flush=True)
+        print(f"tokenyard mock replica serving at {url}\n", end="", flush=True)
 
     asyncio.run(run_mock(config, args.host, args.port, seed=args.seed, on_ready=ready))
     return 0

@@ -112,7 +112,9 @@ def serve_engine(
                                     "weights": engine.weights})
 
     def ready(url: str) -> None:
-        print(f"tokenyard engine: {engine.model_name} serving at {url}", flush=True)
+        # One write, newline included: the log thread writes to the same pipe, and a
+        # line of its between the mark and its newline broke the parent's parse of the URL.
+        print(f"tokenyard engine: {engine.model_name} serving at {url}\n", end="", flush=True)
 
     try:
         asyncio.run(run_server(engine, host, port, drain_timeout=drain_timeout, token=token,

@@ -258,7 +258,9 @@ def serve_embeddings(
                                              "seconds": took})
 
     def ready(url: str) -> None:
-        print(f"tokenyard embed: {loaded.name} serving at {url}", flush=True)
+        # One write, newline included: the log thread writes to the same pipe, and a
+        # line of its between the mark and its newline broke the parent's parse of the URL.
+        print(f"tokenyard embed: {loaded.name} serving at {url}\n", end="", flush=True)
 
     asyncio.run(run_embeddings_server(server, host, port, on_ready=ready))
     return 0
