@@ -116,8 +116,7 @@ class EngineConfig(Settings):
     # wakes the loop and trades the GIL, about a null-model step's cost on a 2-core VM.
     # A first token and a finish always go at once; 0: every step.
     stream_interval_ms: float = 1.0
-    # CUDA: replay pure decode steps from CUDA graphs (engine/cuda_graphs.py). Off until
-    # measured on a GPU: no device has run it yet.
+    # CUDA: replay decode steps from CUDA graphs (engine/cuda_graphs.py); off: never run yet
     cuda_graphs: bool = False
     # A model that computes nothing in place of `model`'s weights (engine/null_model.py):
     # what `tokenyard bench host` measures the host path with.
