@@ -264,20 +264,23 @@ class AsyncEngineCore:
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         batches: dict[Any, list[EngineCoreOutput]] = {}
+        urgent = False  # a first token or a finish: it goes now
         for out in outputs:
             stream = self._owner.get(out.request_id)
             if stream is None:
                 continue
             batches.setdefault(stream, []).append(out)
             if out.finish_reason is not None:
+                urgent = True
                 del self._owner[out.request_id]
                 stream._pending.pop(out.request_id, None)
+            elif out.queue_time is not None:
+                urgent = True
         if not batches and not self._held:
             return
         now = time.perf_counter()
-        if (now - self._handed_at < self._interval_s and self.core.has_work
-                and not any(o.finish_reason is not None or o.queue_time is not None
-                            for outs in batches.values() for o in outs)):
+        if (not urgent and now - self._handed_at < self._interval_s
+                and self.core.has_work):
             for stream, outs in batches.items():  # a later step's hand-off takes them
                 self._held.setdefault(stream, []).extend(outs)
             return

@@ -176,13 +176,11 @@ def merge_steps(outputs: Sequence[S]) -> list[S]:
     takes in one go: a frame, a detokenizer push and an event per request instead of one
     per step, so the slower it is the less each token costs it (a token that its own
     step would have delivered later is delivered no later). Outputs are not modified."""
-    if len(outputs) < 2:
-        return list(outputs)
+    if len(outputs) < 2 or len({out.request_id for out in outputs}) == len(outputs):
+        return list(outputs)  # one step's outputs: nothing to join (the common case)
     groups: dict[str, list[S]] = {}
     for out in outputs:
         groups.setdefault(out.request_id, []).append(out)
-    if len(groups) == len(outputs):
-        return list(outputs)
     return [group[0] if len(group) == 1 else _joined(group) for group in groups.values()]
 
 
